@@ -1,0 +1,33 @@
+# deltaswarm — every target creates or reuses .venv and installs what it needs.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install test lint demo bench clean vllm-env
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check chain daemon trainer rollout tests bench
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check chain daemon trainer rollout tests bench
+	$(PY) -m pytest -q
+
+demo: $(STAMP)
+	$(VENV)/bin/deltaswarm demo --config configs/demo.yaml
+
+bench: $(STAMP)
+	$(PY) bench/codec.py
+
+clean:
+	rm -rf $(VENV) .venv-vllm .pytest_cache build *.egg-info

@@ -1,0 +1,54 @@
+"""Digests: xxh3-128 for block ids and tensors, and the BitTorrent v2 pieces root.
+
+The tensor digest covers dtype, shape and raw bytes, so equal digests mean bit-identical
+tensors; the state digest covers every (name, tensor digest) in name order. The pieces root
+(SHA-256 Merkle tree over 16 KiB leaves, BEP 52) lets a signed manifest pin each block's
+torrent file without this package importing libtorrent.
+"""
+
+import hashlib
+import json
+
+import numpy as np
+import xxhash
+
+LEAF = 16 * 1024
+
+
+def block_id(data: bytes | memoryview) -> str:
+    """Content address of a block: xxh3-128, 32 hex digits."""
+    return xxhash.xxh3_128_hexdigest(data)
+
+
+def tensor_digest(dtype: str, shape: list[int] | tuple[int, ...], data: np.ndarray | bytes) -> str:
+    h = xxhash.xxh3_128()
+    h.update(json.dumps([dtype, list(shape)], separators=(",", ":")).encode())
+    h.update(memoryview(np.ascontiguousarray(data)).cast("B") if isinstance(data, np.ndarray)
+             else data)
+    return h.hexdigest()
+
+
+def state_digest(tensor_digests: dict[str, str]) -> str:
+    h = xxhash.xxh3_128()
+    for name in sorted(tensor_digests):
+        h.update(name.encode())
+        h.update(b"\0")
+        h.update(tensor_digests[name].encode())
+        h.update(b"\n")
+    return h.hexdigest()
+
+
+def pieces_root(data: bytes | memoryview) -> str:
+    """BEP 52 `pieces root` of a file: Merkle root over SHA-256 of 16 KiB leaves, zero-padded
+    to a power of two. Empty files have no root (empty string)."""
+    view = memoryview(data).cast("B")
+    if len(view) == 0:
+        return ""
+    layer = [hashlib.sha256(view[i : i + LEAF]).digest() for i in range(0, len(view), LEAF)]
+    width = 1
+    while width < len(layer):
+        width *= 2
+    layer += [b"\0" * 32] * (width - len(layer))
+    while len(layer) > 1:
+        layer = [hashlib.sha256(layer[i] + layer[i + 1]).digest() for i in range(0, len(layer), 2)]
+    return layer[0].hex()
