@@ -1,0 +1,80 @@
+"""Content-addressed block store: immutable blobs named by the xxh3-128 of their bytes.
+
+Blocks are what the swarm moves, so their size is bounded (`MAX_BLOCK`) and every read is
+verified: a block whose bytes no longer match its name is reported, never returned.
+"""
+
+import os
+import re
+from pathlib import Path
+
+from chain.atomic import write_atomic
+from chain.digest import block_id
+from chain.errors import BadBlock
+
+MAX_BLOCK = 64 * 1024 * 1024
+DEFAULT_BLOCK = 8 * 1024 * 1024
+_ID = re.compile(r"^[0-9a-f]{32}$")
+
+
+def check_id(bid: str) -> str:
+    if not isinstance(bid, str) or not _ID.match(bid):
+        raise BadBlock(f"invalid block id {bid!r}: expected 32 lowercase hex digits (xxh3-128)")
+    return bid
+
+
+class BlockStore:
+    """Blocks at `root/ab/<id>`; `put` is atomic and idempotent."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def path(self, bid: str) -> Path:
+        check_id(bid)
+        return self.root / bid[:2] / bid
+
+    def has(self, bid: str) -> bool:
+        return self.path(bid).is_file()
+
+    def put(self, data: bytes | memoryview) -> str:
+        if len(data) > MAX_BLOCK:
+            raise BadBlock(f"block of {len(data)} bytes exceeds the {MAX_BLOCK}-byte limit")
+        bid = block_id(data)
+        path = self.path(bid)
+        if not path.exists():
+            write_atomic(path, data)
+        return bid
+
+    def get(self, bid: str, size: int | None = None) -> bytes:
+        path = self.path(bid)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise BadBlock(f"block {bid} is not in the store at {self.root}") from None
+        if size is not None and len(data) != size:
+            raise BadBlock(f"block {bid} has {len(data)} bytes, the manifest says {size}")
+        if block_id(data) != bid:
+            raise BadBlock(f"block {bid} is corrupt on disk ({path}); delete it to refetch")
+        return data
+
+    def adopt(self, bid: str, src: Path, size: int | None = None) -> None:
+        """Move a downloaded file into the store after checking its content (hard link if
+        possible, so a seeding copy keeps serving)."""
+        data = Path(src).read_bytes()
+        if (size is not None and len(data) != size) or block_id(data) != bid:
+            raise BadBlock(f"downloaded file {src} does not match block {bid}")
+        dst = self.path(bid)
+        if dst.exists():
+            return
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(src, dst)
+        except OSError:
+            write_atomic(dst, data)
+
+    def delete(self, bid: str) -> None:
+        self.path(bid).unlink(missing_ok=True)
+
+    def ids(self) -> set[str]:
+        return {p.name for p in self.root.glob("??/*") if _ID.match(p.name)}

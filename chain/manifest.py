@@ -1,0 +1,184 @@
+"""Manifests: the canonical, signed JSON description of one artifact (a version's delta or
+snapshot).
+
+Canonical form = JSON with sorted keys, no whitespace, ASCII only, signature field removed; the
+trainer signs exactly those bytes. Everything a node trusts about a version (its parent, its
+tensors, its blocks and their BitTorrent pieces roots) is in here, so a lying peer can only ever
+hand out data that fails a check.
+"""
+
+import json
+import re
+from typing import Annotated, Any, Literal
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from chain import keys
+from chain.digest import state_digest
+from chain.dtypes import BY_NAME
+from chain.errors import BadManifest, BadSignature
+
+FORMAT = 1
+MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+Hex32 = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
+Hex64 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+_ARTIFACT = re.compile(r"^v(\d{8})\.(delta|snapshot)$")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class Parent(_Strict):
+    version: int = Field(ge=0)
+    state_digest: Hex32
+
+
+class TensorEntry(_Strict):
+    name: str = Field(min_length=1, max_length=1024)
+    dtype: str
+    shape: list[Annotated[int, Field(ge=0)]]
+    digest: Hex32
+
+    @model_validator(mode="after")
+    def _known_dtype(self) -> "TensorEntry":
+        if self.dtype not in BY_NAME:
+            raise ValueError(f"unsupported dtype {self.dtype!r}")
+        return self
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * BY_NAME[self.dtype].itemsize
+
+
+class BlockEntry(_Strict):
+    id: Hex32
+    size: int = Field(gt=0, le=64 * 1024 * 1024)
+    root: Hex64
+
+
+class FileEntry(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,128}$")
+    block: Hex32
+    size: int = Field(gt=0)
+
+
+class Signature(_Strict):
+    key: Hex64
+    sig: str = Field(pattern=r"^[0-9a-f]{128}$")
+
+
+class Manifest(_Strict):
+    format: Literal[1]
+    run: str = Field(min_length=1, max_length=128)
+    version: int = Field(ge=0)
+    kind: Literal["delta", "snapshot"]
+    parent: Parent | None
+    state_digest: Hex32
+    tensors: list[TensorEntry]
+    blocks: list[BlockEntry]
+    files: list[FileEntry] = []
+    stats: dict[str, int | float] = {}
+    created: float = 0.0
+    signature: Signature | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Manifest":
+        if self.kind == "delta" and self.parent is None:
+            raise ValueError("a delta needs a parent (version and state_digest)")
+        if self.kind == "delta" and self.parent and self.parent.version != self.version - 1:
+            raise ValueError(f"delta v{self.version} must have parent v{self.version - 1}")
+        if self.kind == "snapshot" and self.parent is not None:
+            raise ValueError("a snapshot has no parent")
+        names = [t.name for t in self.tensors]
+        if names != sorted(set(names)):
+            raise ValueError("tensors must be unique and sorted by name")
+        ids = [b.id for b in self.blocks]
+        if len(set(ids)) != len(ids):
+            raise ValueError("duplicate block ids")
+        if any(f.block not in ids for f in self.files):
+            raise ValueError("every file's block must be listed in blocks")
+        if state_digest({t.name: t.digest for t in self.tensors}) != self.state_digest:
+            raise ValueError("state_digest does not match the tensor digests")
+        return self
+
+    @property
+    def artifact(self) -> str:
+        return artifact_name(self.version, self.kind)
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(b.size for b in self.blocks)
+
+    @property
+    def stream_blocks(self) -> list[BlockEntry]:
+        """Blocks of the tensor stream, in order (file blocks excluded)."""
+        files = {f.block for f in self.files}
+        return [b for b in self.blocks if b.id not in files]
+
+    def canonical(self) -> bytes:
+        return canonical_json(self.model_dump(mode="json", exclude={"signature"}))
+
+    def signed(self, key: Ed25519PrivateKey) -> "Manifest":
+        sig = Signature(key=keys.public_hex(key), sig=keys.sign(key, self.canonical()))
+        return self.model_copy(update={"signature": sig})
+
+    def to_bytes(self) -> bytes:
+        return canonical_json(self.model_dump(mode="json"))
+
+    @classmethod
+    def parse(cls, raw: bytes, public_key: Ed25519PublicKey | None) -> "Manifest":
+        """Validate `raw` and, when `public_key` is given, check it is signed by that key."""
+        if len(raw) > MAX_MANIFEST_BYTES:
+            raise BadManifest(f"manifest of {len(raw)} bytes exceeds {MAX_MANIFEST_BYTES}")
+        try:
+            doc = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise BadManifest(f"manifest is not valid JSON: {e}") from None
+        if not isinstance(doc, dict):
+            raise BadManifest("manifest must be a JSON object")
+        if doc.get("format") != FORMAT:
+            raise BadManifest(
+                f"manifest format {doc.get('format')!r} is not supported (this build reads "
+                f"format {FORMAT}); upgrade deltaswarm on this node"
+            )
+        try:
+            m = cls.model_validate(doc)
+        except ValidationError as e:
+            err = e.errors()[0]
+            where = ".".join(str(p) for p in err["loc"]) or "manifest"
+            raise BadManifest(f"manifest field {where}: {err['msg']}") from None
+        if public_key is not None:
+            if m.signature is None:
+                raise BadSignature(f"manifest {m.artifact} is unsigned; refusing it")
+            if m.signature.key != keys.public_hex(public_key):
+                raise BadSignature(
+                    f"manifest {m.artifact} is signed by key {m.signature.key[:16]}…, not the "
+                    f"pinned trainer key {keys.public_hex(public_key)[:16]}…"
+                )
+            keys.verify(public_key, m.canonical(), m.signature.sig)
+        return m
+
+
+def canonical_json(doc: Any) -> bytes:
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
+                      allow_nan=False).encode()
+
+
+def artifact_name(version: int, kind: str) -> str:
+    return f"v{version:08d}.{kind}"
+
+
+def parse_artifact(name: str) -> tuple[int, str]:
+    m = _ARTIFACT.match(name)
+    if not m:
+        raise BadManifest(f"invalid artifact name {name!r}: expected like v00000005.delta")
+    return int(m.group(1)), m.group(2)

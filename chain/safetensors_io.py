@@ -1,0 +1,154 @@
+"""Reading and writing safetensors files as raw bit patterns, tensor by tensor.
+
+The safetensors library loads whole files; reconstruction instead preallocates a file from the
+manifest's tensor list and fills one tensor slot at a time through a memory map, so a 1 TB
+model streams with memory bounded by about one tensor. Files written here load in safetensors,
+transformers and vLLM like any other.
+"""
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from chain.dtypes import FROM_SAFETENSORS, SAFETENSORS_NAME, lookup
+from chain.errors import ChainError
+
+SHARD_BYTES = 4 * 1024**3
+INDEX_NAME = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class Slot:
+    name: str
+    dtype: str
+    shape: list[int]
+    file: str
+    start: int
+    end: int
+
+
+def read_header(path: Path) -> tuple[int, dict[str, Slot]]:
+    """(data start offset, slots) of one safetensors file."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise ChainError(f"{path} is not a safetensors file (too short)")
+        (n,) = struct.unpack("<Q", head)
+        if n > 100 * 1024 * 1024:
+            raise ChainError(f"{path}: safetensors header of {n} bytes is implausible")
+        try:
+            doc = json.loads(f.read(n))
+        except ValueError as e:
+            raise ChainError(f"{path}: safetensors header is not JSON: {e}") from None
+    slots = {}
+    for name, info in doc.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in FROM_SAFETENSORS:
+            raise ChainError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
+        s, e = info["data_offsets"]
+        slots[name] = Slot(name, FROM_SAFETENSORS[info["dtype"]], list(info["shape"]),
+                           Path(path).name, s, e)
+    return 8 + n, slots
+
+
+class TensorFiles:
+    """Read-only bit-pattern views of every tensor in a safetensors file or HF directory."""
+
+    def __init__(self, path: Path) -> None:
+        path = Path(path)
+        files = ([path] if path.is_file() else sorted(path.glob("*.safetensors")))
+        if not files:
+            raise ChainError(f"no .safetensors files in {path}")
+        self.slots: dict[str, Slot] = {}
+        self._maps: dict[str, tuple[np.memmap, int]] = {}
+        for f in files:
+            base, slots = read_header(f)
+            if f.stat().st_size > base:
+                self._maps[f.name] = (np.memmap(f, dtype=np.uint8, mode="r"), base)
+            for name, slot in slots.items():
+                if name in self.slots:
+                    raise ChainError(f"tensor {name} appears in two files of {path}")
+                self.slots[name] = slot
+
+    def bits(self, name: str) -> np.ndarray:
+        slot = self.slots[name]
+        dt = lookup(slot.dtype)
+        if slot.end == slot.start:
+            return np.zeros(0, dtype=dt.uint)
+        mm, base = self._maps[slot.file]
+        return mm[base + slot.start : base + slot.end].view(dt.uint)
+
+    def names(self) -> list[str]:
+        return sorted(self.slots)
+
+
+def layout(entries: list[tuple[str, str, list[int], int]], shard_bytes: int = SHARD_BYTES
+           ) -> dict[str, list[tuple[str, str, list[int], int]]]:
+    """Group (name, dtype, shape, nbytes) in name order into shard files of ~shard_bytes."""
+    shards: list[list] = [[]]
+    size = 0
+    for e in sorted(entries):
+        if shards[-1] and size + e[3] > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(e)
+        size += e[3]
+    if len(shards) == 1:
+        return {"model.safetensors": shards[0]}
+    n = len(shards)
+    return {f"model-{i + 1:05d}-of-{n:05d}.safetensors": s for i, s in enumerate(shards)}
+
+
+def allocate(path: Path, entries: list[tuple[str, str, list[int], int]]) -> None:
+    """Create a safetensors file with this header and zero-filled (sparse) data."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    off = 0
+    for name, dtype, shape, nbytes in entries:
+        header[name] = {"dtype": SAFETENSORS_NAME[dtype], "shape": shape,
+                        "data_offsets": [off, off + nbytes]}
+        off += nbytes
+    body = json.dumps(header, separators=(",", ":")).encode()
+    body += b" " * (-len(body) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(body)))
+        f.write(body)
+        f.truncate(8 + len(body) + off)
+
+
+def write_index(directory: Path, shards: dict[str, list]) -> None:
+    if len(shards) == 1:
+        return
+    weight_map = {e[0]: fname for fname, es in shards.items() for e in es}
+    total = sum(e[3] for es in shards.values() for e in es)
+    doc = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (Path(directory) / INDEX_NAME).write_text(json.dumps(doc, indent=1, sort_keys=True))
+
+
+class WritableFiles:
+    """Writable bit-pattern views over files made by `allocate`."""
+
+    def __init__(self, directory: Path, files: list[str]) -> None:
+        self.slots: dict[str, Slot] = {}
+        self._maps: dict[str, tuple[np.memmap, int]] = {}
+        for fname in files:
+            base, slots = read_header(Path(directory) / fname)
+            if (Path(directory) / fname).stat().st_size > base:
+                self._maps[fname] = (np.memmap(Path(directory) / fname, dtype=np.uint8,
+                                               mode="r+"), base)
+            self.slots.update(slots)
+
+    def bits(self, name: str) -> np.ndarray:
+        slot = self.slots[name]
+        dt = lookup(slot.dtype)
+        if slot.end == slot.start:
+            return np.zeros(0, dtype=dt.uint)
+        mm, base = self._maps[slot.file]
+        return mm[base + slot.start : base + slot.end].view(dt.uint)
+
+    def flush(self) -> None:
+        for mm, _ in self._maps.values():
+            mm.flush()

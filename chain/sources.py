@@ -1,0 +1,63 @@
+"""A uniform read view of a model's tensors as bit patterns, whatever holds them.
+
+The writer and the CLI read weights from a torch state dict, a safetensors file, or an HF
+directory; all three look the same through `TensorSource`.
+"""
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from chain import dtypes
+from chain.safetensors_io import TensorFiles
+
+
+class TensorSource(Protocol):
+    def names(self) -> list[str]: ...
+    def meta(self, name: str) -> tuple[str, list[int]]: ...
+    def bits(self, name: str) -> np.ndarray: ...
+
+
+class StateDictSource:
+    """Tensors of a state dict (moved to CPU one at a time when read)."""
+
+    def __init__(self, state: Mapping[str, torch.Tensor]) -> None:
+        self._state = state
+
+    def names(self) -> list[str]:
+        return sorted(self._state)
+
+    def meta(self, name: str) -> tuple[str, list[int]]:
+        t = self._state[name]
+        return dtypes.of_tensor(t).name, list(t.shape)
+
+    def bits(self, name: str) -> np.ndarray:
+        return dtypes.bits_view(self._state[name])
+
+
+class FileSource:
+    """Tensors of a safetensors file or a directory of them."""
+
+    def __init__(self, path: Path) -> None:
+        self.files = TensorFiles(path)
+
+    def names(self) -> list[str]:
+        return self.files.names()
+
+    def meta(self, name: str) -> tuple[str, list[int]]:
+        slot = self.files.slots[name]
+        return slot.dtype, slot.shape
+
+    def bits(self, name: str) -> np.ndarray:
+        return self.files.bits(name)
+
+
+def open_source(obj: "Mapping[str, torch.Tensor] | Path | str | TensorSource") -> TensorSource:
+    if isinstance(obj, (str, Path)):
+        return FileSource(Path(obj))
+    if isinstance(obj, Mapping):
+        return StateDictSource(obj)
+    return obj
