@@ -13,7 +13,7 @@ from typing import BinaryIO
 from chain.digest import state_digest
 from chain.errors import BadDelta
 from chain.manifest import TensorEntry
-from chain.sources import TensorSource
+from chain.sources import TensorSource, source_digest
 from chain.stream import BlockReader, RecordHeader, encode_header
 from chain.writer import EncodeStats, encode_stream
 
@@ -28,12 +28,6 @@ class _FileSink:
     def write_record(self, h: RecordHeader, payload: bytes | memoryview) -> None:
         self.f.write(encode_header(h))
         self.f.write(payload)
-
-
-def source_digest(src: TensorSource) -> str:
-    from chain.digest import tensor_digest
-
-    return state_digest({n: tensor_digest(*src.meta(n), src.bits(n)) for n in src.names()})
 
 
 def write_delta_file(path: Path, old: TensorSource, new: TensorSource) -> EncodeStats:

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from chain import dtypes
+from chain.digest import state_digest, tensor_digest
 from chain.safetensors_io import TensorFiles
 
 
@@ -61,3 +62,8 @@ def open_source(obj: "Mapping[str, torch.Tensor] | Path | str | TensorSource") -
     if isinstance(obj, Mapping):
         return StateDictSource(obj)
     return obj
+
+
+def source_digest(src: TensorSource) -> str:
+    """State digest of every tensor in `src` (equal digests mean bit-identical weights)."""
+    return state_digest({n: tensor_digest(*src.meta(n), src.bits(n)) for n in src.names()})

@@ -23,9 +23,8 @@ import numpy as np
 from chain import codec
 from chain.atomic import fsync_dir, symlink_atomic, write_atomic
 from chain.digest import state_digest, tensor_digest
-from chain.dtypes import lookup
 from chain.errors import BadDelta, ChainError, DigestMismatch
-from chain.manifest import BlockEntry, Manifest
+from chain.manifest import BlockEntry, Manifest, TensorEntry
 from chain.safetensors_io import WritableFiles, allocate, layout, write_index
 from chain.sources import FileSource, TensorSource
 from chain.stream import BlockReader, RecordHeader
@@ -90,49 +89,26 @@ class WeightsDir:
             if stale.name != f".staging-{m.artifact}":
                 shutil.rmtree(stale)
         staging = self.root / f".staging-{m.artifact}"
-        if not staging.is_dir():
+        resumed = staging.is_dir()
+        if not resumed:
             self._prepare(staging, m, get_block)
         journal_path = staging / "JOURNAL"
         done = set(journal_path.read_text().split("\n")) if journal_path.exists() else set()
         out = WritableFiles(staging, json.loads((staging / "SHARDS.json").read_text()))
-        base: TensorSource | None = FileSource(parent.path) if parent else None
-        entries = {t.name: t for t in m.tensors}
+        base = FileSource(parent.path) if parent else None
         reader = BlockReader.of_blocks(m.stream_blocks, get_block)
-        pending = reader.next_header()
-        total = len(m.tensors)
         with open(journal_path, "a") as journal:
-            for i, t in enumerate(m.tensors):
-                rec: RecordHeader | None = None
-                if pending is not None and pending.name == t.name:
-                    rec, pending = pending, None
-                elif pending is not None and pending.name < t.name:
-                    raise BadDelta(f"record for {pending.name!r} is not a tensor of {m.artifact}"
-                                   " or is out of order")
-                if t.name in done:
-                    if rec is not None:
-                        reader.skip(rec.n)
-                else:
-                    slot = out.bits(t.name)
-                    if rec is None and tensor_digest(t.dtype, t.shape, slot) == t.digest:
-                        pass  # written before a crash, not yet journaled
-                    else:
-                        self._fill(slot, t, rec, reader, base, m)
-                    if tensor_digest(t.dtype, t.shape, slot) != t.digest:
-                        raise DigestMismatch(
-                            f"tensor {t.name} of {m.artifact} does not match its digest after "
-                            "apply; the artifact is bad and was not applied"
-                        )
-                    out.flush()
-                    journal.write(t.name + "\n")
-                    journal.flush()
-                    os.fsync(journal.fileno())
-                if pending is None:
-                    pending = reader.next_header()
+
+            def journaled(name: str, i: int) -> None:
+                out.flush()
+                journal.write(name + "\n")
+                journal.flush()
+                os.fsync(journal.fileno())
                 if progress:
-                    progress(m.artifact, i + 1, total)
-        if pending is not None or not reader.at_end():
-            raise BadDelta(f"{m.artifact} has records after its last tensor")
-        if state_digest({t.name: t.digest for t in entries.values()}) != m.state_digest:
+                    progress(m.artifact, i + 1, len(m.tensors))
+
+            fill_tensors(out, m.tensors, reader, base, done, journaled, m.artifact, resumed)
+        if state_digest({t.name: t.digest for t in m.tensors}) != m.state_digest:
             raise DigestMismatch(f"{m.artifact}: state digest mismatch")
         return self._commit(staging, m)
 
@@ -151,25 +127,6 @@ class WeightsDir:
         fsync_dir(tmp)
         os.rename(tmp, staging)
         fsync_dir(self.root)
-
-    @staticmethod
-    def _fill(slot: np.ndarray, t, rec: RecordHeader | None, reader: BlockReader,
-              base: TensorSource | None, m: Manifest) -> None:
-        if rec is not None and (rec.dtype != t.dtype or rec.shape != t.shape):
-            raise BadDelta(f"record for {t.name} disagrees with the manifest's dtype/shape")
-        if rec is not None and rec.op == "full":
-            if rec.n != t.nbytes:
-                raise BadDelta(f"full record for {t.name} has {rec.n} bytes, needs {t.nbytes}")
-            reader.read_into(memoryview(slot).cast("B"))
-            return
-        if base is None or t.name not in base.names() or base.meta(t.name) != (t.dtype, t.shape):
-            raise BadDelta(f"{m.artifact}: tensor {t.name} needs a full record (no parent tensor)")
-        slot[:] = base.bits(t.name)
-        if rec is not None:
-            if rec.n > 8 * t.nbytes + (1 << 20):
-                raise BadDelta(f"delta record for {t.name} is implausibly large ({rec.n} bytes)")
-            payload = reader.read(rec.n)
-            codec.apply_tensor_delta(slot, payload, t.dtype)
 
     def _commit(self, staging: Path, m: Manifest) -> Current:
         (staging / "JOURNAL").unlink(missing_ok=True)
@@ -211,5 +168,52 @@ class WeightsDir:
         return cur
 
 
-def itemsize(dtype: str) -> int:
-    return lookup(dtype).itemsize
+def fill_tensors(out: WritableFiles, tensors: list[TensorEntry], reader: BlockReader,
+                 base: TensorSource | None, done: set[str],
+                 on_done: Callable[[str, int], None], what: str, resumed: bool = False) -> None:
+    """Write every tensor of `tensors` into `out` from `base` plus the record stream, verifying
+    each against its digest; tensors in `done` are skipped, and after a crash (`resumed`) so are
+    unchanged tensors whose slot already matches the child digest."""
+    pending = reader.next_header()
+    for i, t in enumerate(tensors):
+        rec: RecordHeader | None = None
+        if pending is not None and pending.name == t.name:
+            rec, pending = pending, None
+        elif pending is not None and pending.name < t.name:
+            raise BadDelta(f"record for {pending.name!r} is not a tensor of {what} or is out of "
+                           "order")
+        if t.name in done:
+            if rec is not None:
+                reader.skip(rec.n)
+        else:
+            slot = out.bits(t.name)
+            if rec is not None or not resumed or tensor_digest(t.dtype, t.shape, slot) != t.digest:
+                _fill(slot, t, rec, reader, base, what)
+            if tensor_digest(t.dtype, t.shape, slot) != t.digest:
+                raise DigestMismatch(f"tensor {t.name} of {what} does not match its digest after "
+                                     "apply; the artifact is bad and was not applied")
+            on_done(t.name, i)
+        if pending is None:
+            pending = reader.next_header()
+    if pending is not None or not reader.at_end():
+        raise BadDelta(f"{what} has records after its last tensor")
+
+
+def _fill(slot: np.ndarray, t, rec: RecordHeader | None, reader: BlockReader,
+              base: TensorSource | None, what: str) -> None:
+        if rec is not None and (rec.dtype != t.dtype or rec.shape != t.shape):
+            raise BadDelta(f"record for {t.name} disagrees with the manifest's dtype/shape")
+        if rec is not None and rec.op == "full":
+            if rec.n != t.nbytes:
+                raise BadDelta(f"full record for {t.name} has {rec.n} bytes, needs {t.nbytes}")
+            reader.read_into(memoryview(slot).cast("B"))
+            return
+        if base is None or t.name not in base.names() or base.meta(t.name) != (t.dtype, t.shape):
+            raise BadDelta(f"{what}: tensor {t.name} needs a full record (no parent tensor)")
+        slot[:] = base.bits(t.name)
+        if rec is not None:
+            if rec.n > 8 * t.nbytes + (1 << 20):
+                raise BadDelta(f"delta record for {t.name} is implausibly large ({rec.n} bytes)")
+            payload = reader.read(rec.n)
+            codec.apply_tensor_delta(slot, payload, t.dtype)
+

@@ -1,0 +1,48 @@
+"""The `deltaswarm` command: a dispatcher that imports only the subcommand it runs, so
+`deltaswarm --help` is instant and `deltaswarm delta …` never loads libtorrent.
+
+    deltaswarm daemon --config configs/trainer.yaml
+    deltaswarm status [--watch] [--url URL]
+    deltaswarm delta encode|apply|stats …      deltaswarm chain ls|show|verify DIR
+    deltaswarm keygen FILE                      deltaswarm demo [--config configs/demo.yaml]
+    deltaswarm train --config …                 deltaswarm rollout …
+"""
+
+import importlib
+import sys
+
+COMMANDS = {
+    "daemon": ("daemon.main", "run a swarm daemon (trainer node or region)"),
+    "status": ("daemon.status_cli", "show a daemon's status (--watch for live)"),
+    "delta": ("chain.cli", "encode, apply and inspect delta files"),
+    "chain": ("chain.cli", "list, show and verify a chain directory"),
+    "keygen": ("chain.keygen", "create the trainer's Ed25519 signing key"),
+    "train": ("trainer.main", "run the reference async GRPO trainer"),
+    "rollout": ("rollout.worker", "run a rollout worker next to a daemon"),
+    "demo": ("trainer.demo", "trainer + three regions on loopback, live view"),
+}
+
+
+def usage() -> str:
+    lines = [__doc__.strip(), "", "commands:"]
+    lines += [f"  {name:<8} {help_}" for name, (_, help_) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    cmd = argv[0]
+    if cmd not in COMMANDS:
+        print(f"deltaswarm: unknown command {cmd!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[cmd][0])
+    # chain.cli parses its own group word (delta|chain); the others get the rest.
+    rc = module.main(argv if module.__name__ == "chain.cli" else argv[1:])
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""The publisher: how any trainer ("bring your own trainer") hands a new policy version to the
+swarm.
+
+    pub = Publisher(chain_dir="/var/lib/deltaswarm/trainer/chain", key_path="trainer.key",
+                    run="my-run", daemon_url="http://127.0.0.1:7600", token="...")
+    for step in range(...):
+        ...optimizer.step()...
+        pub.publish(step + 1, {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()})
+
+Each call encodes the change against the last published version, writes blocks and a signed
+manifest (plus a snapshot when the policy says so) through `chain`, and tells the local daemon
+over HTTP to seed it. The daemon also picks up anything in the chain dir when it starts, so a
+daemon that was down misses nothing.
+"""
+
+import json
+import logging
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from chain import keys
+from chain.blocks import DEFAULT_BLOCK
+from chain.errors import ChainError
+from chain.manifest import Manifest
+from chain.policy import Retention, SnapshotPolicy
+from chain.sources import StateDictSource, source_digest
+from chain.store import ChainStore
+from chain.writer import write_artifact
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Published:
+    version: int
+    delta: Manifest | None
+    snapshot: Manifest | None
+    changed_elements: int
+    elements: int
+    delta_bytes: int
+    dense_bytes: int
+    seconds: float
+    notified: bool
+
+    @property
+    def density(self) -> float:
+        return self.changed_elements / max(1, self.elements)
+
+
+class Publisher:
+    def __init__(
+        self,
+        chain_dir: Path | str,
+        key_path: Path | str,
+        run: str,
+        daemon_url: str | None = None,
+        token: str | None = None,
+        snapshots: SnapshotPolicy | None = None,
+        retention: Retention | None = None,
+        block_size: int = DEFAULT_BLOCK,
+    ) -> None:
+        self.key = keys.load_private(Path(key_path))
+        self.store = ChainStore(Path(chain_dir), self.key.public_key())
+        self.run = run
+        self.daemon_url = daemon_url.rstrip("/") if daemon_url else None
+        self.token = token
+        self.snapshots = snapshots or SnapshotPolicy()
+        self.retention = retention or Retention()
+        self.block_size = block_size
+        self._last: dict[str, torch.Tensor] | None = None
+        if self.store.run() not in (None, run):
+            raise ChainError(f"{chain_dir} holds run {self.store.run()!r}, not {run!r}; use a "
+                             "fresh chain dir or the same run name")
+
+    @property
+    def head(self) -> int | None:
+        return self.store.head()
+
+    def resume(self, state_dict: Mapping[str, torch.Tensor]) -> int:
+        """Adopt `state_dict` as the last published state after a restart; it must be
+        bit-identical to the head version (checked by state digest)."""
+        head = self.store.head()
+        if head is None:
+            raise ChainError("nothing published yet; nothing to resume from")
+        manifest = self.store.get(head, "delta") or self.store.get(head, "snapshot")
+        state = _cpu_copy(state_dict)
+        if source_digest(StateDictSource(state)) != manifest.state_digest:
+            raise ChainError(
+                f"the weights given to resume() are not v{head} as published; restore the "
+                "trainer checkpoint saved with that version"
+            )
+        self._last = state
+        return head
+
+    def publish(self, version: int, state_dict: Mapping[str, torch.Tensor],
+                files: Mapping[str, bytes] | None = None) -> Published:
+        head = self.store.head()
+        if head is not None and version != head + 1:
+            raise ChainError(f"version {version} does not follow the head v{head}; versions "
+                             "must increase by one")
+        if head is not None and self._last is None:
+            raise ChainError("call resume(state_dict) with the head's weights before publishing")
+        t0 = time.perf_counter()
+        state = _cpu_copy(state_dict)
+        new = StateDictSource(state)
+        delta = snapshot = None
+        common = dict(run=self.run, version=version, new=new, files=files,
+                      block_size=self.block_size)
+        if head is not None:
+            parent_m = self.store.get(head, "delta") or self.store.get(head, "snapshot")
+            delta, stats = write_artifact(self.store.blocks, self.key, kind="delta",
+                                          parent=StateDictSource(self._last),
+                                          parent_manifest=parent_m, **common)
+            self.store.add(delta)
+        if head is None or self.snapshots.due(version, self.store.manifests()):
+            snapshot, snap_stats = write_artifact(self.store.blocks, self.key, kind="snapshot",
+                                                  **common)
+            self.store.add(snapshot)
+            if delta is None:
+                stats = snap_stats
+        self._last = state
+        self.store.gc(self.retention)
+        notified = self._notify(version)
+        return Published(
+            version=version, delta=delta, snapshot=snapshot,
+            changed_elements=stats.changed_elements, elements=stats.elements,
+            delta_bytes=delta.payload_bytes if delta else 0, dense_bytes=stats.dense_bytes,
+            seconds=time.perf_counter() - t0, notified=notified,
+        )
+
+    def _notify(self, version: int) -> bool:
+        if self.daemon_url is None:
+            return False
+        req = urllib.request.Request(
+            f"{self.daemon_url}/v1/publish", data=json.dumps({"version": version}).encode(),
+            headers={"Content-Type": "application/json",
+                     **({"Authorization": f"Bearer {self.token}"} if self.token else {})},
+            method="POST",
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError) as e:
+            log.warning("daemon at %s did not take v%d (%s); it will seed it when it (re)starts",
+                        self.daemon_url, version, e)
+            return False
+
+
+def _cpu_copy(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
