@@ -1,0 +1,1 @@
+"""The deltaswarm node: swarm, control plane, sync loop, trajectory spool, status, systemd glue."""
