@@ -1,0 +1,358 @@
+"""The daemon's BitTorrent layer: one libtorrent session seeding and fetching artifact torrents.
+
+`Swarm(SwarmConfig(...))` wraps one `lt.session`: TCP only, no DHT/LSD/UPnP/NAT-PMP, rate limits
+that apply on private addresses too, optional seed-side choking (`seed_mode`, for the trainer).
+Peers come only from the caller: `download(..., peers=)` / `add_peers()` with the BitTorrent
+endpoints that other daemons report on their control plane; ut_pex (on by default) spreads the
+rest. Methods are synchronous and short; `pump(timeout)` turns alerts into `SwarmEvent`s
+(call it from a thread, e.g. `await asyncio.to_thread(swarm.pump, 1.0)`). Bans are per IP address
+(an `ip_filter`): peers that send pieces failing v2 hash checks are banned automatically.
+"""
+
+import os
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import libtorrent as lt
+
+from daemon import torrents
+
+Peer = tuple[str, int]
+
+SEED_SETTINGS = {  # measured in namespaces: seed egress 1.01-1.05x, time 1.13-1.20x the ideal
+    "unchoke_slots_limit": 2,
+    "unchoke_interval": 1,
+    "allowed_fast_set_size": 0,
+    "optimistic_unchoke_interval": 3600,
+}
+
+
+class SwarmError(RuntimeError):
+    """A swarm call was given something it cannot use (unknown artifact, missing files)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SwarmConfig:
+    listen: str = "0.0.0.0:6881"
+    """host:port to accept peers on (port 0: any free port, see Swarm.listen_port)."""
+    upload_rate: int = 0
+    """Session upload cap in bytes/s; 0 means unlimited."""
+    download_rate: int = 0
+    """Session download cap in bytes/s; 0 means unlimited."""
+    seed_mode: bool = False
+    """Trainer-side choking: few, fast-rotating unchokes so each piece leaves the seed ~once."""
+    max_connections: int = 200
+    extra_settings: dict = field(default_factory=dict)
+    """Raw libtorrent settings applied last (for experiments)."""
+
+
+@dataclass(frozen=True)
+class Progress:
+    artifact: str
+    state: str
+    done: int
+    total: int
+    download_rate: int
+    upload_rate: int
+    peers: int
+    seeds: int
+    finished: bool
+    uploaded: int
+    downloaded: int
+    error: str
+
+
+@dataclass(frozen=True)
+class SwarmEvent:
+    kind: str
+    """'finished' (a download completed; seeds never emit it), 'hash_failed', 'banned', 'error'."""
+    artifact: str | None
+    detail: str
+    peer: str | None = None
+
+
+@dataclass
+class _Torrent:
+    handle: lt.torrent_handle
+    save_path: str
+    seeding: bool
+
+
+class Swarm:
+    def __init__(self, config: SwarmConfig) -> None:
+        self.config = config
+        host, _, port = config.listen.rpartition(":")
+        if not host or not port.isdigit():
+            raise SwarmError(f"listen {config.listen!r} is not host:port")
+        self._host = host.strip("[]")
+        settings = {
+            "listen_interfaces": config.listen,
+            "enable_dht": False, "enable_lsd": False,
+            "enable_upnp": False, "enable_natpmp": False,
+            "enable_outgoing_utp": False, "enable_incoming_utp": False,
+            "allow_multiple_connections_per_ip": True,
+            "ignore_limits_on_local_network": False,
+            "upload_rate_limit": config.upload_rate,
+            "download_rate_limit": config.download_rate,
+            "connections_limit": config.max_connections,
+            "alert_mask": (lt.alert_category.error | lt.alert_category.status
+                           | lt.alert_category.peer | lt.alert_category.storage
+                           | lt.alert_category.ip_block),
+            "user_agent": "deltaswarm",
+        }
+        if self._host not in ("0.0.0.0", "::"):
+            settings["outgoing_interfaces"] = self._host
+        if config.seed_mode:
+            settings.update(SEED_SETTINGS)
+        settings.update(config.extra_settings)
+        self._session: lt.session | None = lt.session(settings)
+        self._torrents: dict[str, _Torrent] = {}
+        self._by_hash: dict[str, str] = {}
+        self._banned: dict[str, str] = {}
+        self._lock = threading.RLock()
+        self._resume: dict[str, bytes] = {}
+        self._resume_failed: dict[str, str] = {}
+        self._flushed: set[str | None] = set()
+        self._pending: list[SwarmEvent] = []
+        self.hash_failures = 0
+        self._removed_up = 0
+        self._removed_down = 0
+
+    @property
+    def listen_port(self) -> int:
+        return self._ses().listen_port()
+
+    @property
+    def endpoint(self) -> Peer:
+        """The (host, port) other nodes should connect to (host as configured)."""
+        return self._host, self.listen_port
+
+    def seed(self, artifact: str, torrent_bytes: bytes, save_path: str | os.PathLike) -> None:
+        """Serve an artifact whose blocks sit at `torrents.block_path(save_path, artifact, id)`.
+        Files are checked for presence and size here; piece hashes on first upload."""
+        ti = self._info(artifact, torrent_bytes)
+        files, missing = ti.files(), []
+        for i in range(files.num_files()):
+            if files.file_flags(i) & lt.file_storage.flag_pad_file:
+                continue
+            path = Path(save_path) / files.file_path(i)
+            if not path.is_file() or path.stat().st_size != files.file_size(i):
+                missing.append(str(path))
+        if missing:
+            raise SwarmError(f"cannot seed {artifact}: {len(missing)} block files missing or of "
+                             f"the wrong size under {save_path}, e.g. {missing[0]}; save_path is "
+                             f"the parent of the {artifact}/ directory")
+        self._add(artifact, ti, save_path, None, [], seeding=True)
+
+    def download(self, artifact: str, torrent_bytes: bytes, save_path: str | os.PathLike,
+                 peers: Iterable[Peer] = (), resume_data: bytes | None = None) -> None:
+        """Fetch an artifact into save_path (existing files are rechecked, or trusted as recorded
+        in resume_data) from the given peers and any they introduce."""
+        self._add(artifact, self._info(artifact, torrent_bytes), save_path, resume_data,
+                  list(peers), seeding=False)
+
+    def add_peers(self, artifact: str, peers: Iterable[Peer]) -> None:
+        handle = self._get(artifact).handle
+        for host, port in peers:
+            if host not in self._banned and (host, port) != self.endpoint:
+                handle.connect_peer((host, int(port)))
+
+    def progress(self, artifact: str) -> Progress:
+        t = self._get(artifact)
+        s = t.handle.status()
+        return Progress(
+            artifact=artifact, state=str(s.state), done=s.total_wanted_done,
+            total=s.total_wanted, download_rate=s.download_payload_rate,
+            upload_rate=s.upload_payload_rate, peers=s.num_peers, seeds=s.num_seeds,
+            finished=bool(s.is_finished or s.is_seeding), uploaded=s.total_payload_upload,
+            downloaded=s.total_payload_download, error=s.errc.message() if s.errc.value() else "")
+
+    def status(self) -> dict:
+        """JSON-able snapshot: per-torrent progress with peers, session payload totals, bans."""
+        out, up, down = {}, self._removed_up, self._removed_down
+        with self._lock:
+            items = list(self._torrents.items())
+        for artifact, t in items:
+            p = self.progress(artifact)
+            up, down = up + p.uploaded, down + p.downloaded
+            peers = [{"peer": f"{pi.ip[0]}:{pi.ip[1]}", "uploaded": pi.total_upload,
+                      "downloaded": pi.total_download, "seed": bool(pi.flags & pi.seed),
+                      "hashfails": pi.num_hashfails} for pi in t.handle.get_peer_info()]
+            out[artifact] = {**p.__dict__, "seeding": t.seeding, "peer_list": peers}
+        return {"listen": f"{self._host}:{self.listen_port}", "torrents": out,
+                "uploaded": up, "downloaded": down, "hash_failures": self.hash_failures,
+                "bans": len(self._banned), "banned": dict(self._banned),
+                "upload_rate_limit": self._limit("upload_rate_limit"),
+                "download_rate_limit": self._limit("download_rate_limit")}
+
+    def set_rate_limits(self, upload: int, download: int) -> None:
+        """Session caps in bytes/s (0: unlimited); safe while transfers run (SIGHUP reload)."""
+        if upload < 0 or download < 0:
+            raise SwarmError(f"rate limits must be >= 0 bytes/s, got {upload}, {download}")
+        self._ses().apply_settings({"upload_rate_limit": upload, "download_rate_limit": download})
+
+    def ban(self, ip: str, reason: str = "banned by operator") -> None:
+        """Refuse and drop every connection from this IP address, across all torrents."""
+        with self._lock:
+            if ip in self._banned:
+                return
+            self._banned[ip] = reason
+            f = lt.ip_filter()
+            for addr in self._banned:
+                f.add_rule(addr, addr, 1)
+            self._ses().set_ip_filter(f)
+            self._pending.append(SwarmEvent("banned", None, reason, ip))
+
+    def remove(self, artifact: str, delete_files: bool = False) -> None:
+        with self._lock:
+            t = self._torrents.pop(artifact, None)
+            if t is None:
+                return
+            self._by_hash = {h: a for h, a in self._by_hash.items() if a != artifact}
+        s = t.handle.status()
+        self._removed_up += s.total_payload_upload
+        self._removed_down += s.total_payload_download
+        self._ses().remove_torrent(t.handle, lt.session.delete_files if delete_files else 0)
+
+    def save_resume_data(self, directory: str | os.PathLike, timeout: float = 10.0) -> list[Path]:
+        """Write `<directory>/<artifact>.resume` for every torrent (atomically); returns paths.
+        Flushes libtorrent's write cache first: unflushed pieces are left out of resume data."""
+        with self._lock:
+            items = list(self._torrents.items())
+            for artifact, _ in items:
+                self._flushed.discard(artifact)
+                self._resume.pop(artifact, None)
+                self._resume_failed.pop(artifact, None)
+        wanted = {a for a, _ in items}
+        deadline = time.monotonic() + timeout
+        for _, t in items:
+            t.handle.flush_cache()
+        self._wait(lambda: wanted - self._flushed, deadline, "write-cache flush")
+        for _, t in items:
+            t.handle.save_resume_data(lt.torrent_handle.save_info_dict)
+        self._wait(lambda: wanted - self._resume.keys() - self._resume_failed.keys(), deadline,
+                   "resume data")
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        written = []
+        for artifact in sorted(wanted & self._resume.keys()):
+            written.append(_write_atomic(Path(directory) / f"{artifact}.resume",
+                                         self._resume.pop(artifact)))
+        return written
+
+    @staticmethod
+    def load_resume_data(directory: str | os.PathLike, artifact: str) -> bytes | None:
+        path = Path(directory) / f"{artifact}.resume"
+        return path.read_bytes() if path.is_file() else None
+
+    def pump(self, timeout: float = 0.0) -> list[SwarmEvent]:
+        """Handle pending alerts (waiting up to timeout seconds for the first) and return events."""
+        self._drain(timeout)
+        with self._lock:
+            events, self._pending = self._pending, []
+        return events
+
+    def artifacts(self) -> list[str]:
+        return sorted(self._torrents)
+
+    def close(self) -> None:
+        if self._session is not None:
+            self._session.pause()
+            self._session = None
+
+    def __enter__(self) -> "Swarm":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _add(self, artifact: str, ti: lt.torrent_info, save_path: str | os.PathLike,
+             resume_data: bytes | None, peers: list[Peer], seeding: bool) -> None:
+        with self._lock:
+            if artifact in self._torrents:
+                raise SwarmError(f"{artifact} is already in the swarm; remove() it first")
+            params = lt.read_resume_data(resume_data) if resume_data else lt.add_torrent_params()
+            params.ti = ti
+            params.save_path = str(save_path)
+            params.flags = (params.flags | lt.torrent_flags.seed_mode if seeding
+                            else params.flags & ~lt.torrent_flags.seed_mode)
+            params.flags &= ~(lt.torrent_flags.paused | lt.torrent_flags.auto_managed)
+            params.flags |= lt.torrent_flags.apply_ip_filter
+            handle = self._ses().add_torrent(params)
+            self._torrents[artifact] = _Torrent(handle, str(save_path), seeding)
+            self._by_hash[str(ti.info_hashes().v2)] = artifact
+        self.add_peers(artifact, peers)
+
+    def _info(self, artifact: str, torrent_bytes: bytes) -> lt.torrent_info:
+        top = torrents.bdecode(bytes(torrent_bytes))
+        name = top.get(b"info", {}).get(b"name") if isinstance(top, dict) else None
+        if name != artifact.encode():
+            raise SwarmError(f"torrent named {name!r} given for {artifact}")
+        return lt.torrent_info(lt.bdecode(torrent_bytes))
+
+    def _wait(self, missing, deadline: float, what: str) -> None:
+        while left := missing():
+            if time.monotonic() >= deadline:
+                raise SwarmError(f"no {what} from libtorrent in time for {sorted(left)}")
+            self._drain(min(deadline - time.monotonic(), 0.2))
+
+    def _drain(self, timeout: float) -> None:
+        ses = self._ses()
+        if timeout > 0:
+            ses.wait_for_alert(int(timeout * 1000))
+        with self._lock:
+            for alert in ses.pop_alerts():
+                self._handle(alert)
+
+    def _handle(self, a: lt.alert) -> None:
+        artifact = self._artifact_of(a)
+        if isinstance(a, lt.cache_flushed_alert):
+            self._flushed.add(artifact)
+        elif isinstance(a, lt.save_resume_data_alert):
+            self._resume[artifact] = lt.write_resume_data_buf(a.params)
+        elif isinstance(a, lt.save_resume_data_failed_alert):
+            self._resume_failed[artifact] = a.message()
+        elif isinstance(a, lt.torrent_finished_alert):
+            t = self._torrents.get(artifact) if artifact else None
+            if t is not None and not t.seeding:
+                self._pending.append(SwarmEvent("finished", artifact, f"{artifact} is complete"))
+        elif isinstance(a, lt.hash_failed_alert):
+            self.hash_failures += 1
+            self._pending.append(SwarmEvent("hash_failed", artifact,
+                                            f"piece {a.piece_index} failed its hash check"))
+        elif isinstance(a, lt.peer_ban_alert):
+            self.ban(a.endpoint[0], f"{artifact}: libtorrent banned it for bad data")
+        elif isinstance(a, lt.torrent_error_alert | lt.file_error_alert | lt.listen_failed_alert):
+            self._pending.append(SwarmEvent("error", artifact, a.message()))
+
+    def _artifact_of(self, a: lt.alert) -> str | None:
+        handle = getattr(a, "handle", None)
+        if handle is None or not handle.is_valid():
+            return None
+        return self._by_hash.get(str(handle.info_hashes().v2))
+
+    def _limit(self, name: str) -> int:
+        return int(self._ses().get_settings()[name])
+
+    def _get(self, artifact: str) -> _Torrent:
+        t = self._torrents.get(artifact)
+        if t is None:
+            raise SwarmError(f"{artifact} is not in the swarm; seed() or download() it first")
+        return t
+
+    def _ses(self) -> lt.session:
+        if self._session is None:
+            raise SwarmError("the swarm is closed")
+        return self._session
+
+
+def _write_atomic(path: Path, data: bytes) -> Path:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
