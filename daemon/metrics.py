@@ -1,0 +1,175 @@
+"""Prometheus exposition of a node's `NodeStatus`: a custom collector that reads a fresh snapshot
+at each scrape, registered in a private `CollectorRegistry` per node (never the global one, so
+several nodes can live in one process), and an aiohttp handler for `GET /metrics` that honours
+the scraper's Accept header (text format or OpenMetrics).
+"""
+
+from collections.abc import Awaitable, Callable, Iterator
+
+from aiohttp import web
+from prometheus_client.core import (
+    CollectorRegistry,
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import Collector
+
+from daemon.status import TRANSFER_STATES, NodeStatus
+
+StatusSource = Callable[[], NodeStatus]
+
+
+def _gauge(name: str, doc: str, value: float | None, unit: str = "") -> Iterator[Metric]:
+    if value is not None:
+        yield GaugeMetricFamily(f"deltaswarm_{name}", doc, value=value, unit=unit)
+
+
+def _counter(name: str, doc: str, value: float) -> Metric:
+    return CounterMetricFamily(f"deltaswarm_{name}", doc, value=value)
+
+
+class StatusCollector(Collector):
+    """Turns `source()` into metric families on every collect()."""
+
+    def __init__(self, source: StatusSource):
+        self.source = source
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.source()
+        yield InfoMetricFamily(
+            "deltaswarm_node", "Identity of this node",
+            value={"node": s.node, "region": s.region, "role": s.role},
+        )
+        yield from _gauge("uptime_seconds", "Seconds since the daemon started", s.uptime_s)
+        yield from _gauge("current_version", "Version this node holds, verified", s.current_version)
+        yield from _gauge("head_version", "Newest version this node knows of", s.head_version)
+        yield from _gauge("lag_versions", "head_version - current_version", s.lag)
+        yield from _gauge("download_bytes_per_second", "Swarm download rate", s.rates.download)
+        yield from _gauge("upload_bytes_per_second", "Swarm upload rate", s.rates.upload)
+        yield from self._transfers(s)
+        yield from self._peers(s)
+        yield from self._totals(s)
+        yield from self._health(s)
+        yield from self._engine(s)
+        yield from self._spool(s)
+
+    def _transfers(self, s: NodeStatus) -> Iterator[Metric]:
+        lab = ["artifact"]
+        state = GaugeMetricFamily(
+            "deltaswarm_transfer_state", "1 for the artifact's current state",
+            labels=["artifact", "state"],
+        )
+        done = GaugeMetricFamily("deltaswarm_transfer_done_bytes", "Bytes held", labels=lab)
+        size = GaugeMetricFamily("deltaswarm_transfer_size_bytes", "Artifact size", labels=lab)
+        down = GaugeMetricFamily(
+            "deltaswarm_transfer_download_bytes_per_second", "Download rate", labels=lab
+        )
+        up = GaugeMetricFamily(
+            "deltaswarm_transfer_upload_bytes_per_second", "Upload rate", labels=lab
+        )
+        sent = CounterMetricFamily(
+            "deltaswarm_transfer_sent_bytes", "Bytes of the artifact uploaded", labels=lab
+        )
+        peers = GaugeMetricFamily("deltaswarm_transfer_peers", "Peers connected", labels=lab)
+        for t in s.versions:
+            for st in TRANSFER_STATES:
+                state.add_metric([t.artifact, st], 1.0 if t.state == st else 0.0)
+            done.add_metric([t.artifact], t.done_bytes)
+            size.add_metric([t.artifact], t.total_bytes)
+            down.add_metric([t.artifact], t.download_rate)
+            up.add_metric([t.artifact], t.upload_rate)
+            sent.add_metric([t.artifact], t.bytes_up)
+            peers.add_metric([t.artifact], t.peers)
+        yield from (state, done, size, down, up, sent, peers)
+
+    def _peers(self, s: NodeStatus) -> Iterator[Metric]:
+        yield from _gauge("peers", "Peers this node knows", len(s.peers))
+        lab = ["peer", "peer_node"]
+        sent = CounterMetricFamily("deltaswarm_peer_sent_bytes", "Bytes sent to peer", labels=lab)
+        recv = CounterMetricFamily(
+            "deltaswarm_peer_received_bytes", "Bytes received from peer", labels=lab
+        )
+        seen = GaugeMetricFamily(
+            "deltaswarm_peer_last_seen_timestamp_seconds", "Last contact (unix time)", labels=lab
+        )
+        for p in s.peers:
+            key = [p.key, p.node or ""]
+            sent.add_metric(key, p.bytes_up)
+            recv.add_metric(key, p.bytes_down)
+            if p.last_seen is not None:
+                seen.add_metric(key, p.last_seen)
+        yield from (sent, recv, seen)
+
+    def _totals(self, s: NodeStatus) -> Iterator[Metric]:
+        t = s.totals
+        yield _counter("sent_bytes", "Bytes uploaded to peers", t.bytes_up)
+        yield _counter("received_bytes", "Bytes downloaded from peers", t.bytes_down)
+        yield _counter("payload_bytes", "Artifact bytes behind applied versions", t.payload_bytes)
+        yield _counter("full_checkpoint_bytes", "Full-checkpoint bytes of the same", t.full_bytes)
+        yield from _gauge("saved_bytes", "full_checkpoint_bytes - payload_bytes", t.bytes_saved)
+        yield _counter("versions_applied", "Versions applied and verified", t.versions_applied)
+
+    def _health(self, s: NodeStatus) -> Iterator[Metric]:
+        fails = CounterMetricFamily(
+            "deltaswarm_verification_failures", "Data failing a check, by kind", labels=["kind"]
+        )
+        for kind, n in sorted(s.verification.failures_by_kind.items()):
+            fails.add_metric([kind], n)
+        refused = CounterMetricFamily(
+            "deltaswarm_refused_manifests", "Manifests refused, by kind", labels=["kind"]
+        )
+        for kind, n in sorted(s.refused_by_kind.items()):
+            refused.add_metric([kind], n)
+        yield fails
+        yield refused
+        yield from _gauge("banned_peers", "Peers banned now", len(s.bans))
+
+    def _engine(self, s: NodeStatus) -> Iterator[Metric]:
+        e = s.engine
+        yield _counter("engine_notifications", "Successful engine notifications", e.notifications)
+        yield _counter("engine_notification_failures", "Failed engine notifications", e.failures)
+        yield from _gauge("engine_version", "Last version the engine took", e.last_version)
+        yield from _gauge(
+            "engine_last_ok_timestamp_seconds", "Last successful notification", e.last_ok_at
+        )
+
+    def _spool(self, s: NodeStatus) -> Iterator[Metric]:
+        p = s.spool
+        yield from _gauge("spool_depth", "Trajectories held, not yet acknowledged", p.depth)
+        yield from _gauge("spool_bytes", "Bytes held in the spool", p.bytes)
+        yield _counter("spool_received", "Trajectories accepted from workers", p.received)
+        yield _counter("spool_forwarded", "Trajectories acknowledged upstream", p.forwarded)
+        yield _counter("spool_rejected_full", "Posts refused with 429", p.rejected_full)
+        yield _counter("spool_forward_errors", "Failed forwarding attempts", p.errors)
+        yield from _gauge(
+            "spool_forward_per_second", "Trajectories acknowledged per second", p.forward_rate
+        )
+
+
+def build_registry(source: StatusSource) -> CollectorRegistry:
+    """A private registry holding only this node's collector."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StatusCollector(source))
+    return registry
+
+
+def render(registry: CollectorRegistry, accept: str = "") -> tuple[bytes, str]:
+    """(body, content type) for the format the Accept header asks for."""
+    encoder, content_type = choose_encoder(accept)
+    return encoder(registry), content_type
+
+
+def metrics_handler(
+    source: StatusSource | CollectorRegistry,
+) -> Callable[[web.Request], Awaitable[web.Response]]:
+    """An aiohttp handler for `GET /metrics` over a status source (or a ready registry)."""
+    registry = source if isinstance(source, CollectorRegistry) else build_registry(source)
+
+    async def handle(request: web.Request) -> web.Response:
+        body, content_type = render(registry, request.headers.get("Accept", ""))
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+    return handle
