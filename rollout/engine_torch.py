@@ -1,0 +1,138 @@
+"""The built-in engine: a transformers causal LM on CPU (or one GPU) with a hand-written
+sampling loop, so it records the exact log-probability of each sampled token.
+
+Weights are loaded from an HF directory (bf16 on disk, run in fp32 by default). A new version
+is copied into the existing module's parameters: no re-initialisation, no new module.
+"""
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as hf_logging
+
+from rollout.engine import Completion
+
+
+class EngineLoadError(ValueError):
+    """An HF directory that cannot be loaded into this engine; the message says why."""
+
+
+class TorchEngine:
+    def __init__(self, path: str | None = None, version: int | None = None,
+                 device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.model: torch.nn.Module | None = None
+        self.tokenizer = None
+        self._version: int | None = None
+        self.loads = 0
+        if path is not None:
+            self.load_version(path, 0 if version is None else version)
+
+    @property
+    def version(self) -> int | None:
+        return self._version
+
+    def load_version(self, path: str | Path, version: int) -> None:
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise EngineLoadError(f"{path} is not an HF model directory (no config.json)")
+        if self.model is None:
+            hf_logging.disable_progress_bar()
+            self.tokenizer = AutoTokenizer.from_pretrained(path)
+            self.model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype)
+            self.model.to(self.device).eval()
+        else:
+            self._copy_weights(path)
+        self._version = version
+        self.loads += 1
+
+    def _copy_weights(self, path: Path) -> None:
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise EngineLoadError(f"{path} holds no *.safetensors weights")
+        incoming: dict[str, torch.Tensor] = {}
+        for f in files:
+            incoming.update(load_file(str(f)))
+        params = self.model.state_dict()
+        missing = sorted(set(params) - set(incoming))
+        unknown = sorted(set(incoming) - set(params))
+        if missing or unknown:
+            raise EngineLoadError(
+                f"{path} does not match the loaded model: missing {missing[:5]}, "
+                f"unknown {unknown[:5]}; a new architecture needs a new engine"
+            )
+        with torch.no_grad():
+            for name, tensor in params.items():
+                if tensor.shape != incoming[name].shape:
+                    raise EngineLoadError(
+                        f"{path}: {name} has shape {tuple(incoming[name].shape)}, "
+                        f"the model has {tuple(tensor.shape)}"
+                    )
+                tensor.copy_(incoming[name])
+
+    def _cache_kwargs(self, out: object) -> dict:
+        """transformers 5.2x renamed `past_key_values` to `cache`; accept both."""
+        if "cache" in out:
+            return {"cache": out["cache"]}
+        return {"past_key_values": out["past_key_values"]}
+
+    @torch.no_grad()
+    def generate(self, prompts: list[str], n: int, max_tokens: int, temperature: float = 1.0,
+                 seed: int = 0) -> list[Completion]:
+        if self.model is None or self._version is None:
+            raise RuntimeError("engine has no weights yet: call load_version first")
+        if n < 1 or max_tokens < 1 or temperature < 0:
+            raise ValueError(f"need n >= 1, max_tokens >= 1, temperature >= 0; got "
+                             f"n={n}, max_tokens={max_tokens}, temperature={temperature}")
+        tok = self.tokenizer
+        prompt_ids = [tok(p)["input_ids"] for p in prompts]
+        rows = [ids for ids in prompt_ids for _ in range(n)]
+        width = max(len(r) for r in rows)
+        input_ids = torch.tensor([[tok.pad_token_id] * (width - len(r)) + r for r in rows])
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                         use_cache=True)
+        batch = len(rows)
+        tokens = torch.zeros(batch, max_tokens, dtype=torch.long)
+        logps = torch.zeros(batch, max_tokens)
+        lengths = torch.full((batch,), max_tokens)
+        done = torch.zeros(batch, dtype=torch.bool)
+        for t in range(max_tokens):
+            logits = out.logits[:, -1].float()
+            if temperature == 0:
+                logp = torch.log_softmax(logits, -1)
+                nxt = logits.argmax(-1)
+            else:
+                logp = torch.log_softmax(logits / temperature, -1)
+                nxt = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(-1)
+            tokens[:, t] = nxt.cpu()
+            logps[:, t] = logp.gather(-1, nxt[:, None]).squeeze(-1).cpu()
+            stop = (nxt.cpu() == tok.eos_token_id) & ~done
+            lengths[stop] = t + 1
+            done |= stop
+            if bool(done.all()) or t + 1 == max_tokens:
+                break
+            mask = torch.cat([mask, mask.new_ones(batch, 1)], -1)
+            positions = positions[:, -1:] + 1
+            out = self.model(input_ids=nxt[:, None], attention_mask=mask, position_ids=positions,
+                             use_cache=True, **self._cache_kwargs(out))
+        completions = []
+        for i in range(batch):
+            k = int(lengths[i])
+            ids = tokens[i, :k].tolist()
+            completions.append(Completion(
+                prompt=prompts[i // n],
+                prompt_ids=rows[i],
+                text=tok.decode(ids, skip_special_tokens=True),
+                token_ids=ids,
+                logprobs=logps[i, :k].tolist(),
+                version=self._version,
+                finish_reason="stop" if bool(done[i]) else "length",
+            ))
+        return completions
