@@ -176,24 +176,30 @@ class NodeStatus(_Model):
 
 
 class RateMeter:
-    """Events (or bytes) per second, an exponential average with time constant `tau` seconds."""
+    """Events (or bytes) per second: an exponential average with time constant `tau` seconds,
+    bias-corrected so a steady rate reads right from the first events, not after `tau`."""
 
     def __init__(self, tau: float = 10.0, clock: Callable[[], float] = time.monotonic):
         self.tau, self.clock = tau, clock
         self.rate = 0.0
+        self.norm = 0.0
         self.last = clock()
+
+    def _decay(self, dt: float) -> tuple[float, float]:
+        w = math.exp(-dt / self.tau)
+        return w * self.rate, w * self.norm + (1 - w)
 
     def add(self, amount: float) -> None:
         now = self.clock()
         dt = max(now - self.last, 1e-3)
-        w = math.exp(-dt / self.tau)
-        self.rate = w * self.rate + (1 - w) * amount / dt
+        rate, self.norm = self._decay(dt)
+        self.rate = rate + (1 - math.exp(-dt / self.tau)) * amount / dt
         self.last = now
 
     def value(self) -> float:
-        """The rate decayed to now (0 after a long silence)."""
-        dt = max(self.clock() - self.last, 0.0)
-        return self.rate * math.exp(-dt / self.tau)
+        """The rate up to now (falls towards 0 during silence)."""
+        rate, norm = self._decay(max(self.clock() - self.last, 0.0))
+        return rate / norm if norm > 0 else 0.0
 
 
 class StatusBoard:

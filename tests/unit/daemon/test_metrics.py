@@ -1,0 +1,145 @@
+"""Prometheus exposition of NodeStatus: names, types, labels, private registries, and a real
+aiohttp /metrics endpoint scraped over loopback in both exposition formats."""
+
+import asyncio
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import REGISTRY
+from prometheus_client.parser import text_string_to_metric_families
+
+from daemon.metrics import build_registry, metrics_handler, render
+from daemon.status import NodeStatus, StatusBoard
+
+
+def board(node: str = "eu-1") -> StatusBoard:
+    b = StatusBoard(node, "eu")
+    b.set_current(6, "ab" * 16)
+    b.set_head(8)
+    b.transfer("v00000007.delta", version=7, total_bytes=4000, done_bytes=1000, peers=3)
+    b.peer("10.0.0.2:6881", node="us-1", bytes_down=700, bytes_up=300)
+    b.add_bytes(up=300, down=700)
+    b.applied(6, payload_bytes=3000, full_bytes=100_000)
+    b.verification_failed("piece", "bad")
+    b.verification_failed("piece", "bad")
+    b.verification_failed("block", "bad")
+    b.ban("10.0.0.9", "bad piece")
+    b.refuse_manifest("no signature", kind="unsigned")
+    b.engine_notified(6)
+    b.spool_state(4, 4096)
+    b.spool_forwarded(10)
+    return b
+
+
+def families(text: str) -> dict:
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def value(fams: dict, name: str, **labels) -> float:
+    for fam in fams.values():
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    raise KeyError(f"{name} {labels} not exposed")
+
+
+def test_exposes_versions_lag_and_totals():
+    body, ctype = render(build_registry(board().snapshot))
+    fams = families(body.decode())
+    assert ctype.startswith("text/plain; version=0.0.4")
+    assert value(fams, "deltaswarm_current_version") == 6
+    assert value(fams, "deltaswarm_head_version") == 8
+    assert value(fams, "deltaswarm_lag_versions") == 2
+    assert value(fams, "deltaswarm_saved_bytes") == 97_000
+    assert value(fams, "deltaswarm_received_bytes_total") == 700
+    assert value(fams, "deltaswarm_node_info", node="eu-1", region="eu", role="region") == 1
+
+
+def test_counters_and_gauges_have_the_right_types():
+    fams = families(render(build_registry(board().snapshot))[0].decode())
+    counters = {"deltaswarm_sent_bytes", "deltaswarm_received_bytes",
+                "deltaswarm_verification_failures", "deltaswarm_refused_manifests",
+                "deltaswarm_engine_notifications", "deltaswarm_spool_forwarded",
+                "deltaswarm_peer_received_bytes", "deltaswarm_transfer_sent_bytes"}
+    gauges = {"deltaswarm_current_version", "deltaswarm_lag_versions", "deltaswarm_spool_depth",
+              "deltaswarm_transfer_done_bytes", "deltaswarm_banned_peers",
+              "deltaswarm_download_bytes_per_second", "deltaswarm_uptime_seconds"}
+    for name in counters:
+        assert fams[name].type == "counter", name
+    for name in gauges:
+        assert fams[name].type == "gauge", name
+    assert all(name.startswith("deltaswarm_") for name in fams)
+
+
+def test_labels_per_artifact_peer_and_kind():
+    fams = families(render(build_registry(board().snapshot))[0].decode())
+    art = "v00000007.delta"
+    assert value(fams, "deltaswarm_transfer_done_bytes", artifact=art) == 1000
+    assert value(fams, "deltaswarm_transfer_size_bytes", artifact=art) == 4000
+    assert value(fams, "deltaswarm_transfer_state", artifact=art, state="fetching") == 1
+    assert value(fams, "deltaswarm_transfer_state", artifact=art, state="current") == 0
+    assert value(fams, "deltaswarm_peer_received_bytes_total", peer="10.0.0.2:6881",
+                 peer_node="us-1") == 700
+    assert value(fams, "deltaswarm_verification_failures_total", kind="piece") == 2
+    assert value(fams, "deltaswarm_verification_failures_total", kind="block") == 1
+    assert value(fams, "deltaswarm_refused_manifests_total", kind="unsigned") == 1
+
+
+def test_lag_is_absent_while_the_node_holds_no_version():
+    fams = families(render(build_registry(lambda: NodeStatus(head_version=3)))[0].decode())
+    assert "deltaswarm_lag_versions" not in fams
+    assert "deltaswarm_current_version" not in fams
+    assert value(fams, "deltaswarm_head_version") == 3
+
+
+def test_each_scrape_reads_a_fresh_snapshot():
+    b = board()
+    reg = build_registry(b.snapshot)
+    before = families(render(reg)[0].decode())
+    b.set_current(8, "cd" * 16)
+    b.add_bytes(down=300)
+    after = families(render(reg)[0].decode())
+    assert value(before, "deltaswarm_lag_versions") == 2
+    assert value(after, "deltaswarm_lag_versions") == 0
+    assert value(after, "deltaswarm_received_bytes_total") == 1000
+
+
+def test_two_nodes_in_one_process_have_separate_registries():
+    a, b = board("eu-1"), board("us-1")
+    b.set_current(8, "cd" * 16)
+    ra, rb = build_registry(a.snapshot), build_registry(b.snapshot)
+    fa, fb = families(render(ra)[0].decode()), families(render(rb)[0].decode())
+    assert value(fa, "deltaswarm_current_version") == 6
+    assert value(fb, "deltaswarm_current_version") == 8
+    assert REGISTRY.get_sample_value("deltaswarm_current_version") is None
+
+
+def test_metrics_endpoint_serves_text_and_openmetrics():
+    b = board()
+
+    async def run() -> tuple[str, str, str, str]:
+        app = web.Application()
+        app.router.add_get("/metrics", metrics_handler(b.snapshot))
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}/metrics"
+        try:
+            async with aiohttp.ClientSession() as s:
+                async with s.get(url) as r:
+                    assert r.status == 200
+                    text, ctype = await r.text(), r.headers["Content-Type"]
+                om_accept = "application/openmetrics-text; version=1.0.0"
+                async with s.get(url, headers={"Accept": om_accept}) as r:
+                    om, om_type = await r.text(), r.headers["Content-Type"]
+        finally:
+            await runner.cleanup()
+        return text, ctype, om, om_type
+
+    text, ctype, om, om_type = asyncio.run(run())
+    assert ctype.startswith("text/plain; version=0.0.4")
+    assert value(families(text), "deltaswarm_current_version") == 6
+    assert om_type.startswith("application/openmetrics-text")
+    assert om.rstrip().endswith("# EOF")
+    assert "deltaswarm_verification_failures_total{kind=\"piece\"} 2.0" in om
