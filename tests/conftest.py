@@ -1,0 +1,44 @@
+"""Shared test fixtures: small models as state dicts, a signing key, a chain with versions."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from chain import keys
+
+
+@pytest.fixture
+def signing_key(tmp_path: Path):
+    return keys.generate(tmp_path / "trainer.key")
+
+
+def make_state(seed: int = 0, scale: int = 1) -> dict[str, torch.Tensor]:
+    """A few bf16 tensors shaped like a tiny transformer, plus odd ones (fp32, int, empty)."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "embed.weight": (torch.randn(64 * scale, 32, generator=g) * 0.02).bfloat16(),
+        "layers.0.attn.qkv.weight": (torch.randn(96, 32 * scale, generator=g) * 0.05).bfloat16(),
+        "layers.0.mlp.up.weight": (torch.randn(128, 32, generator=g) * 0.05).bfloat16(),
+        "layers.0.norm.weight": torch.ones(32).bfloat16(),
+        "master.bias": torch.randn(17, generator=g),
+        "step.count": torch.arange(5, dtype=torch.int64),
+        "empty": torch.zeros(0, 4).bfloat16(),
+    }
+
+
+def perturb(state: dict[str, torch.Tensor], seed: int, density: float = 0.01
+            ) -> dict[str, torch.Tensor]:
+    """Next version: about `density` of float elements move by a tiny relative step."""
+    g = torch.Generator().manual_seed(1000 + seed)
+    out = {}
+    for name, t in state.items():
+        if t.is_floating_point() and t.numel():
+            f = t.float()
+            mask = torch.rand(f.shape, generator=g) < density
+            f = torch.where(mask, f * (1 + 0.02 * torch.sign(torch.randn(f.shape, generator=g))),
+                            f)
+            out[name] = f.to(t.dtype)
+        else:
+            out[name] = t.clone()
+    return out

@@ -1,0 +1,166 @@
+"""Reconstruction: bit-exact HF directories from snapshots and deltas, verification, and
+convergence after a kill -9 at random points of an apply."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from chain.errors import BadBlock, ChainError, DigestMismatch
+from chain.store import ChainStore
+from chain.weights import WeightsDir
+from tests.conftest import make_state, perturb
+from tests.unit.chain.test_store import build_chain
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    if set(a) != set(b):
+        return False
+    return all(
+        a[k].dtype == b[k].dtype and a[k].shape == b[k].shape
+        and torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8))
+        for k in a
+    )
+
+
+def getter(store: ChainStore):
+    return lambda b: store.blocks.get(b.id, b.size)
+
+
+def test_snapshot_plus_deltas_reconstruct_bit_exactly(tmp_path, signing_key):
+    store = ChainStore(tmp_path / "chain", signing_key.public_key())
+    states = build_chain(store, signing_key, 4)
+    w = WeightsDir(tmp_path / "w")
+    cur = w.apply(store.plan(None, 4), getter(store))
+    assert cur.version == 4
+    assert same(load_file(cur.path / "model.safetensors"), states[4])
+    assert w.verify().state_digest == store.manifest("v00000004.delta").state_digest
+    assert not w.staging()
+
+
+def test_tensors_added_removed_and_reshaped_between_versions(tmp_path, signing_key):
+    from chain.sources import StateDictSource
+    from chain.writer import write_artifact
+
+    store = ChainStore(tmp_path / "chain", signing_key.public_key())
+    s0 = make_state()
+    m0, _ = write_artifact(store.blocks, signing_key, run="r", version=0, kind="snapshot",
+                           new=StateDictSource(s0))
+    store.add(m0)
+    s1 = dict(perturb(s0, 1))
+    del s1["master.bias"]
+    s1["added.weight"] = torch.randn(3, 5).bfloat16()
+    s1["layers.0.norm.weight"] = s1["layers.0.norm.weight"].reshape(4, 8).clone()
+    s1["step.count"] = s1["step.count"].to(torch.int32)
+    m1, _ = write_artifact(store.blocks, signing_key, run="r", version=1, kind="delta",
+                           new=StateDictSource(s1), parent=StateDictSource(s0),
+                           parent_manifest=m0)
+    store.add(m1)
+    w = WeightsDir(tmp_path / "w")
+    cur = w.apply(store.plan(None, 1), getter(store))
+    assert same(load_file(cur.path / "model.safetensors"), s1)
+
+
+def test_corrupt_block_never_becomes_current(tmp_path, signing_key):
+    store = ChainStore(tmp_path / "chain", signing_key.public_key())
+    build_chain(store, signing_key, 2)
+    w = WeightsDir(tmp_path / "w")
+    w.apply(store.plan(None, 1), getter(store))
+    m2 = store.manifest("v00000002.delta")
+    path = store.blocks.path(m2.stream_blocks[0].id)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(BadBlock):
+        w.apply([m2], getter(store))
+    assert w.current().version == 1
+    w.verify()
+
+
+def test_a_bad_delta_that_passes_block_checks_is_caught_by_the_digest(tmp_path, signing_key):
+    store = ChainStore(tmp_path / "chain", signing_key.public_key())
+    build_chain(store, signing_key, 2)
+    w = WeightsDir(tmp_path / "w")
+    w.apply(store.plan(None, 1), getter(store))
+    m2 = store.manifest("v00000002.delta")
+    wrong = m2.tensors[0].model_copy(update={"digest": "f" * 32})
+    m2_bad = m2.model_copy(update={"tensors": [wrong, *m2.tensors[1:]]})
+    with pytest.raises((DigestMismatch, ChainError)):
+        w.apply([m2_bad], getter(store))
+    assert w.current().version == 1
+
+
+CRASH_SCRIPT = r"""
+import sys
+from pathlib import Path
+from chain.store import ChainStore
+from chain.weights import WeightsDir
+store = ChainStore(Path(sys.argv[1]))
+w = WeightsDir(Path(sys.argv[2]))
+cur = w.current()
+plan = store.plan(cur.version if cur else None, int(sys.argv[3]))
+print("start", flush=True)
+w.apply(plan, lambda b: store.blocks.get(b.id, b.size))
+"""
+
+
+@pytest.mark.slow
+def test_kill_during_apply_restarts_into_a_verified_state_and_converges(tmp_path, signing_key):
+    store = ChainStore(tmp_path / "chain", signing_key.public_key())
+    states = build_chain(store, signing_key, 3)
+    big = {f"layer.{i}.weight": (torch.randn(256, 256) * 0.02).bfloat16() for i in range(24)}
+    from chain.sources import StateDictSource
+    from chain.writer import write_artifact
+
+    prev_m = store.manifest("v00000003.delta")
+    prev = states[3]
+    for v in (4, 5):
+        nxt = {**perturb(prev, v), **{k: perturb(big, v * 10 + i, 0.01)[k]
+                                        for i, k in enumerate(big)}}
+        m, _ = write_artifact(store.blocks, signing_key, run="r1", version=v, kind="delta",
+                              new=StateDictSource(nxt), parent=StateDictSource(prev),
+                              parent_manifest=prev_m)
+        store.add(m)
+        prev, prev_m = nxt, m
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
+    # time one uninterrupted apply to spread kills over its whole duration
+    ref = tmp_path / "ref"
+    t0 = time.monotonic()
+    subprocess.run([sys.executable, "-c", CRASH_SCRIPT, str(tmp_path / "chain"), str(ref), "5"],
+                   check=True, env=env, capture_output=True)
+    duration = time.monotonic() - t0
+    rng = torch.Generator().manual_seed(1)
+    target = tmp_path / "w"
+    kills = 0
+    for trial in range(12):
+        if trial % 4 == 0:
+            import shutil
+
+            shutil.rmtree(target, ignore_errors=True)
+        p = subprocess.Popen([sys.executable, "-c", CRASH_SCRIPT, str(tmp_path / "chain"),
+                              str(target), "5"], env=env, stdout=subprocess.PIPE)
+        try:
+            p.stdout.readline()
+            time.sleep(float(torch.rand(1, generator=rng)) * duration * 0.8)
+            os.kill(p.pid, signal.SIGKILL)
+            kills += 1
+        finally:
+            p.wait()
+            p.stdout.close()
+        w = WeightsDir(target)
+        cur = w.current()
+        if cur is not None:
+            w.verify()  # whatever version is current is complete and bit-exact
+    w = WeightsDir(target)
+    cur = w.apply(store.plan(w.current().version if w.current() else None, 5), getter(store))
+    assert cur.version == 5
+    assert same(load_file(cur.path / "model.safetensors"), prev)
+    assert cur.state_digest == WeightsDir(ref).current().state_digest
+    assert not w.staging()
+    assert kills == 12
