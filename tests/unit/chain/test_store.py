@@ -123,7 +123,7 @@ def test_retention_keeps_a_bootstrap_path_and_gc_drops_the_rest(tmp_path, signin
     dropped = store.gc(Retention(versions=3))
     assert "v00000000.snapshot" in dropped and "v00000001.delta" in dropped
     assert {"v00000004.snapshot", "v00000005.delta", "v00000008.delta"} <= set(store.artifacts())
-    assert [m.artifact for m in store.plan(4, 7)][0] == "v00000005.delta"
+    assert store.plan(4, 7)[0].artifact == "v00000005.delta"
     live = {b.id for m in store.manifests().values() for b in m.blocks}
     assert store.blocks.ids() == live
 
