@@ -134,12 +134,10 @@ class Swarm:
         """Serve an artifact whose blocks sit at `torrents.block_path(save_path, artifact, id)`.
         Files are checked for presence and size here; piece hashes on first upload."""
         ti = self._info(artifact, torrent_bytes)
-        files, missing = ti.files(), []
-        for i in range(files.num_files()):
-            if files.file_flags(i) & lt.file_storage.flag_pad_file:
-                continue
-            path = Path(save_path) / files.file_path(i)
-            if not path.is_file() or path.stat().st_size != files.file_size(i):
+        missing = []
+        for block, size in torrents.torrent_blocks(torrent_bytes)[1].items():
+            path = torrents.block_path(save_path, artifact, block)
+            if not path.is_file() or path.stat().st_size != size:
                 missing.append(str(path))
         if missing:
             raise SwarmError(f"cannot seed {artifact}: {len(missing)} block files missing or of "
@@ -286,9 +284,11 @@ class Swarm:
         self.add_peers(artifact, peers)
 
     def _info(self, artifact: str, torrent_bytes: bytes) -> lt.torrent_info:
-        top = torrents.bdecode(bytes(torrent_bytes))
-        name = top.get(b"info", {}).get(b"name") if isinstance(top, dict) else None
-        if name != artifact.encode():
+        try:
+            name, _ = torrents.torrent_blocks(torrent_bytes)
+        except torrents.BadTorrent as exc:
+            raise SwarmError(f"bad torrent for {artifact}: {exc}") from None
+        if name != artifact:
             raise SwarmError(f"torrent named {name!r} given for {artifact}")
         return lt.torrent_info(lt.bdecode(torrent_bytes))
 

@@ -107,6 +107,13 @@ def check_torrent_against(torrent_bytes: bytes, expected_blocks: Iterable[Block]
                                  f"its pieces root")
 
 
+def torrent_blocks(torrent_bytes: bytes) -> tuple[str, dict[str, int]]:
+    """(name, {block id: size}) of a torrent made by make_torrent; BadTorrent otherwise."""
+    info = _decode_torrent(torrent_bytes)[b"info"]
+    name = _get(info, b"name", bytes).decode("utf-8", "replace")
+    return name, {b: size for b, (size, _) in _files(info, name).items()}
+
+
 def link_blocks(artifact: str, block_paths: Sequence[tuple[str, str | os.PathLike]],
                 save_path: str | os.PathLike) -> Path:
     """Lay the blocks out under save_path as a seed needs them (hard links; copies across

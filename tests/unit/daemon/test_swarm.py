@@ -1,0 +1,151 @@
+"""daemon.swarm: real libtorrent sessions on loopback, one 127.0.0.x address per node (bans are
+per IP), moving real v2 torrents: swarming, resume after interruption, banning a lying peer."""
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from chain.digest import block_id
+from daemon import torrents
+from daemon.swarm import Swarm, SwarmConfig, SwarmError, SwarmEvent
+
+ART = "v00000003.delta"
+PIECE = 1 << 18
+
+
+@pytest.fixture
+def swarms():
+    made: list[Swarm] = []
+
+    def make(ip: str, **kw) -> Swarm:
+        s = Swarm(SwarmConfig(listen=f"{ip}:0", **kw))
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def _store(tmp_path: Path, n: int, size: int) -> tuple[list[tuple[str, Path]], bytes]:
+    blocks = []
+    for _ in range(n):
+        data = os.urandom(size)
+        p = tmp_path / "store" / block_id(data)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(data)
+        blocks.append((block_id(data), p))
+    return blocks, torrents.make_torrent(ART, blocks, PIECE)
+
+
+def _until(nodes: list[Swarm], cond: Callable[[], bool], timeout: float) -> list[SwarmEvent]:
+    events, deadline = [], time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"condition not met in {timeout}s: "
+                               f"{[n.status()['torrents'] for n in nodes]}")
+        for n in nodes:
+            events += n.pump(0.02)
+    for n in nodes:
+        events += n.pump()
+    return events
+
+
+def _holds_blocks(save_path: Path, blocks) -> bool:
+    return all(block_id(torrents.block_path(save_path, ART, b).read_bytes()) == b
+               for b, _ in blocks)
+
+
+def test_one_seed_three_peers_complete_and_peers_upload_to_each_other(tmp_path, swarms):
+    blocks, tb = _store(tmp_path, 6, 2 << 20)
+    torrents.link_blocks(ART, blocks, tmp_path / "seed")
+    seed = swarms("127.0.0.2", seed_mode=True, upload_rate=4 << 20)
+    seed.seed(ART, tb, tmp_path / "seed")
+    peers = [swarms(f"127.0.0.{3 + i}") for i in range(3)]
+    for i, p in enumerate(peers):
+        p.download(ART, tb, tmp_path / f"n{i}", [seed.endpoint])
+    peers[0].add_peers(ART, [q.endpoint for q in peers[1:]])
+    events = _until([seed, *peers], lambda: all(p.progress(ART).finished for p in peers), 30)
+    assert sorted(e.kind for e in events if e.kind == "finished") == ["finished"] * 3
+    for i in range(3):
+        assert _holds_blocks(tmp_path / f"n{i}", blocks)
+    total = 6 * (2 << 20)
+    assert max(p.status()["uploaded"] for p in peers) > 0
+    assert sum(p.status()["uploaded"] for p in peers) > total // 2
+    assert seed.status()["uploaded"] < 3 * total
+    assert all(p.status()["downloaded"] >= total for p in peers)
+
+
+def test_interrupted_download_resumes_from_saved_resume_data(tmp_path, swarms):
+    blocks, tb = _store(tmp_path, 4, 4 << 20)
+    torrents.link_blocks(ART, blocks, tmp_path / "seed")
+    seed = swarms("127.0.0.6", seed_mode=True, upload_rate=4 << 20)
+    seed.seed(ART, tb, tmp_path / "seed")
+    first = Swarm(SwarmConfig(listen="127.0.0.7:0"))
+    try:
+        first.download(ART, tb, tmp_path / "n", [seed.endpoint])
+        _until([first, seed], lambda: first.progress(ART).done >= 6 << 20, 20)
+        assert not first.progress(ART).finished
+        [path] = first.save_resume_data(tmp_path / "resume")
+        assert path == tmp_path / "resume" / f"{ART}.resume"
+    finally:
+        first.close()
+    again = swarms("127.0.0.7")
+    again.download(ART, tb, tmp_path / "n", [], Swarm.load_resume_data(tmp_path / "resume", ART))
+    _until([again], lambda: "checking" not in again.progress(ART).state, 10)
+    p = again.progress(ART)
+    assert p.done >= 6 << 20 and p.downloaded == 0
+    again.add_peers(ART, [seed.endpoint])
+    _until([again, seed], lambda: again.progress(ART).finished, 20)
+    assert again.progress(ART).downloaded <= 16 * 2**20 - (6 << 20)
+    assert _holds_blocks(tmp_path / "n", blocks)
+
+
+def test_peer_serving_corrupt_blocks_is_banned_and_download_completes(tmp_path, swarms):
+    blocks, tb = _store(tmp_path, 4, 2 << 20)
+    torrents.link_blocks(ART, blocks, tmp_path / "honest")
+    for b, src in blocks:
+        dst = torrents.block_path(tmp_path / "liar", ART, b)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.write_bytes(src.read_bytes())
+    liar = swarms("127.0.0.8")
+    liar.download(ART, tb, tmp_path / "liar")  # a full check: it then trusts its files
+    _until([liar], lambda: liar.progress(ART).finished, 10)
+    for b, _ in blocks:
+        with open(torrents.block_path(tmp_path / "liar", ART, b), "r+b") as f:
+            f.write(os.urandom(2 << 20))
+    victim = swarms("127.0.0.9")
+    victim.download(ART, tb, tmp_path / "victim", [liar.endpoint])
+    events = _until([liar, victim], lambda: victim.status()["bans"] > 0, 15)
+    assert victim.status()["banned"].keys() == {"127.0.0.8"}
+    assert victim.status()["hash_failures"] >= 1
+    assert any(e.kind == "banned" and e.peer == "127.0.0.8" for e in events)
+    honest = swarms("127.0.0.10", seed_mode=True)
+    honest.seed(ART, tb, tmp_path / "honest")
+    victim.add_peers(ART, [honest.endpoint, liar.endpoint])
+    _until([liar, victim, honest], lambda: victim.progress(ART).finished, 20)
+    assert _holds_blocks(tmp_path / "victim", blocks)
+    assert victim.status()["banned"].keys() == {"127.0.0.8"}
+
+
+def test_rate_limits_change_at_runtime_and_bad_calls_are_refused(tmp_path, swarms):
+    node = swarms("127.0.0.11", upload_rate=1000)
+    assert node.status()["upload_rate_limit"] == 1000
+    node.set_rate_limits(upload=5 << 20, download=7 << 20)
+    st = node.status()
+    assert (st["upload_rate_limit"], st["download_rate_limit"]) == (5 << 20, 7 << 20)
+    with pytest.raises(SwarmError):
+        node.set_rate_limits(-1, 0)
+    with pytest.raises(SwarmError, match="not in the swarm"):
+        node.progress(ART)
+    _, tb = _store(tmp_path, 1, 1000)
+    with pytest.raises(SwarmError, match="missing"):
+        node.seed(ART, tb, tmp_path / "nowhere")
+    with pytest.raises(SwarmError, match="named"):
+        node.download("v00000004.delta", tb, tmp_path / "x")
+    node.ban("127.0.0.99", "test")
+    assert node.status()["banned"] == {"127.0.0.99": "test"}
+    assert [e.kind for e in node.pump()] == ["banned"]
