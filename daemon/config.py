@@ -1,0 +1,254 @@
+"""The daemon configuration: one pydantic tree loaded from YAML, each field documented and bounded.
+
+`load_config(path)` is the only entry: it reads the YAML, resolves relative paths against the
+config file's directory, validates, and turns any problem into a `ConfigError` whose message
+names the file, the field and what is wrong.
+"""
+
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+_HOST = r"^[A-Za-z0-9.\-:\[\]]{1,253}$"
+_URL = r"^https?://[A-Za-z0-9.\-\[\]:]+(:\d{1,5})?(/[^\s]*)?$"
+Url = Annotated[str, Field(pattern=_URL, max_length=2048)]
+
+
+class ConfigError(ValueError):
+    """The config file is missing, malformed, or names a field with an invalid value."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class HttpListen(_Section):
+    host: str = Field("127.0.0.1", pattern=_HOST)
+    """Address the control plane (aiohttp) binds to."""
+    port: int = Field(8700, ge=1, le=65535)
+    """TCP port of the control plane."""
+    advertise_url: Url | None = None
+    """URL other daemons use to reach this one; default http://host:port (set it when binding
+    0.0.0.0 or behind NAT)."""
+    max_body_bytes: int = Field(64 << 20, ge=1 << 16, le=1 << 30)
+    """Largest request body accepted (trajectory batches), in bytes."""
+
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return (self.advertise_url or f"http://{host}:{self.port}").rstrip("/")
+
+
+class BtListen(_Section):
+    host: str = Field("127.0.0.1", pattern=_HOST)
+    """Address the BitTorrent session listens on and connects from (bans are per address)."""
+    port: int = Field(6881, ge=0, le=65535)
+    """TCP port for BitTorrent peers; 0 picks a free one."""
+    advertise_host: str | None = Field(None, pattern=_HOST)
+    """Host other daemons connect to; default `host` (set it when binding 0.0.0.0)."""
+    piece_size: int = Field(1 << 20, ge=1 << 14, le=1 << 24)
+    """Torrent piece size in bytes (power of two); every node of a swarm must use the same."""
+
+    @field_validator("piece_size")
+    @classmethod
+    def _pow2(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError(f"{v} is not a power of two (e.g. 262144, 1048576)")
+        return v
+
+
+class Limits(_Section):
+    upload_bytes_per_s: int = Field(0, ge=0, le=1 << 40)
+    """Swarm upload cap in bytes/s; 0 = unlimited. Applies on private addresses too."""
+    download_bytes_per_s: int = Field(0, ge=0, le=1 << 40)
+    """Swarm download cap in bytes/s; 0 = unlimited."""
+
+
+class RetentionConfig(_Section):
+    versions: int = Field(8, ge=1, le=100_000)
+    """Artifacts of the last this many versions are kept and seeded (plus the snapshot and
+    deltas a late joiner needs to reach them)."""
+    weight_dirs: int = Field(2, ge=1, le=100)
+    """Reconstructed HF weight directories kept on disk (the current one included)."""
+
+
+class NoHook(_Section):
+    type: Literal["none"] = "none"
+    """Tell no engine; engines may long-poll GET /v1/weights/current instead."""
+
+
+class HttpHook(_Section):
+    type: Literal["http"]
+    url: Url
+    """POSTed {"version", "state_digest", "path"} after each verified version."""
+    timeout_s: float = Field(30.0, gt=0, le=3600)
+    """Give up on one notification after this long (it is retried, then counted as failed)."""
+
+
+class CommandHook(_Section):
+    type: Literal["command"]
+    argv: list[str] = Field(min_length=1, max_length=256)
+    """Program and arguments; `{version}`, `{path}`, `{state_digest}` are substituted, and the
+    same values are in DELTASWARM_VERSION / _PATH / _STATE_DIGEST."""
+    timeout_s: float = Field(300.0, gt=0, le=86400)
+    """Kill the command after this long."""
+
+
+class VllmHook(_Section):
+    type: Literal["vllm"]
+    url: Url
+    """Base URL of a vLLM server started with VLLM_SERVER_DEV_MODE=1."""
+    timeout_s: float = Field(600.0, gt=0, le=86400)
+    """Budget for one pause → reload → reset cache → resume cycle."""
+
+
+EngineHook = Annotated[NoHook | HttpHook | CommandHook | VllmHook, Field(discriminator="type")]
+
+
+class Trajectories(_Section):
+    upstream: Url | None = None
+    """Where spooled trajectories go: the trainer's ingest URL (…/v1/ingest) or another daemon's
+    …/v1/trajectories; null keeps them spooled (nothing is forwarded)."""
+    upstream_token: str | None = Field(None, min_length=8, max_length=4096)
+    """Bearer token for the upstream; default: this swarm's token."""
+    spool_max_bytes: int = Field(256 << 20, ge=1 << 16, le=1 << 40)
+    """Spool size at which new batches get 429 + Retry-After (back-pressure on workers)."""
+    batch_size: int = Field(256, ge=1, le=100_000)
+    """Most trajectories per forwarded request."""
+    batch_max_bytes: int = Field(8 << 20, ge=1 << 12, le=1 << 30)
+    """Most bytes per forwarded request."""
+    retry_initial_s: float = Field(0.5, gt=0, le=60)
+    """First retry delay after a failed forward; doubles up to retry_max_s, with jitter."""
+    retry_max_s: float = Field(30.0, gt=0, le=3600)
+    """Longest delay between forward attempts."""
+    request_timeout_s: float = Field(30.0, gt=0, le=3600)
+    """Timeout of one forward request."""
+
+    @model_validator(mode="after")
+    def _order(self) -> "Trajectories":
+        if self.retry_max_s < self.retry_initial_s:
+            raise ValueError("retry_max_s must be >= retry_initial_s")
+        return self
+
+
+class Config(_Section):
+    node: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    """This daemon's name (unique in the swarm; shown in status and logs)."""
+    region: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    """Region this daemon serves (trajectories are tagged by workers; shown in status)."""
+    role: Literal["trainer", "region"]
+    """`trainer`: seeds what the local publisher writes; `region`: follows the swarm."""
+    state_dir: Path
+    """Directory for chain, torrents, weights and spool; must exist and be writable."""
+    http: HttpListen = HttpListen()
+    """Control plane listen address."""
+    bittorrent: BtListen = BtListen()
+    """BitTorrent listen address and piece size."""
+    bootstrap: list[Url] = Field(default_factory=list, max_length=1000)
+    """Control-plane URLs of peers to learn heads from (one reachable peer is enough)."""
+    trainer_public_key: str = Field(pattern=r"^[0-9a-f]{64}$")
+    """The trainer's Ed25519 public key (64 hex digits); unsigned or foreign manifests are
+    refused."""
+    token: str | None = Field(None, min_length=8, max_length=4096)
+    """Bearer token of the swarm (required on data and state-changing routes)."""
+    token_file: Path | None = None
+    """File holding the token (first line); use instead of `token`."""
+    limits: Limits = Limits()
+    retention: RetentionConfig = RetentionConfig()
+    engine: EngineHook = NoHook()
+    """The inference engine to notify after each verified version."""
+    trajectories: Trajectories = Trajectories()
+    long_poll_timeout_s: float = Field(30.0, gt=0, le=600)
+    """Default and largest wait of a long-poll (head, weights) before it answers anyway."""
+    seed_mode: bool = False
+    """Trainer-side choking (few fast-rotating unchokes) so each piece leaves the seed ~once."""
+    max_peers: int = Field(32, ge=1, le=10_000)
+    """Most peers whose heads are long-polled at once (bootstrap peers first)."""
+    shutdown_timeout_s: float = Field(20.0, gt=0, le=600)
+    """Bound on a graceful stop (drain, save resume data, abandon an apply)."""
+
+    @model_validator(mode="after")
+    def _token_and_seed(self) -> "Config":
+        if (self.token is None) == (self.token_file is None):
+            raise ValueError("set exactly one of `token` and `token_file`")
+        if self.seed_mode and self.role != "trainer":
+            raise ValueError("seed_mode is for role: trainer only")
+        return self
+
+    def bearer(self) -> str:
+        if self.token is not None:
+            return self.token
+        assert self.token_file is not None
+        try:
+            tok = self.token_file.read_text().strip().splitlines()[0].strip()
+        except (OSError, IndexError) as e:
+            raise ConfigError(f"token_file {self.token_file}: cannot read a token ({e})") from None
+        if len(tok) < 8:
+            raise ConfigError(f"token_file {self.token_file}: token shorter than 8 characters")
+        return tok
+
+    def bt_advertise(self) -> str:
+        return self.bittorrent.advertise_host or self.bittorrent.host
+
+
+def _resolve(doc: dict, base: Path) -> None:
+    for key in ("state_dir", "token_file"):
+        if isinstance(doc.get(key), str):
+            p = Path(os.path.expanduser(doc[key]))
+            doc[key] = str(p if p.is_absolute() else base / p)
+
+
+def _where(loc: tuple) -> str:
+    parts = [str(p) for p in loc]
+    if len(parts) > 1 and parts[0] == "engine" and parts[1] in ("none", "http", "command", "vllm"):
+        del parts[1]
+    return ".".join(parts) or "(top level)"
+
+
+def load_config(path: str | os.PathLike, check_paths: bool = True) -> Config:
+    """Parse and validate a daemon config; with `check_paths`, also require a writable
+    state_dir and a readable token_file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"config {path}: cannot read it ({e.strerror or e})") from None
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config {path}: not valid YAML: {e}") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"config {path}: expected a mapping of fields at the top level")
+    _resolve(doc, path.parent.resolve())
+    try:
+        cfg = Config.model_validate(doc)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            msg = re.sub(r"^Value error, ", "", err["msg"])
+            where = _where(err["loc"])
+            got = err.get("input")
+            shown = "" if isinstance(got, dict | list) or got is None else f" (got {got!r:.60})"
+            lines.append(f"  field {where}: {msg}{shown}")
+        raise ConfigError(f"config {path}: {len(lines)} invalid field(s):\n" + "\n".join(lines)
+                          ) from None
+    if check_paths:
+        check_state_dir(cfg, path)
+        try:
+            cfg.bearer()
+        except ConfigError as e:
+            raise ConfigError(f"config {path}: field {e}") from None
+    return cfg
+
+
+def check_state_dir(cfg: Config, path: Path) -> None:
+    d = cfg.state_dir
+    if not d.is_dir():
+        raise ConfigError(f"config {path}: field state_dir: {d} does not exist or is not a "
+                          f"directory; create it (mkdir -p {d}) or fix the path")
+    if not os.access(d, os.W_OK | os.X_OK):
+        raise ConfigError(f"config {path}: field state_dir: {d} is not writable by this user "
+                          f"(uid {os.getuid()}); fix its owner or permissions")

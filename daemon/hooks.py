@@ -1,0 +1,134 @@
+"""Telling the local inference engine that a new verified version is current.
+
+One small seam, `EngineHook.notify(version, path, state_digest)`, chosen by the config's
+`engine.type`: none, an HTTP POST, a command, or a vLLM server (`rollout.vllm_server`, imported
+only when configured). Failures are retried a few times, then counted; they never stop the sync.
+"""
+
+import asyncio
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Protocol
+
+import aiohttp
+
+from daemon.config import CommandHook, HttpHook, NoHook, VllmHook
+
+log = logging.getLogger("deltaswarm.hooks")
+
+
+class HookFailed(RuntimeError):
+    """The engine did not accept the notification."""
+
+
+class EngineHook(Protocol):
+    async def notify(self, version: int, path: Path, state_digest: str) -> None: ...
+    async def close(self) -> None: ...
+
+
+class NullHook:
+    async def notify(self, version: int, path: Path, state_digest: str) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+
+class HttpNotifyHook:
+    def __init__(self, cfg: HttpHook, session: aiohttp.ClientSession, token: str) -> None:
+        self.cfg = cfg
+        self.session = session
+        self.headers = {"Authorization": f"Bearer {token}"}
+
+    async def notify(self, version: int, path: Path, state_digest: str) -> None:
+        body = {"version": version, "path": str(path), "state_digest": state_digest}
+        async with self.session.post(self.cfg.url, json=body, headers=self.headers,
+                                     timeout=aiohttp.ClientTimeout(total=self.cfg.timeout_s)) as r:
+            if r.status >= 300:
+                raise HookFailed(f"{self.cfg.url} answered HTTP {r.status}: "
+                                 f"{(await r.text())[:200]}")
+
+    async def close(self) -> None:
+        return None
+
+
+class CommandNotifyHook:
+    def __init__(self, cfg: CommandHook) -> None:
+        self.cfg = cfg
+
+    async def notify(self, version: int, path: Path, state_digest: str) -> None:
+        values = {"version": str(version), "path": str(path), "state_digest": state_digest}
+        argv = [a.format_map(values) if "{" in a else a for a in self.cfg.argv]
+        env = {**os.environ, "DELTASWARM_VERSION": values["version"],
+               "DELTASWARM_PATH": values["path"], "DELTASWARM_STATE_DIGEST": state_digest}
+        proc = await asyncio.create_subprocess_exec(
+            *argv, env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+        try:
+            _, err = await asyncio.wait_for(proc.communicate(), self.cfg.timeout_s)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+            raise HookFailed(f"{argv[0]} did not finish within {self.cfg.timeout_s}s") from None
+        if proc.returncode != 0:
+            raise HookFailed(f"{argv[0]} exited {proc.returncode}: "
+                             f"{err.decode(errors='replace')[-300:]}")
+
+    async def close(self) -> None:
+        return None
+
+
+def build_hook(cfg: NoHook | HttpHook | CommandHook | VllmHook, session: aiohttp.ClientSession,
+               token: str) -> EngineHook:
+    if cfg.type == "none":
+        return NullHook()
+    if cfg.type == "http":
+        return HttpNotifyHook(cfg, session, token)
+    if cfg.type == "command":
+        return CommandNotifyHook(cfg)
+    if cfg.type == "vllm":
+        from rollout.vllm_server import VllmServerHook  # heavy and optional: import on use
+
+        return VllmServerHook(cfg, session)
+    raise ValueError(f"unknown engine hook type {cfg.type!r}: expected none|http|command|vllm")
+
+
+class Notifier:
+    """Runs the hook with retries and keeps the counts the status reports."""
+
+    def __init__(self, hook: EngineHook, kind: str, attempts: int = 3) -> None:
+        self.hook = hook
+        self.kind = kind
+        self.attempts = attempts
+        self.ok = 0
+        self.failed = 0
+        self.last_version: int | None = None
+        self.last_error = ""
+        self.last_seconds = 0.0
+
+    async def notify(self, version: int, path: Path, state_digest: str) -> bool:
+        delay = 0.5
+        for attempt in range(1, self.attempts + 1):
+            t0 = time.monotonic()
+            try:
+                await self.hook.notify(version, path, state_digest)
+            except (HookFailed, aiohttp.ClientError, TimeoutError, OSError, ValueError) as e:
+                self.last_error = f"v{version}: {type(e).__name__}: {e}"[:400]
+                log.warning("engine notification %d/%d failed: %s", attempt, self.attempts,
+                            self.last_error)
+                if attempt < self.attempts:
+                    await asyncio.sleep(delay)
+                    delay *= 2
+                continue
+            self.ok += 1
+            self.last_version = version
+            self.last_seconds = time.monotonic() - t0
+            return True
+        self.failed += 1
+        return False
+
+    def status(self) -> dict:
+        return {"type": self.kind, "ok": self.ok, "failed": self.failed,
+                "last_version": self.last_version, "last_error": self.last_error,
+                "last_seconds": round(self.last_seconds, 3)}

@@ -1,0 +1,135 @@
+"""Filling the `NodeStatus` model (daemon/status.py) from a running node's parts.
+
+Built fresh on each request from the live objects (swarm, syncer, seeder, spool, notifier), so
+there is one source of truth per number and nothing to keep in step.
+"""
+
+import time
+from typing import TYPE_CHECKING
+
+from chain.manifest import parse_artifact
+from daemon.status import (
+    Ban,
+    EngineStatus,
+    NodeStatus,
+    Peer,
+    Rates,
+    RefusedManifest,
+    SpoolStatus,
+    Totals,
+    Transfer,
+    Verification,
+)
+
+if TYPE_CHECKING:
+    from daemon.node import Node
+
+
+def refusal_kind(error: str, reason: str) -> str:
+    if error == "BadSignature":
+        return "unsigned" if "unsigned" in reason else "bad_signature"
+    if "wrong parent" in reason:
+        return "wrong_parent"
+    if "fork/replay" in reason or "conflicts" in reason:
+        return "replay"
+    if "belongs to run" in reason:
+        return "other_run"
+    return "invalid"
+
+
+def build_status(node: "Node") -> NodeStatus:
+    sw = node.swarm.status() if node.swarm is not None else {"torrents": {}, "uploaded": 0,
+                                                              "downloaded": 0, "banned": {}}
+    cur = node.current()
+    syncer = node.syncer
+    heads = [h for h in (node.store.head(), node.book.best_head()) if h is not None]
+    applying = syncer.applying if syncer is not None else None
+    transfers = syncer.transfers if syncer is not None else {}
+
+    versions = []
+    by_ip: dict[str, list[int]] = {}
+    rate_dn = rate_up = 0.0
+    for artifact, t in sorted(sw["torrents"].items()):
+        version = parse_artifact(artifact)[0]
+        if applying and applying.get("artifact") == artifact:
+            state = "applying"
+        elif not t["finished"]:
+            state = "failed" if t["error"] else "fetching"
+        elif cur is not None and version == cur["version"]:
+            state = "current"
+        else:
+            state = "seeding"
+        versions.append(Transfer(
+            artifact=artifact, version=version, state=state, done_bytes=t["done"],
+            total_bytes=t["total"], download_rate=t["download_rate"],
+            upload_rate=t["upload_rate"], bytes_up=t["uploaded"], peers=t["peers"],
+            error=t["error"] or None))
+        rate_dn += t["download_rate"]
+        rate_up += t["upload_rate"]
+        for p in t["peer_list"]:
+            acc = by_ip.setdefault(p["peer"].rpartition(":")[0], [0, 0])
+            acc[0] += p["uploaded"]
+            acc[1] += p["downloaded"]
+    for artifact, info in transfers.items():
+        if artifact not in sw["torrents"]:
+            versions.append(Transfer(artifact=artifact, version=parse_artifact(artifact)[0],
+                                     state="fetching", total_bytes=info.get("total") or 0))
+
+    peers = []
+    for p in node.book.peers.values():
+        up, down = by_ip.pop(p.bt[0], [0, 0]) if p.bt else (0, 0)
+        peers.append(Peer(node=p.node, http_url=p.url,
+                          bt_endpoint=f"{p.bt[0]}:{p.bt[1]}" if p.bt else None,
+                          bytes_up=up, bytes_down=down, last_seen=p.last_seen or None))
+    for ip, (up, down) in by_ip.items():
+        peers.append(Peer(bt_endpoint=ip, bytes_up=up, bytes_down=down))
+
+    payload = full = applied = 0
+    failures: dict[str, int] = {}
+    refused, refused_by = [], {}
+    if syncer is not None:
+        for a in syncer.applied:
+            payload += a["bytes"]
+            full += a["full_bytes"]
+            applied += 1
+        failures = dict(syncer.failures)
+        for r in syncer.refused:
+            kind = refusal_kind(r["error"], r["reason"])
+            refused.append(RefusedManifest(artifact=r["artifact"], source=r["source"], kind=kind,
+                                           reason=r["reason"], at=r["time"]))
+        refused_by = dict(syncer.refused_counts)
+    if node.piece_failures or sw.get("hash_failures"):
+        failures["piece"] = max(node.piece_failures, sw.get("hash_failures", 0))
+
+    n = node.notifier
+    engine = EngineStatus(type=node.cfg.engine.type)
+    if n is not None:
+        engine = EngineStatus(type=n.kind, notifications=n.ok, failures=n.failed,
+                              last_version=n.last_version, last_error=n.last_error or None)
+    spool = SpoolStatus(upstream=node.cfg.trajectories.upstream)
+    if node.forwarder is not None and node.spool is not None:
+        f = node.forwarder
+        spool = SpoolStatus(upstream=f.cfg.upstream, depth=node.spool.depth(),
+                            bytes=node.spool.bytes, received=node.spool_accepted,
+                            forwarded=f.forwarded, forward_rate=f.rate(),
+                            rejected_full=node.spool_refusals, errors=f.errors,
+                            last_error=f.last_error or None)
+
+    return NodeStatus(
+        node=node.cfg.node, region=node.cfg.region, role=node.cfg.role, http_url=node.url,
+        bt_endpoint=node.bt_advertised(), time=time.time(),
+        uptime_s=time.monotonic() - node.started,
+        current_version=cur["version"] if cur else None, head_version=max(heads, default=None),
+        state_digest=cur["state_digest"] if cur else None, versions=versions, peers=peers,
+        totals=Totals(bytes_up=sw["uploaded"], bytes_down=sw["downloaded"],
+                      payload_bytes=payload, full_bytes=full, versions_applied=applied),
+        rates=Rates(download=rate_dn, upload=rate_up),
+        verification=Verification(failures_by_kind=failures),
+        bans=[Ban(peer=ip, reason=reason, at=node.bans.get(ip, {}).get("at", 0.0),
+                  node=_node_of(node, ip)) for ip, reason in sw["banned"].items()],
+        refused_manifests=refused, refused_by_kind=refused_by, engine=engine, spool=spool)
+
+
+def _node_of(node: "Node", ip: str) -> str | None:
+    names = {p.node for p in node.book.peers.values() if p.bt and p.bt[0] == ip}
+    return names.pop() if len(names) == 1 else None
