@@ -187,7 +187,7 @@ def from_config(path: Path) -> tuple[str, str | None]:
         raise StatusError(f"cannot read config {path}: {e}") from None
     if not isinstance(doc, dict):
         raise StatusError(f"config {path}: expected a mapping at the top level")
-    http = doc.get("http") or {}
+    http = doc.get("http") if isinstance(doc.get("http"), dict) else {}
     url = http.get("advertise_url")
     if not url:
         host = str(http.get("host", "127.0.0.1"))
