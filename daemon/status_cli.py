@@ -120,6 +120,8 @@ def peers_table(s: NodeStatus) -> Table:
     for b in s.bans:
         table.add_row(b.node or "?", b.peer, "", "", "", "", "", f"banned: {b.reason}",
                       style="red")
+    if not table.row_count:
+        table.caption = "no peers known yet"
     return table
 
 
@@ -137,6 +139,8 @@ def versions_table(s: NodeStatus) -> Table:
     for r in s.refused_manifests:
         table.add_row(r.artifact or "?", Text(f"refused {r.kind}: {r.reason}", style="red"),
                       "", "", "", "", "", "")
+    if not table.row_count:
+        table.caption = "no transfers"
     return table
 
 

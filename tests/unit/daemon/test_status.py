@@ -368,3 +368,11 @@ class socket_on_free_port:
 
     def __exit__(self, *exc) -> None:
         self.sock.close()
+
+
+def test_render_of_an_empty_node_says_so():
+    console = wide_console()
+    console.print(status_cli.render(NodeStatus(node="fresh", region="eu", head_version=4),
+                                    peers=True, versions=True))
+    out = console.export_text()
+    assert "no version yet" in out and "no peers known yet" in out and "no transfers" in out
