@@ -102,12 +102,14 @@ class DeltaswarmWorkerExtension:
         params = dict(model.named_parameters())
         linear = {type(m).__name__: getattr(m, "cpu_linear", None) is not None
                   for m in model.modules() if hasattr(m, "quant_method")}
+        emptied = [n for n, p in params.items() if p.numel() == 0]
         return {
             "model": type(model).__name__,
+            "patchable": not emptied,
             "device": str(next(iter(params.values())).device),
             "dtypes": sorted({str(p.dtype) for p in params.values()}),
             "packed_modules_mapping": dict(getattr(model, "packed_modules_mapping", {})),
-            "empty_params": sorted(n for n, p in params.items() if p.numel() == 0)[:8],
+            "empty_params": sorted(emptied)[:8],
             "cpu_prepacked_linear": linear,
         }
 

@@ -69,7 +69,8 @@ class VllmLaunchConfig:
     """0 picks a free loopback port."""
     served_model_name: str = "deltaswarm"
     max_model_len: int = 256
-    max_num_seqs: int = 16
+    max_num_seqs: int | None = None
+    """None keeps vLLM's default."""
     dtype: str = "bfloat16"
     kv_cache_gib: int = 1
     """VLLM_CPU_KVCACHE_SPACE (CPU only; ignored on GPU)."""
@@ -109,11 +110,12 @@ def build_command(cfg: VllmLaunchConfig, port: int) -> list[str]:
            "--host", cfg.host, "--port", str(port),
            "--served-model-name", cfg.served_model_name,
            "--max-model-len", str(cfg.max_model_len),
-           "--max-num-seqs", str(cfg.max_num_seqs),
            "--dtype", cfg.dtype,
            "--worker-extension-cls", EXTENSION,
            "--generation-config", "vllm",
            "--logprobs-mode", cfg.logprobs_mode]
+    if cfg.max_num_seqs:
+        cmd += ["--max-num-seqs", str(cfg.max_num_seqs)]
     if cfg.enforce_eager:
         cmd.append("--enforce-eager")
     if cfg.scale_out:
@@ -227,13 +229,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--shim-dir", type=Path,
                     default=Path(tempfile.gettempdir()) / "deltaswarm-vllm-shim")
-    ap.add_argument("extra", nargs=argparse.REMAINDER, help="passed on to vllm serve")
-    a = ap.parse_args(argv)
+    ap.add_argument("--dry-run", action="store_true", help="print the command, do not run it")
+    a, extra = ap.parse_known_args(argv)  # everything unknown goes on to `vllm serve`
     cfg = VllmLaunchConfig(model=a.model.resolve(), venv=a.venv, host=a.host, port=a.port,
                            device=a.device, max_model_len=a.max_model_len,
-                           enforce_eager=a.device == "cpu", extra_args=tuple(a.extra))
-    vllm_python(cfg.venv)
+                           enforce_eager=a.device == "cpu", extra_args=tuple(extra))
     cmd = build_command(cfg, cfg.port)
+    if a.dry_run:
+        print(" ".join(cmd))
+        return 0
+    vllm_python(cfg.venv)
     os.execve(cmd[0], cmd, build_env(cfg, write_shim(a.shim_dir)))
 
 

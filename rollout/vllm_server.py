@@ -24,6 +24,11 @@ class VllmServerError(RuntimeError):
     """vLLM answered an error (status and body in the message) or could not be reached."""
 
 
+class VllmPatchUnsupported(VllmServerError):
+    """This vLLM keeps weights in kernel layout (its CPU backend does), so elements cannot be
+    patched in place; nothing was paused or changed. Use reload(..., changed=names) instead."""
+
+
 class VllmReloadError(VllmServerError):
     """A reload failed after the pause; the engine is left paused so it never serves weights
     that are neither version. A later successful reload resumes it."""
@@ -129,6 +134,11 @@ class VllmServerHook:
 
     async def apply_patch(self, patch_path: str | Path, version: int) -> ReloadReport:
         """In-place sparse apply (GPU): pause -> patch -> reset cache -> version -> resume."""
+        info = await self.rpc("deltaswarm_info")
+        if not all(i.get("patchable") for i in info):
+            raise VllmPatchUnsupported(
+                f"vLLM holds weights in kernel layout ({info[0].get('empty_params')}): cannot "
+                "patch in place; reload the changed tensors instead")
         report = ReloadReport(version=version, path=str(patch_path), mode="patch")
         t0 = time.perf_counter()
         await self._call("POST", "/pause", params={"mode": self.pause_mode})
