@@ -68,7 +68,8 @@ class Progress:
 @dataclass(frozen=True)
 class SwarmEvent:
     kind: str
-    """'finished' (a download completed; seeds never emit it), 'hash_failed', 'banned', 'error'."""
+    """'finished' (a download is complete and flushed to disk; seeds never emit it),
+    'hash_failed', 'banned' or 'error'."""
     artifact: str | None
     detail: str
     peer: str | None = None
@@ -79,6 +80,17 @@ class _Torrent:
     handle: lt.torrent_handle
     save_path: str
     seeding: bool
+    complete: bool = False
+    """Finished and its write cache flushed: every block file is on disk and readable."""
+    flushes_sent: int = 0
+    flushes_done: int = 0
+    finish_flush: int = 0
+
+    def flush(self) -> int:
+        """Ask libtorrent to write its cache out; returns the count cache_flushed must reach."""
+        self.flushes_sent += 1
+        self.handle.flush_cache()
+        return self.flushes_sent
 
 
 class Swarm:
@@ -115,7 +127,6 @@ class Swarm:
         self._lock = threading.RLock()
         self._resume: dict[str, bytes] = {}
         self._resume_failed: dict[str, str] = {}
-        self._flushed: set[str | None] = set()
         self._pending: list[SwarmEvent] = []
         self.hash_failures = 0
         self._removed_up = 0
@@ -165,8 +176,9 @@ class Swarm:
             artifact=artifact, state=str(s.state), done=s.total_wanted_done,
             total=s.total_wanted, download_rate=s.download_payload_rate,
             upload_rate=s.upload_payload_rate, peers=s.num_peers, seeds=s.num_seeds,
-            finished=bool(s.is_finished or s.is_seeding), uploaded=s.total_payload_upload,
-            downloaded=s.total_payload_download, error=s.errc.message() if s.errc.value() else "")
+            finished=t.complete and bool(s.is_finished or s.is_seeding),
+            uploaded=s.total_payload_upload, downloaded=s.total_payload_download,
+            error=s.errc.message() if s.errc.value() else "")
 
     def status(self) -> dict:
         """JSON-able snapshot: per-torrent progress with peers, session payload totals, bans."""
@@ -221,14 +233,13 @@ class Swarm:
         with self._lock:
             items = list(self._torrents.items())
             for artifact, _ in items:
-                self._flushed.discard(artifact)
                 self._resume.pop(artifact, None)
                 self._resume_failed.pop(artifact, None)
+            targets = [(a, t, t.flush()) for a, t in items]
         wanted = {a for a, _ in items}
         deadline = time.monotonic() + timeout
-        for _, t in items:
-            t.handle.flush_cache()
-        self._wait(lambda: wanted - self._flushed, deadline, "write-cache flush")
+        self._wait(lambda: {a for a, t, n in targets if t.flushes_done < n}, deadline,
+                   "write-cache flush")
         for _, t in items:
             t.handle.save_resume_data(lt.torrent_handle.save_info_dict)
         self._wait(lambda: wanted - self._resume.keys() - self._resume_failed.keys(), deadline,
@@ -279,7 +290,7 @@ class Swarm:
             params.flags &= ~(lt.torrent_flags.paused | lt.torrent_flags.auto_managed)
             params.flags |= lt.torrent_flags.apply_ip_filter
             handle = self._ses().add_torrent(params)
-            self._torrents[artifact] = _Torrent(handle, str(save_path), seeding)
+            self._torrents[artifact] = _Torrent(handle, str(save_path), seeding, complete=seeding)
             self._by_hash[str(ti.info_hashes().v2)] = artifact
         self.add_peers(artifact, peers)
 
@@ -308,16 +319,21 @@ class Swarm:
 
     def _handle(self, a: lt.alert) -> None:
         artifact = self._artifact_of(a)
+        t = self._torrents.get(artifact) if artifact else None
         if isinstance(a, lt.cache_flushed_alert):
-            self._flushed.add(artifact)
+            if t is not None:
+                t.flushes_done += 1
+                if t.finish_flush and not t.complete and t.flushes_done >= t.finish_flush:
+                    t.complete = True
+                    self._pending.append(SwarmEvent("finished", artifact,
+                                                    f"{artifact} is complete on disk"))
         elif isinstance(a, lt.save_resume_data_alert):
             self._resume[artifact] = lt.write_resume_data_buf(a.params)
         elif isinstance(a, lt.save_resume_data_failed_alert):
             self._resume_failed[artifact] = a.message()
         elif isinstance(a, lt.torrent_finished_alert):
-            t = self._torrents.get(artifact) if artifact else None
-            if t is not None and not t.seeding:
-                self._pending.append(SwarmEvent("finished", artifact, f"{artifact} is complete"))
+            if t is not None and not t.seeding and not t.complete:
+                t.finish_flush = t.flush()
         elif isinstance(a, lt.hash_failed_alert):
             self.hash_failures += 1
             self._pending.append(SwarmEvent("hash_failed", artifact,

@@ -119,7 +119,8 @@ def test_peer_serving_corrupt_blocks_is_banned_and_download_completes(tmp_path, 
             f.write(os.urandom(2 << 20))
     victim = swarms("127.0.0.9")
     victim.download(ART, tb, tmp_path / "victim", [liar.endpoint])
-    events = _until([liar, victim], lambda: victim.status()["bans"] > 0, 15)
+    events = _until([liar, victim], lambda: victim.status()["bans"] > 0
+                    and victim.status()["hash_failures"] > 0, 15)
     assert victim.status()["banned"].keys() == {"127.0.0.8"}
     assert victim.status()["hash_failures"] >= 1
     assert any(e.kind == "banned" and e.peer == "127.0.0.8" for e in events)
