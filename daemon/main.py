@@ -8,6 +8,7 @@ run the node on uvloop.
 import argparse
 import errno
 import logging
+import os
 import socket
 import sys
 from pathlib import Path
@@ -53,10 +54,16 @@ def main(argv: list[str] | None = None) -> int:
     from daemon.node import serve
 
     try:
-        return uvloop.run(serve(cfg, args.config))
+        rc = uvloop.run(serve(cfg, args.config))
     except ConfigError as e:
         print(f"deltaswarm daemon: {e}", file=sys.stderr)
         return 2
+    # Everything is stopped, fsync'd and saved; skip the slow interpreter teardown (torch,
+    # libtorrent, numba) so a stop stays within systemd's TimeoutStopSec.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 if __name__ == "__main__":

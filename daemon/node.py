@@ -178,7 +178,7 @@ class Node:
     async def resume_saver(self) -> None:
         """Save resume data every few seconds while something downloads (kill -9 safety)."""
         while True:
-            await asyncio.sleep(3.0)
+            await asyncio.sleep(2.0)
             if self.syncer is not None and self.syncer.downloads:
                 await self.save_resume()
 
@@ -347,8 +347,8 @@ async def serve(cfg: Config, config_path: Path) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_stop)
     loop.add_signal_handler(signal.SIGHUP, node.reload)
-    site = web.TCPSite(runner, cfg.http.host, cfg.http.port)
     await runner.setup()
+    site = web.TCPSite(runner, cfg.http.host, cfg.http.port)
     try:
         await site.start()
     except OSError as e:
@@ -366,4 +366,5 @@ async def serve(cfg: Config, config_path: Path) -> int:
     except TimeoutError:
         log.error("shutdown took longer than %.0fs; exiting anyway", cfg.shutdown_timeout_s)
         return 1
+    log.info("stopped cleanly")
     return 0

@@ -99,7 +99,7 @@ class Spool:
         acked = set()
         ack_path = self.root / "acked.log"
         if ack_path.exists():
-            acked = set(_whole_lines(ack_path))
+            acked = {line.decode("ascii", "replace").strip() for line in _whole_lines(ack_path)}
             self._acked_in_log = len(acked)
         for path in sorted(self.root.glob("seg-*.ndjson")):
             m = _SEG.match(path.name)
