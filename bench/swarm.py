@@ -129,6 +129,8 @@ def run_mode(mode: str, topo: netns.Topology, trainer: netns.Node, nodes: list[n
         "verified": all(d["verified"] for d in done.values()),
         "seed_payload": finals[seed.name].get("uploaded"),
         "seed_wire": tx1 - tx0,
+        "seed_last_upload": (finals[seed.name]["last_upload"] - t0
+                             if "last_upload" in finals[seed.name] else None),
         "peer_upload": sum(finals[p.name].get("uploaded", 0) for p in peers),
     }
 
@@ -160,13 +162,15 @@ def print_table(results: dict, size: int, ideal: float, args: argparse.Namespace
                   f"egress")
     for mode, r in results.items():
         print(f"{mode} per node (s): {r['per_node']}")
+        if r.get("seed_last_upload") is not None:
+            print(f"{mode} trainer's last upload at {r['seed_last_upload']:.2f} s")
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--size-mb", type=float, default=96)
     p.add_argument("--block-mib", type=int, default=8)
-    p.add_argument("--piece-kib", type=int, default=512)
+    p.add_argument("--piece-kib", type=int, default=256)
     p.add_argument("--seed-mbit", type=float, default=50)
     p.add_argument("--node-mbit", type=float, default=200)
     p.add_argument("--nodes", type=int, default=6)

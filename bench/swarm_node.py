@@ -60,8 +60,12 @@ def run_swarm(args: argparse.Namespace, commands: "queue.Queue[str]") -> None:
             while not swarm.progress(artifact).finished:
                 swarm.pump(0.1)
             say(done=time.time(), verified=verify(Path(args.dir), artifact, list(blocks)))
+        last_up, last_change = 0, time.time()
         while True:
             swarm.pump(0.2)
+            up = swarm.progress(artifact).uploaded
+            if up != last_up:
+                last_up, last_change = up, time.time()
             try:
                 if commands.get_nowait() == "stop":
                     break
@@ -69,7 +73,8 @@ def run_swarm(args: argparse.Namespace, commands: "queue.Queue[str]") -> None:
                 pass
         st = swarm.status()
         say(final={"uploaded": st["uploaded"], "downloaded": st["downloaded"],
-                   "hash_failures": st["hash_failures"], "bans": st["bans"]})
+                   "hash_failures": st["hash_failures"], "bans": st["bans"],
+                   "last_upload": last_change})
     finally:
         swarm.close()
 

@@ -159,7 +159,9 @@ class Swarm:
     def download(self, artifact: str, torrent_bytes: bytes, save_path: str | os.PathLike,
                  peers: Iterable[Peer] = (), resume_data: bytes | None = None) -> None:
         """Fetch an artifact into save_path (existing files are rechecked, or trusted as recorded
-        in resume_data) from the given peers and any they introduce."""
+        in resume_data) from the given peers and any they introduce. Block files are written in
+        place while downloading: read them only after the 'finished' event. Once finished the
+        torrent keeps seeding; there is no need to call seed() for it."""
         self._add(artifact, self._info(artifact, torrent_bytes), save_path, resume_data,
                   list(peers), seeding=False)
 
@@ -172,6 +174,8 @@ class Swarm:
     def progress(self, artifact: str) -> Progress:
         t = self._get(artifact)
         s = t.handle.status()
+        if s.is_finished and not t.complete and not t.finish_flush:
+            t.finish_flush = t.flush()  # finished without a torrent_finished_alert (resumed)
         return Progress(
             artifact=artifact, state=str(s.state), done=s.total_wanted_done,
             total=s.total_wanted, download_rate=s.download_payload_rate,

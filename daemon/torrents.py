@@ -32,7 +32,7 @@ def block_path(save_path: str | os.PathLike, artifact: str, block: str) -> Path:
 
 
 def make_torrent(artifact: str, block_paths: Sequence[tuple[str, str | os.PathLike]],
-                 piece_size: int = 1 << 20) -> bytes:
+                 piece_size: int = 1 << 18) -> bytes:
     """Bencoded v2-only torrent over the block files; same blocks and piece size → same bytes.
 
     `block_paths` is (block id, path of its file) in any order; duplicates of one id are merged.

@@ -132,6 +132,16 @@ def test_peer_serving_corrupt_blocks_is_banned_and_download_completes(tmp_path, 
     assert victim.status()["banned"].keys() == {"127.0.0.8"}
 
 
+def test_download_into_a_complete_directory_finishes_without_peers(tmp_path, swarms):
+    blocks, tb = _store(tmp_path, 3, 300_000)
+    torrents.link_blocks(ART, blocks, tmp_path / "have")
+    node = swarms("127.0.0.12")
+    node.download(ART, tb, tmp_path / "have")
+    events = _until([node], lambda: node.progress(ART).finished, 10)
+    assert [e.kind for e in events] == ["finished"]
+    assert node.progress(ART).downloaded == 0
+
+
 def test_rate_limits_change_at_runtime_and_bad_calls_are_refused(tmp_path, swarms):
     node = swarms("127.0.0.11", upload_rate=1000)
     assert node.status()["upload_rate_limit"] == 1000
