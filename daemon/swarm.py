@@ -175,7 +175,9 @@ class Swarm:
         t = self._get(artifact)
         s = t.handle.status()
         if s.is_finished and not t.complete and not t.finish_flush:
-            t.finish_flush = t.flush()  # finished without a torrent_finished_alert (resumed)
+            with self._lock:  # finished without a torrent_finished_alert (e.g. resumed)
+                if not t.finish_flush:
+                    t.finish_flush = t.flush()
         return Progress(
             artifact=artifact, state=str(s.state), done=s.total_wanted_done,
             total=s.total_wanted, download_rate=s.download_payload_rate,
@@ -232,10 +234,13 @@ class Swarm:
         self._ses().remove_torrent(t.handle, lt.session.delete_files if delete_files else 0)
 
     def save_resume_data(self, directory: str | os.PathLike, timeout: float = 10.0) -> list[Path]:
-        """Write `<directory>/<artifact>.resume` for every torrent (atomically); returns paths.
-        Flushes libtorrent's write cache first: unflushed pieces are left out of resume data."""
+        """Write `<directory>/<artifact>.resume` (atomically) for every torrent that changed since
+        its last save or has no file yet; returns the paths written. Flushes libtorrent's write
+        cache first: pieces still in memory are left out of resume data."""
         with self._lock:
-            items = list(self._torrents.items())
+            items = [(a, t) for a, t in self._torrents.items()
+                     if t.handle.need_save_resume_data()
+                     or not (Path(directory) / f"{a}.resume").is_file()]
             for artifact, _ in items:
                 self._resume.pop(artifact, None)
                 self._resume_failed.pop(artifact, None)
