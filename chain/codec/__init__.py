@@ -1,0 +1,14 @@
+"""Lossless sparse tensor delta codec: which elements changed and by how much, coded near the
+entropy of (tensor segment, old exponent) contexts. See chain/codec/kernels.py for the model.
+"""
+
+from chain.codec.api import (
+    apply_many,
+    apply_tensor_delta,
+    encode_many,
+    encode_tensor_delta,
+    payload_stats,
+)
+
+__all__ = ["apply_many", "apply_tensor_delta", "encode_many", "encode_tensor_delta",
+           "payload_stats"]

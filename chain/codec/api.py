@@ -1,0 +1,274 @@
+"""Public entry points of the tensor delta codec: encode, apply in place, stats, batches.
+
+Work is cut into segments of 2^20 elements; batches spread segments over two threads (the
+kernels release the GIL). Each thread keeps a workspace that grows to the largest segment and is
+reused, so a call allocates only its output and an exact-size scratch for the decoded changes.
+Guarantee on refusal: `apply_*` raises BadDelta before writing anything to any target.
+"""
+
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from chain.codec import header as hdr
+from chain.codec.kernels import (
+    ERR_COUNT,
+    ERR_GAP,
+    ERR_STREAM,
+    ERR_VALUE,
+    decode_segment,
+    encode_segment,
+    model_size,
+    scatter,
+)
+from chain.errors import BadDelta
+
+LOG2_SEG = 20
+THREADS = 2
+_PARALLEL_MIN = 1 << 18
+_ERRORS = {ERR_STREAM: "its stream is truncated or malformed",
+           ERR_COUNT: "its change counts do not fit the target",
+           ERR_VALUE: "it holds a non-canonical value",
+           ERR_GAP: "its positions run past the target"}
+
+
+class _Workspace:
+    """Per-thread buffers, grown on demand and kept."""
+
+    def __init__(self) -> None:
+        self.models = np.empty(model_size(256, 64), np.int32)
+        self.ctx = [np.empty(256, np.int64) for _ in range(7)]
+        self.chg = [np.empty(0, np.int64) for _ in range(4)]
+        self.out = np.empty(0, np.uint8)
+        self.raw = np.empty(0, np.uint8)
+
+    def changes(self, n: int) -> list[np.ndarray]:
+        if self.chg[0].size < n:
+            self.chg = [np.empty(n, np.int64) for _ in range(4)]
+        return self.chg
+
+    def outbufs(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        if self.out.size < n:
+            self.out = np.empty(max(n, 2 * self.out.size), np.uint8)
+            self.raw = np.empty(max(n, 2 * self.out.size), np.uint8)
+        return self.out[:n], self.raw[:n]
+
+
+_local = threading.local()
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _ws() -> _Workspace:
+    ws = getattr(_local, "ws", None)
+    if ws is None:
+        ws = _local.ws = _Workspace()
+    return ws
+
+
+def _run(jobs: list[tuple[int, Callable[[], None]]], threads: int) -> None:
+    """Run (weight, job) pairs, split into `threads` balanced lists when worth it."""
+    global _pool
+    total = sum(w for w, _ in jobs)
+    if threads < 2 or len(jobs) < 2 or total < _PARALLEL_MIN:
+        for _, job in jobs:
+            job()
+        return
+    bins: list[list[Callable[[], None]]] = [[] for _ in range(threads)]
+    load = [0] * threads
+    for w, job in sorted(jobs, key=lambda j: -j[0]):
+        b = load.index(min(load))
+        bins[b].append(job)
+        load[b] += w
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=THREADS - 1, thread_name_prefix="codec")
+    futures = [_pool.submit(_run_all, b) for b in bins[1:]]
+    _run_all(bins[0])
+    for f in futures:
+        f.result()
+
+
+def _run_all(jobs: list[Callable[[], None]]) -> None:
+    for job in jobs:
+        job()
+
+
+def _check_pair(old: np.ndarray, new: np.ndarray, dtype: str) -> hdr.Coding:
+    c = hdr.coding(dtype)
+    for name, a in (("old", old), ("new", new)):
+        if a.ndim != 1 or a.dtype != c.dtype.uint:
+            raise ValueError(f"{name} must be a flat {c.dtype.uint} view of {dtype} bits, "
+                             f"got {a.dtype} with shape {a.shape}")
+    if old.shape != new.shape:
+        raise ValueError(f"old has {old.size} elements, new has {new.size}")
+    return c
+
+
+def encode_many(pairs: Sequence[tuple[np.ndarray, np.ndarray, str]],
+                threads: int = THREADS) -> list[bytes]:
+    """Payloads for several (old, new, dtype) tensors, segments spread over `threads`."""
+    seg = 1 << LOG2_SEG
+    plans = []
+    jobs = []
+    for old, new, dtype in pairs:
+        c = _check_pair(old, new, dtype)
+        old, new = np.ascontiguousarray(old), np.ascontiguousarray(new)
+        n = old.size
+        parts: list = [None] * ((n + seg - 1) // seg)
+        plans.append((old, new, dtype, c, parts))
+        for s in range(len(parts)):
+            lo, hi = s * seg, min(n, (s + 1) * seg)
+            jobs.append((hi - lo, _encode_job(old, new, lo, hi, c, parts, s)))
+    _run(jobs, threads)
+    return [_assemble(old, new, dtype, c, parts) for old, new, dtype, c, parts in plans]
+
+
+def _encode_job(old, new, lo, hi, c: hdr.Coding, parts: list, s: int) -> Callable[[], None]:
+    def job() -> None:
+        ws = _ws()
+        chg = ws.changes(hi - lo)
+        raw = (hi - lo) * c.dtype.itemsize + 64
+        cap = min(raw, 4096 + (hi - lo) // 4)
+        while True:
+            out, raw_out = ws.outbufs(cap)
+            nrc, nraw, k, pbits = encode_segment(
+                old, new, lo, hi, c.shift, c.cmask, c.nctx, c.dtype.bits, c.is_float,
+                ws.models, *ws.ctx, *chg, out, raw_out)
+            if nrc <= cap and nraw <= cap:
+                parts[s] = (k, pbits, out[:nrc].tobytes() + raw_out[:nraw][::-1].tobytes())
+                return
+            if cap >= raw:
+                parts[s] = (k, pbits, None)
+                return
+            cap = min(raw, cap * 4)
+    return job
+
+
+def _assemble(old, new, dtype: str, c: hdr.Coding, parts: list) -> bytes:
+    n = old.size
+    k = sum(p[0] for p in parts)
+    if k == 0:
+        return hdr.pack(hdr.NONE, dtype, n, 0, [])
+    streams = [p[2] for p in parts]
+    raw_size = n * c.dtype.itemsize
+    if any(s is None for s in streams) or sum(len(s) for s in streams) >= raw_size:
+        return hdr.pack(hdr.RAW, dtype, n, k, [new.tobytes()])
+    pbits = round(sum(p[1] for p in parts))
+    return hdr.pack(hdr.CODED, dtype, n, k, streams, LOG2_SEG, pbits, [p[0] for p in parts])
+
+
+def encode_tensor_delta(old: np.ndarray, new: np.ndarray, dtype: str) -> bytes:
+    """The payload that turns `old` into `new` (flat unsigned views of `dtype` bit patterns)."""
+    return encode_many([(old, new, dtype)])[0]
+
+
+def apply_many(items: Sequence[tuple[np.ndarray, bytes | memoryview, str]],
+               threads: int = THREADS) -> None:
+    """Patch several targets in place. Every payload is decoded and checked first; on any
+    BadDelta no target has been written."""
+    decoded = []
+    jobs = []
+    for t, (target, payload, dtype) in enumerate(items):
+        plan = _plan_apply(t, target, payload, dtype, jobs)
+        if plan is not None:
+            decoded.append(plan)
+    _run(jobs, threads)
+    for t, errs, *_ in decoded:
+        bad = [e for e in errs if e]
+        if bad:
+            raise BadDelta(f"tensor delta #{t} does not decode against its base: "
+                           f"{_ERRORS.get(bad[0], 'unknown error')}")
+    scat = []
+    for _, _, target, kind, data in decoded:
+        if kind == hdr.RAW:
+            scat.append((target.size, _raw_job(target, data)))
+        else:
+            for lo, pos, val, a, b in data:
+                scat.append((b - a, _scatter_job(target, lo, pos, val, a, b)))
+    _run(scat, threads)
+
+
+def _raw_job(target: np.ndarray, data: np.ndarray) -> Callable[[], None]:
+    def job() -> None:
+        target[:] = data
+    return job
+
+
+def _scatter_job(target, lo, pos, val, a, b) -> Callable[[], None]:
+    def job() -> None:
+        scatter(target, lo, pos, val, a, b)
+    return job
+
+
+def _plan_apply(t: int, target: np.ndarray, payload, dtype: str, jobs: list):
+    c = hdr.coding(dtype)
+    if target.ndim != 1 or target.dtype != c.dtype.uint or not target.flags.c_contiguous \
+            or not target.flags.writeable:
+        raise BadDelta(f"tensor delta #{t}: target must be a writable flat contiguous "
+                       f"{c.dtype.uint} array, got {target.dtype} shape {target.shape}")
+    h = hdr.parse(payload)
+    if h.dtype != dtype:
+        raise BadDelta(f"tensor delta #{t} is for {h.dtype}, the tensor is {dtype}")
+    if h.n != target.size:
+        raise BadDelta(f"tensor delta #{t} is for {h.n} elements, the tensor has {target.size}")
+    buf = np.frombuffer(payload, np.uint8)
+    if h.mode == hdr.NONE:
+        return None
+    if h.mode == hdr.RAW:
+        data = buf[h.body_start:h.body_end].view(c.dtype.uint)
+        return t, [], target, hdr.RAW, data
+    seg = 1 << h.log2_seg
+    pos = np.empty(h.k, np.int32)
+    val = np.empty(h.k, c.dtype.uint)
+    errs = [0] * len(h.seg_k)
+    segs = []
+    start, base = h.body_start, 0
+    for s, (ks, ln) in enumerate(zip(h.seg_k, h.seg_len, strict=True)):
+        lo, hi = s * seg, min(h.n, (s + 1) * seg)
+        if ks:
+            jobs.append((hi - lo, _decode_job(target, lo, hi, buf, start, start + ln, ks, c,
+                                              pos, val, base, errs, s)))
+            segs.append((lo, pos, val, base, base + ks))
+        elif ln:
+            errs[s] = ERR_STREAM
+        start += ln
+        base += ks
+    return t, errs, target, hdr.CODED, segs
+
+
+def _decode_job(target, lo, hi, buf, start, end, ks, c: hdr.Coding, pos, val, base, errs,
+                s) -> Callable[[], None]:
+    def job() -> None:
+        ws = _ws()
+        errs[s] = decode_segment(target, lo, hi, buf, start, end, ks, c.shift, c.cmask,
+                                 c.nctx, c.dtype.bits, c.is_float, ws.models, *ws.ctx[:3],
+                                 pos, val, base)
+    return job
+
+
+def apply_tensor_delta(target: np.ndarray, payload: bytes | memoryview, dtype: str) -> None:
+    """Patch `target` (old bits, flat unsigned view) in place into the new bits."""
+    apply_many([(target, payload, dtype)])
+
+
+def payload_stats(payload: bytes | memoryview) -> dict:
+    """Sizes of a payload's parts, read from its header (no base tensor needed)."""
+    h = hdr.parse(payload)
+    nbytes = len(memoryview(payload).cast("B"))
+    body_bits = 8 * (h.body_end - h.body_start)
+    pos_bits = min(h.pos_bits, body_bits)
+    return {
+        "dtype": h.dtype,
+        "mode": {hdr.NONE: "unchanged", hdr.CODED: "coded", hdr.RAW: "raw"}[h.mode],
+        "changed": h.k,
+        "total": h.n,
+        "density": h.k / h.n if h.n else 0.0,
+        "nbytes": nbytes,
+        "bits_header": 8 * nbytes - body_bits,
+        "bits_positions": pos_bits if h.mode == hdr.CODED else 0,
+        "bits_values": body_bits - pos_bits if h.mode == hdr.CODED else body_bits,
+        "bits_per_changed": 8 * nbytes / h.k if h.k else 0.0,
+    }

@@ -1,0 +1,171 @@
+"""The byte layout around a tensor delta's coded streams, and its strict parser.
+
+    0xD5 | format<<4 | mode | dtype code | varint n | varint k
+    mode CODED: log2(segment) | varint position-bits | per segment (if > 1): varint k, varint len
+    body (streams, or the raw new bits in mode RAW) | 4-byte xxh3-64 of everything before it
+
+Every count is checked against the target before any decoding starts.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from chain.dtypes import DType, lookup
+from chain.errors import BadDelta
+
+MAGIC = 0xD5
+FORMAT = 1
+NONE, CODED, RAW = 0, 1, 2
+CHECK = 4
+LOG2_SEG_MIN, LOG2_SEG_MAX = 8, 26
+DTYPE_CODES = ["bfloat16", "float16", "float32", "float64", "float8_e4m3fn", "float8_e5m2",
+               "int8", "uint8", "int16", "int32", "int64", "bool"]
+_CODE = {name: i for i, name in enumerate(DTYPE_CODES)}
+
+
+@dataclass(frozen=True)
+class Coding:
+    """How elements of one dtype are coded: context = (bits >> shift) & cmask."""
+
+    dtype: DType
+    shift: int
+    cmask: int
+    is_float: bool
+
+    @property
+    def nctx(self) -> int:
+        return self.cmask + 1
+
+
+def coding(dtype: str) -> Coding:
+    dt = lookup(dtype)
+    if dt.exponent_bits:
+        extra = max(0, dt.exponent_bits - 8)
+        return Coding(dt, dt.mantissa_bits + extra, (1 << min(dt.exponent_bits, 8)) - 1, True)
+    return Coding(dt, max(0, dt.bits - 8), 0xFF, False)
+
+
+@dataclass
+class Header:
+    mode: int
+    dtype: str
+    n: int
+    k: int
+    log2_seg: int = 0
+    pos_bits: int = 0
+    seg_k: list[int] | None = None
+    seg_len: list[int] | None = None
+    body_start: int = 0
+    body_end: int = 0
+
+
+def put_varint(out: bytearray, v: int) -> None:
+    while v >= 0x80:
+        out.append((v & 0x7F) | 0x80)
+        v >>= 7
+    out.append(v)
+
+
+def pack(mode: int, dtype: str, n: int, k: int, body: list[bytes], log2_seg: int = 0,
+         pos_bits: int = 0, seg_k: list[int] | None = None) -> bytes:
+    out = bytearray((MAGIC, (FORMAT << 4) | mode, _CODE[dtype]))
+    put_varint(out, n)
+    put_varint(out, k)
+    if mode == CODED:
+        out.append(log2_seg)
+        put_varint(out, pos_bits)
+        if len(body) > 1:
+            for ks, part in zip(seg_k or [], body, strict=True):
+                put_varint(out, ks)
+                put_varint(out, len(part))
+    for part in body:
+        out += part
+    out += (xxhash.xxh3_64_intdigest(out) & 0xFFFFFFFF).to_bytes(CHECK, "little")
+    return bytes(out)
+
+
+class _Reader:
+    def __init__(self, buf: memoryview, end: int):
+        self.buf, self.pos, self.end = buf, 0, end
+
+    def byte(self) -> int:
+        if self.pos >= self.end:
+            raise BadDelta("delta payload is truncated inside its header")
+        b = self.buf[self.pos]
+        self.pos += 1
+        return b
+
+    def varint(self) -> int:
+        v = 0
+        for shift in range(0, 63, 7):
+            b = self.byte()
+            v |= (b & 0x7F) << shift
+            if b < 0x80:
+                return v
+        raise BadDelta("delta payload has an over-long varint in its header")
+
+
+def parse(payload: bytes | memoryview, verify: bool = True) -> Header:
+    """Header of a payload, every field range-checked; BadDelta on anything malformed."""
+    buf = memoryview(payload).cast("B")
+    if len(buf) < 3 + 2 + CHECK:
+        raise BadDelta(f"delta payload of {len(buf)} bytes is too short to be one")
+    end = len(buf) - CHECK
+    if verify:
+        want = int.from_bytes(buf[end:], "little")
+        if xxhash.xxh3_64_intdigest(buf[:end]) & 0xFFFFFFFF != want:
+            raise BadDelta("delta payload checksum mismatch: it is corrupted or truncated; "
+                           "fetch the block again")
+    r = _Reader(buf, end)
+    if r.byte() != MAGIC:
+        raise BadDelta("not a deltaswarm tensor delta (bad magic byte)")
+    fm = r.byte()
+    if fm >> 4 != FORMAT:
+        raise BadDelta(f"tensor delta format {fm >> 4} is not supported (this build reads "
+                       f"{FORMAT}); upgrade deltaswarm")
+    mode, code = fm & 0xF, r.byte()
+    if mode not in (NONE, CODED, RAW) or code >= len(DTYPE_CODES):
+        raise BadDelta(f"tensor delta has unknown mode {mode} or dtype code {code}")
+    h = Header(mode, DTYPE_CODES[code], r.varint(), r.varint())
+    if h.k > h.n:
+        raise BadDelta(f"tensor delta claims {h.k} changes in {h.n} elements")
+    if mode == NONE and h.k:
+        raise BadDelta("tensor delta of mode 'unchanged' claims changes")
+    if mode == CODED:
+        h.log2_seg = r.byte()
+        if not LOG2_SEG_MIN <= h.log2_seg <= LOG2_SEG_MAX:
+            raise BadDelta(f"tensor delta segment size 2^{h.log2_seg} is out of range")
+        h.pos_bits = r.varint()
+        seg = 1 << h.log2_seg
+        nseg = (h.n + seg - 1) // seg
+        if nseg == 0 or h.k == 0:
+            raise BadDelta("coded tensor delta has no elements or no changes")
+        if nseg == 1:
+            h.seg_k, h.seg_len = [h.k], [end - r.pos]
+        else:
+            if nseg > end:
+                raise BadDelta(f"tensor delta needs {nseg} segment entries; payload is truncated")
+            h.seg_k, h.seg_len = [], []
+            for s in range(nseg):
+                h.seg_k.append(r.varint())
+                h.seg_len.append(r.varint())
+                if h.seg_k[-1] > min(seg, h.n - s * seg):
+                    raise BadDelta(f"tensor delta segment {s} claims too many changes")
+            if sum(h.seg_k) != h.k:
+                raise BadDelta("tensor delta segment change counts do not add up")
+    h.body_start, h.body_end = r.pos, end
+    body = end - r.pos
+    if mode == NONE and body:
+        raise BadDelta("tensor delta of mode 'unchanged' has trailing bytes")
+    if mode == RAW and body != h.n * lookup(h.dtype).itemsize:
+        raise BadDelta(f"raw tensor delta has {body} bytes of values for {h.n} elements")
+    if mode == CODED and sum(h.seg_len) != body:
+        raise BadDelta(f"tensor delta streams take {sum(h.seg_len)} bytes; the payload holds "
+                       f"{body}: it is truncated or corrupted")
+    return h
+
+
+def as_bytes(arr: np.ndarray) -> bytes:
+    return np.ascontiguousarray(arr).tobytes()

@@ -1,0 +1,186 @@
+"""A binary adaptive range coder (LZMA-style carry handling) written for numba.
+
+Each adaptive context is one int32: the 12-bit probability of a 0 in the low 16 bits and an
+update count in the high bits, so a context learns at rate 1/(count+2) (the KT estimator) until
+it settles at 1/LIMIT. Coder state travels as tuples of int64 so LLVM keeps it in registers.
+Decoding never reads past `end` (it feeds zeros instead; the caller rejects a stream whose
+position ran past its end) and keeps code < range, so corrupted input cannot overflow.
+"""
+
+import numpy as np
+from numba import njit
+
+PROB_BITS = 12
+PONE = 1 << PROB_BITS
+PMIN = 4
+PMAX = PONE - PMIN
+LIMIT = 40
+TOP = 1 << 24
+INIT = PONE // 2
+# MUL[c] = 2^16 / (c + 2): the learning rate of a context updated c times before
+MUL = np.array([65536 // (c + 2) for c in range(LIMIT + 1)], dtype=np.int64)
+# -log2(p / PONE) for cost accounting
+COST = np.array([0.0] + [-np.log2(p / PONE) for p in range(1, PONE + 1)], dtype=np.float64)
+
+
+@njit
+def adapt(models, i, bit):
+    s = models[i]
+    p = np.int64(s & 0xFFFF)
+    c = np.int64(s >> 16)
+    if bit == 0:
+        p += ((PONE - p) * MUL[c]) >> 16
+        p = min(p, PMAX)
+    else:
+        p -= (p * MUL[c]) >> 16
+        p = max(p, PMIN)
+    if c < LIMIT:
+        c += 1
+    models[i] = np.int32(p | (c << 16))
+
+
+@njit
+def cost(models, i, bit):
+    p = np.int64(models[i] & 0xFFFF)
+    return COST[p] if bit == 0 else COST[PONE - p]
+
+
+# ---------------------------------------------------------------- encoder
+# state: (low, rng, cache, csize, pos); pos starts at -1 so the always-zero first byte is
+# never written. Returns pos > cap when `out` was too small (the caller retries bigger).
+
+
+@njit
+def _shift_low(low, cache, csize, out, pos):
+    if low < 0xFF000000 or low >= 0x100000000:
+        carry = low >> 32
+        temp = cache
+        while True:
+            if 0 <= pos < out.size:
+                out[pos] = np.uint8((temp + carry) & 0xFF)
+            pos += 1
+            temp = 0xFF
+            csize -= 1
+            if csize == 0:
+                break
+        cache = (low >> 24) & 0xFF
+    csize += 1
+    low = (low & 0x00FFFFFF) << 8
+    return low, cache, csize, pos
+
+
+@njit
+def enc_start():
+    return np.int64(0), np.int64(0xFFFFFFFF), np.int64(0), np.int64(1), np.int64(-1)
+
+
+@njit
+def enc_bit(st, models, i, bit, out):
+    low, rng, cache, csize, pos = st
+    p = np.int64(models[i] & 0xFFFF)
+    bound = (rng >> PROB_BITS) * p
+    if bit == 0:
+        rng = bound
+    else:
+        low += bound
+        rng -= bound
+    adapt(models, i, bit)
+    while rng < TOP:
+        rng <<= 8
+        low, cache, csize, pos = _shift_low(low, cache, csize, out, pos)
+    return low, rng, cache, csize, pos
+
+
+@njit
+def enc_finish(st, out):
+    low, _, cache, csize, pos = st
+    for _ in range(5):
+        low, cache, csize, pos = _shift_low(low, cache, csize, out, pos)
+    return pos
+
+
+# ---------------------------------------------------------------- decoder
+# state: (rng, code, pos)
+
+
+@njit
+def _byte(buf, pos, end):
+    if pos < end:
+        return np.int64(buf[pos])
+    return np.int64(0)
+
+
+@njit
+def dec_start(buf, start, end):
+    code = np.int64(0)
+    pos = start
+    for _ in range(4):
+        code = (code << 8) | _byte(buf, pos, end)
+        pos += 1
+    return np.int64(0xFFFFFFFF), code, pos
+
+
+@njit
+def dec_bit(st, models, i, buf, end):
+    rng, code, pos = st
+    p = np.int64(models[i] & 0xFFFF)
+    bound = (rng >> PROB_BITS) * p
+    if code < bound:
+        rng = bound
+        bit = 0
+    else:
+        code -= bound
+        rng -= bound
+        bit = 1
+    adapt(models, i, bit)
+    while rng < TOP:
+        rng <<= 8
+        code = (code << 8) | _byte(buf, pos, end)
+        pos += 1
+    return bit, (rng, code, pos)
+
+
+# ---------------------------------------------------------------- raw bits
+# Bits that are close to uniform skip the range coder: they go LSB-first into a side buffer
+# that the caller stores reversed at the end of the segment's stream, so the decoder reads it
+# backwards from the end and needs no length field. Writer state: (acc, nacc, rpos).
+
+
+@njit
+def raw_put(rs, value, nbits, rbuf):
+    """Append the low `nbits` (<= 24) of `value`."""
+    acc, nacc, rpos = rs
+    acc |= (value & ((np.int64(1) << nbits) - 1)) << nacc
+    nacc += nbits
+    while nacc >= 8:
+        if rpos < rbuf.size:
+            rbuf[rpos] = np.uint8(acc & 0xFF)
+        rpos += 1
+        acc >>= 8
+        nacc -= 8
+    return acc, nacc, rpos
+
+
+@njit
+def raw_finish(rs, rbuf):
+    acc, nacc, rpos = rs
+    if nacc > 0:
+        if rpos < rbuf.size:
+            rbuf[rpos] = np.uint8(acc & 0xFF)
+        rpos += 1
+    return rpos
+
+
+@njit
+def raw_get(rs, nbits, buf, start, end):
+    """Read `nbits` (<= 24) from the stream stored backwards ending at `end`; past `start`
+    it reads zeros (rpos still counts, so the caller's length check fails)."""
+    acc, nacc, rpos = rs
+    while nacc < nbits:
+        j = end - 1 - rpos
+        if j >= start:
+            acc |= np.int64(buf[j]) << nacc
+        rpos += 1
+        nacc += 8
+    value = acc & ((np.int64(1) << nbits) - 1)
+    return value, (acc >> nbits, nacc - nbits, rpos)

@@ -1,0 +1,158 @@
+"""Round trips of the tensor delta codec over every dtype, size, density and special value."""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from chain.codec import (
+    apply_many,
+    apply_tensor_delta,
+    encode_many,
+    encode_tensor_delta,
+    payload_stats,
+)
+from chain.dtypes import BY_NAME
+
+DTYPES = sorted(BY_NAME)
+SETTINGS = settings(max_examples=60, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+
+def _uint(dtype: str) -> np.dtype:
+    return BY_NAME[dtype].uint
+
+
+def _special(dtype: str) -> np.ndarray:
+    """Bit patterns worth hitting: zeros, -0.0, infinities, NaN payloads, extremes."""
+    d = BY_NAME[dtype]
+    bits = d.bits
+    top = 1 << (bits - 1)
+    full = (1 << bits) - 1
+    vals = {0, 1, top, top | 1, full, full - 1, top - 1}
+    if d.exponent_bits:
+        exp = ((1 << d.exponent_bits) - 1) << d.mantissa_bits
+        vals |= {exp, exp | top, exp | 1, exp | top | ((1 << d.mantissa_bits) - 1),
+                 exp - 1, (exp - 1) | top}
+    return np.array(sorted(vals), dtype=_uint(dtype))
+
+
+def _roundtrip(old: np.ndarray, new: np.ndarray, dtype: str) -> bytes:
+    payload = encode_tensor_delta(old, new, dtype)
+    target = old.copy()
+    apply_tensor_delta(target, payload, dtype)
+    assert np.array_equal(target, new)
+    stats = payload_stats(payload)
+    assert stats["changed"] == int(np.count_nonzero(old != new))
+    assert stats["total"] == old.size
+    assert stats["nbytes"] == len(payload)
+    return payload
+
+
+@st.composite
+def tensor_pairs(draw):
+    dtype = draw(st.sampled_from(DTYPES))
+    u = _uint(dtype)
+    n = draw(st.sampled_from([0, 1, 2, 3, 7, 64, 1000, 5000]))
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    pool = np.concatenate([_special(dtype), rng.integers(0, np.iinfo(u).max, 64, dtype=u,
+                                                         endpoint=True)])
+    old = rng.choice(pool, n) if draw(st.booleans()) else rng.integers(
+        0, np.iinfo(u).max, n, dtype=u, endpoint=True)
+    density = draw(st.sampled_from([0.0, 0.001, 0.01, 0.2, 0.9, 1.0]))
+    changed = rng.random(n) < density
+    kind = draw(st.sampled_from(["step", "random", "special", "signflip"]))
+    new = old.copy()
+    k = int(changed.sum())
+    if kind == "step":
+        steps = rng.choice(np.array([1, 2, 3, 100], dtype=u), k)
+        new[changed] = np.where(rng.random(k) < 0.5, old[changed] + steps, old[changed] - steps)
+    elif kind == "random":
+        new[changed] = rng.integers(0, np.iinfo(u).max, k, dtype=u, endpoint=True)
+    elif kind == "special":
+        new[changed] = rng.choice(pool, k)
+    else:
+        new[changed] = old[changed] ^ u.type(1 << (BY_NAME[dtype].bits - 1))
+    return dtype, old, new
+
+
+@SETTINGS
+@given(tensor_pairs())
+def test_every_delta_round_trips_bit_exactly(case):
+    dtype, old, new = case
+    _roundtrip(old, new, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_special_values_round_trip_in_every_direction(dtype):
+    sp = _special(dtype)
+    old = np.repeat(sp, sp.size)
+    new = np.tile(sp, sp.size)
+    _roundtrip(old, new, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_empty_and_single_element_tensors(dtype):
+    u = _uint(dtype)
+    for n in (0, 1):
+        old = np.zeros(n, u)
+        _roundtrip(old, old.copy(), dtype)
+        _roundtrip(old, old + u.type(1), dtype)
+
+
+def test_unchanged_tensor_costs_a_few_bytes():
+    old = np.arange(100_000, dtype=np.uint16)
+    payload = _roundtrip(old, old.copy(), "bfloat16")
+    assert len(payload) <= 16
+    assert payload_stats(payload)["mode"] == "unchanged"
+
+
+def test_sparse_unit_steps_cost_far_less_than_verbatim_values():
+    rng = np.random.default_rng(1)
+    w = (rng.standard_normal(400_000) * 0.02).astype(np.float32)
+    old = (w.view(np.uint32) >> 16).astype(np.uint16)
+    new = old.copy()
+    idx = rng.choice(old.size, 4000, replace=False)
+    new[idx] += rng.choice(np.array([1, 0xFFFF], np.uint16), idx.size)
+    payload = _roundtrip(old, new, "bfloat16")
+    assert 8 * len(payload) / idx.size < 12
+
+
+def test_random_rewrite_falls_back_to_raw_and_stays_near_dense_size():
+    rng = np.random.default_rng(2)
+    old = rng.integers(0, 2**16, 10_000, dtype=np.uint16)
+    new = rng.integers(0, 2**16, 10_000, dtype=np.uint16)
+    payload = _roundtrip(old, new, "float16")
+    assert len(payload) <= old.nbytes + 32
+    assert payload_stats(payload)["mode"] == "raw"
+
+
+def test_multi_segment_tensor_round_trips_on_two_threads():
+    rng = np.random.default_rng(3)
+    n = (1 << 20) * 2 + 12345
+    old = rng.integers(0, 2**16, n, dtype=np.uint16)
+    new = old.copy()
+    idx = rng.choice(n, n // 50, replace=False)
+    new[idx] += np.uint16(1)
+    new[-1] ^= np.uint16(0x8000)
+    payload = _roundtrip(old, new, "bfloat16")
+    assert payload_stats(payload)["changed"] == int(np.count_nonzero(old != new))
+
+
+def test_batches_round_trip_like_single_calls():
+    rng = np.random.default_rng(4)
+    items = []
+    for dtype, n in [("bfloat16", 300_000), ("float32", 200_000), ("int64", 5), ("bool", 0),
+                     ("float8_e4m3fn", 70_000)]:
+        u = _uint(dtype)
+        old = rng.integers(0, np.iinfo(u).max, n, dtype=u, endpoint=True)
+        new = old.copy()
+        new[rng.random(n) < 0.02] += u.type(1)
+        items.append((old, new, dtype))
+    payloads = encode_many(items)
+    assert payloads == [encode_tensor_delta(o, n, d) for o, n, d in items]
+    targets = [o.copy() for o, _, _ in items]
+    apply_many([(t, p, d) for t, p, (_, _, d) in zip(targets, payloads, items, strict=True)])
+    for t, (_, n, _) in zip(targets, items, strict=True):
+        assert np.array_equal(t, n)
