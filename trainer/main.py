@@ -10,12 +10,15 @@ checkpoint and publish is repaired by republishing from them.
 """
 
 import argparse
+import asyncio
 import json
 import logging
 import sys
 import threading
 import time
 from pathlib import Path
+
+from aiohttp import web
 
 log = logging.getLogger("deltaswarm.trainer")
 
@@ -34,10 +37,6 @@ class IngestThread:
     """The ingest endpoint's aiohttp server on its own event loop, beside the torch loop."""
 
     def __init__(self, app_factory, host: str, port: int) -> None:
-        import asyncio
-
-        from aiohttp import web
-
         self._loop = asyncio.new_event_loop()
         self._runner = web.AppRunner(app_factory())
         self._ready = threading.Event()
@@ -46,10 +45,6 @@ class IngestThread:
         self._thread = threading.Thread(target=self._run, name="ingest", daemon=True)
 
     def _run(self) -> None:
-        import asyncio
-
-        from aiohttp import web
-
         asyncio.set_event_loop(self._loop)
         try:
             self._loop.run_until_complete(self._runner.setup())
@@ -70,9 +65,25 @@ class IngestThread:
             raise SystemExit(f"ingest endpoint: cannot listen on {self._host}:{self._port} "
                              f"(ingest.host/ingest.port): {self._error}")
 
+    def call(self, coro):
+        """Run a coroutine on the server's loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
     def stop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
+
+
+def take_batch(server: IngestThread, store, n: int, timeout: float, settle_s: float = 2.0
+               ) -> list[dict]:
+    """At least `n` trajectories (uncommitted), waiting up to `timeout` for the first and then
+    up to `settle_s` for the rest, so a step sees whole groups from several regions."""
+    batch = server.call(store.take(n, timeout, commit=False))
+    deadline = time.monotonic() + settle_s
+    while batch and len(batch) < n and time.monotonic() < deadline:
+        batch += server.call(store.take(n - len(batch), max(0.05, deadline - time.monotonic()),
+                                        commit=False))
+    return batch
 
 
 def run(cfg_path: Path) -> int:
@@ -153,17 +164,19 @@ def run(cfg_path: Path) -> int:
     log.info("ingest listening on http://%s:%d/v1/ingest", cfg.ingest.host, cfg.ingest.port)
     try:
         while trainer.version < cfg.steps:
-            batch = store.take(cfg.batch, timeout=cfg.wait_timeout_s)
+            batch = take_batch(server, store, cfg.batch, cfg.wait_timeout_s)
             if not batch:
                 raise SystemExit(f"no trajectories for {cfg.wait_timeout_s:.0f} s; are the "
                                  "rollout workers and daemons up? (see deltaswarm status)")
             m = trainer.step(batch)
             if not m["stepped"]:
+                server.call(store.commit())
                 emit({"event": "skip", **m})
                 continue
             trainer.save_checkpoint(cfg.state_dir / f"ckpt-v{trainer.version}.pt")
             p = pub.publish(trainer.version, trainer.state_dict_bf16(), files)
             _prune(cfg.state_dir)
+            server.call(store.commit())
             rec = {"event": "step", **m, "delta_bytes": p.delta_bytes,
                    "dense_bytes": p.dense_bytes, "changed_elements": p.changed_elements,
                    "elements": p.elements, "publish_s": p.seconds,
