@@ -149,7 +149,7 @@ class Config(_Section):
     """BitTorrent listen address and piece size."""
     bootstrap: list[Url] = Field(default_factory=list, max_length=1000)
     """Control-plane URLs of peers to learn heads from (one reachable peer is enough)."""
-    trainer_public_key: str = Field(pattern=r"^[0-9a-f]{64}$")
+    trainer_public_key: str
     """The trainer's Ed25519 public key (64 hex digits); unsigned or foreign manifests are
     refused."""
     token: str | None = Field(None, min_length=8, max_length=4096)
@@ -169,6 +169,15 @@ class Config(_Section):
     """Most peers whose heads are long-polled at once (bootstrap peers first)."""
     shutdown_timeout_s: float = Field(20.0, gt=0, le=600)
     """Bound on a graceful stop (drain, save resume data, abandon an apply)."""
+
+    @field_validator("trainer_public_key")
+    @classmethod
+    def _hex_key(cls, v: str) -> str:
+        v = v.strip().lower()
+        if not re.fullmatch(r"[0-9a-f]{64}", v):
+            raise ValueError("must be the trainer's Ed25519 public key as 64 hex digits (the "
+                             "publisher's key file holds the private key; keys.public_hex of it)")
+        return v
 
     @model_validator(mode="after")
     def _token_and_seed(self) -> "Config":

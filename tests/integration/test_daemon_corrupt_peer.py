@@ -16,7 +16,7 @@ def test_corrupt_peer_is_banned_and_download_completes_verified(tmp_path: Path) 
         trainer = c.trainer()
         bad = c.region("bad")
         c.start_all()
-        c.publish(0, tiny_model(0))
+        c.publish(0, tiny_model(0, tensors=2))  # 1 MiB
         c.wait_all_at(0, 60)
 
         files = [p for p in (bad.state_dir / "swarm" / ART).rglob("*") if p.is_file()]
@@ -25,7 +25,7 @@ def test_corrupt_peer_is_banned_and_download_completes_verified(tmp_path: Path) 
             with open(p, "r+b") as f:
                 f.write(os.urandom(p.stat().st_size))
 
-        trainer.config["limits"] = {"upload_bytes_per_s": 150_000}
+        trainer.config["limits"] = {"upload_bytes_per_s": 100_000}
         trainer.write_config()
         trainer.proc.send_signal(signal.SIGHUP)
         wait_until(lambda: "reloaded" in trainer.log(), 10, "the trainer to reload its config")

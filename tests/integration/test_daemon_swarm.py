@@ -22,8 +22,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     with Cluster(root) as c:
         # a thin trainer uplink, so regions fetch most pieces from each other
         c.trainer(limits={"upload_bytes_per_s": 1_500_000})
+        hook_log = root / "engine.log"
         for name in REGIONS:
-            c.region(name)
+            c.region(name, engine={"type": "command", "argv": [
+                "sh", "-c", f"echo {{version}} {{state_digest}} {{path}} >> {hook_log}.{name}"]}
+                if name == "r1" else {"type": "none"})
         c.start_all()
         state = tiny_model(0)
         c.publish(0, state)
@@ -78,3 +81,14 @@ def test_late_joiner_via_one_region_takes_a_snapshot_plus_deltas(cluster: Cluste
     assert applied == ["v00000003.snapshot", "v00000004.delta", "v00000005.delta",
                        "v00000006.delta"]
     assert st["state_digest"] == cluster.daemons["trainer"].status()["state_digest"]
+
+
+def test_engine_command_hook_is_told_the_head_with_its_digest(cluster: Cluster) -> None:
+    st = cluster.daemons["r1"].status()
+    assert st["engine"]["type"] == "command" and st["engine"]["failures"] == 0
+    assert st["engine"]["last_version"] == HEAD
+    lines = (cluster.root / "engine.log.r1").read_text().split("\n")
+    version, digest, path = lines[-2].split()
+    assert int(version) == HEAD and digest == st["state_digest"] and Path(path).is_dir()
+    versions = [int(line.split()[0]) for line in lines if line]
+    assert versions == sorted(versions) and 1 <= len(versions) <= HEAD + 1

@@ -80,8 +80,8 @@ def test_trajectories_cross_a_cut_upstream_and_a_daemon_kill_exactly_once(tmp_pa
     ingest = Ingest(host, free_port(host))
     upstream = f"http://{host}:{ingest.port}/v1/ingest"
     with Cluster(tmp_path) as c:
-        r1 = c.region("r1", bootstrap=[], trajectories={"upstream": upstream, "retry_initial_s": 0.2,
-                                          "retry_max_s": 1.0, "batch_size": 7})
+        r1 = c.region("r1", bootstrap=[], trajectories={
+            "upstream": upstream, "retry_initial_s": 0.2, "retry_max_s": 1.0, "batch_size": 7})
         c.start_all()
         sent: list[str] = []
         try:
