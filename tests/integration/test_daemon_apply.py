@@ -1,0 +1,40 @@
+"""A stop request during an apply abandons it between tensors (SIGTERM path) without making a
+partial version current; the next apply resumes from the journal and verifies (in process,
+through the region's real Syncer)."""
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from chain import keys
+from chain.sources import StateDictSource
+from chain.writer import write_artifact
+from daemon.sync import Abandoned
+from tests.integration.harness import tiny_model
+from tests.integration.test_daemon_manifests import region_node
+
+
+def test_stop_abandons_apply_safely_and_the_next_apply_resumes(tmp_path: Path) -> None:
+    key = keys.generate(tmp_path / "trainer.key")
+    node = region_node(tmp_path, keys.public_hex(key))
+    m, _ = write_artifact(node.store.blocks, key, run="r", version=0, kind="snapshot",
+                          new=StateDictSource(tiny_model(0, tensors=4, rows=64, cols=64)))
+    node.store.add(m)
+
+    async def apply_once() -> None:
+        await node.syncer.apply(m)
+
+    node.stopping = True
+    with pytest.raises(Abandoned):
+        asyncio.run(apply_once())
+    assert node.weights.current() is None
+    staging = node.weights.staging()
+    assert len(staging) == 1 and (staging[0] / "JOURNAL").read_text().count("\n") == 1
+
+    node.stopping = False
+    asyncio.run(apply_once())
+    cur = node.weights.verify()
+    assert cur.version == 0 and cur.state_digest == m.state_digest
+    assert node.weights.staging() == []
+    assert [a["artifact"] for a in node.syncer.applied] == [m.artifact]
