@@ -43,7 +43,9 @@ def group_advantages(rewards: list[float], groups: list[str], eps: float = 1e-6)
     adv = torch.zeros_like(r)
     for idx in members.values():
         sel = r[idx]
-        adv[idx] = (sel - sel.mean()) / (sel.std(unbiased=False) + eps)
+        std = sel.std(unbiased=False)
+        if std > 0:
+            adv[idx] = (sel - sel.mean()) / (std + eps)
     return adv.float()
 
 
