@@ -309,7 +309,6 @@ async def _sync(app: web.Application) -> AsyncIterator[None]:
 
 async def _systemd(app: web.Application) -> AsyncIterator[None]:
     node = app[NODE]
-    sdnotify.ready(f"{node.cfg.node}: serving on {node.url}")
 
     async def report() -> None:
         while True:
@@ -357,6 +356,7 @@ async def serve(cfg: Config, config_path: Path) -> int:
                           f"{cfg.http.host}:{cfg.http.port}: {e.strerror or e}") from None
     log.info("%s (%s, %s) serving on %s, BitTorrent on %s", cfg.node, cfg.role, cfg.region,
              node.url, node.bt_advertised())
+    sdnotify.ready(f"{cfg.node}: serving on {node.url}")
     await stop.wait()
     log.info("stopping (bounded by %.0fs)", cfg.shutdown_timeout_s)
     node.stopping = True
