@@ -234,12 +234,12 @@ class Swarm:
         self._ses().remove_torrent(t.handle, lt.session.delete_files if delete_files else 0)
 
     def save_resume_data(self, directory: str | os.PathLike, timeout: float = 10.0) -> list[Path]:
-        """Write `<directory>/<artifact>.resume` (atomically) for every torrent that changed since
-        its last save or has no file yet; returns the paths written. Flushes libtorrent's write
-        cache first: pieces still in memory are left out of resume data."""
+        """Write `<directory>/<artifact>.resume` (atomically) for every unfinished torrent, and for
+        finished ones that changed or have no file yet; returns the paths written. Flushes
+        libtorrent's write cache first: pieces still in memory are left out of resume data."""
         with self._lock:
             items = [(a, t) for a, t in self._torrents.items()
-                     if t.handle.need_save_resume_data()
+                     if not t.complete or t.handle.need_save_resume_data()
                      or not (Path(directory) / f"{a}.resume").is_file()]
             for artifact, _ in items:
                 self._resume.pop(artifact, None)
