@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint demo bench clean vllm-env
+.PHONY: install test lint demo bench bench-swarm clean vllm-env
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/codec.py
+
+# Needs root (network namespaces, tc tbf): one trainer, six nodes in three regions, swarm vs star.
+bench-swarm: $(STAMP)
+	$(PY) bench/swarm.py
 
 clean:
 	rm -rf $(VENV) .venv-vllm .pytest_cache build *.egg-info
