@@ -79,6 +79,22 @@ class CommandNotifyHook:
         return None
 
 
+class VllmNotifyHook:
+    """pause → reload the verified directory → reset prefix cache → resume, through
+    `rollout.vllm_server.VllmServerHook` (imported on first use: only vLLM regions need it)."""
+
+    def __init__(self, cfg: VllmHook) -> None:
+        from rollout.vllm_server import VllmServerHook
+
+        self.server = VllmServerHook(cfg.url, timeout_s=cfg.timeout_s)
+
+    async def notify(self, version: int, path: Path, state_digest: str) -> None:
+        await self.server.reload(path, version)
+
+    async def close(self) -> None:
+        return None
+
+
 def build_hook(cfg: NoHook | HttpHook | CommandHook | VllmHook, session: aiohttp.ClientSession,
                token: str) -> EngineHook:
     if cfg.type == "none":
@@ -88,9 +104,7 @@ def build_hook(cfg: NoHook | HttpHook | CommandHook | VllmHook, session: aiohttp
     if cfg.type == "command":
         return CommandNotifyHook(cfg)
     if cfg.type == "vllm":
-        from rollout.vllm_server import VllmServerHook  # heavy and optional: import on use
-
-        return VllmServerHook(cfg, session)
+        return VllmNotifyHook(cfg)
     raise ValueError(f"unknown engine hook type {cfg.type!r}: expected none|http|command|vllm")
 
 
@@ -113,7 +127,7 @@ class Notifier:
             t0 = time.monotonic()
             try:
                 await self.hook.notify(version, path, state_digest)
-            except (HookFailed, aiohttp.ClientError, TimeoutError, OSError, ValueError) as e:
+            except Exception as e:  # an engine failure must never stop the sync loop
                 self.last_error = f"v{version}: {type(e).__name__}: {e}"[:400]
                 log.warning("engine notification %d/%d failed: %s", attempt, self.attempts,
                             self.last_error)
