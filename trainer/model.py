@@ -1,4 +1,4 @@
-"""The default policy: a tiny Qwen2 causal LM built from a config, and its HF directory writer.
+"""The default policy: a tiny Llama causal LM built from a config, and its HF directory writer.
 
 No download: the weights are a seeded random init, the tokenizer is character-level. Small
 enough (about 0.5 M parameters) that an RL step takes about a second on two CPU cores, and in a
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from trainer.tokenizer import build_char_tokenizer, tokenizer_files
 
@@ -19,8 +19,8 @@ WEIGHTS_FILE = "model.safetensors"
 
 
 def default_config(tokenizer: PreTrainedTokenizerFast, *, hidden: int = 128, layers: int = 2,
-                   heads: int = 4, kv_heads: int = 2, max_positions: int = 64) -> Qwen2Config:
-    return Qwen2Config(
+                   heads: int = 4, kv_heads: int = 2, max_positions: int = 64) -> LlamaConfig:
+    return LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden,
         intermediate_size=hidden * 3,
@@ -36,14 +36,14 @@ def default_config(tokenizer: PreTrainedTokenizerFast, *, hidden: int = 128, lay
     )
 
 
-def build_default_model(seed: int = 0, **shape: int) -> tuple[Qwen2ForCausalLM,
+def build_default_model(seed: int = 0, **shape: int) -> tuple[LlamaForCausalLM,
                                                                PreTrainedTokenizerFast]:
     """A freshly initialised fp32 model (same seed, same weights) and its tokenizer."""
     tokenizer = build_char_tokenizer()
     config = default_config(tokenizer, **shape)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config).to(torch.float32)
+        model = LlamaForCausalLM(config).to(torch.float32)
     model.config.dtype = "bfloat16"
     model.generation_config = generation_config(tokenizer)
     return model, tokenizer
@@ -65,7 +65,7 @@ def state_dict_as(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch
     return {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
 
 
-def hf_files(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast,
+def hf_files(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast,
              dtype: torch.dtype = torch.bfloat16) -> dict[str, bytes]:
     """Every file of the HF directory except the weights: what a published version carries
     beside its tensors (config.json, generation_config.json, tokenizer files)."""
@@ -81,7 +81,7 @@ def hf_files(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast,
     return files
 
 
-def save_hf_dir(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, path: str | Path,
+def save_hf_dir(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, path: str | Path,
                 dtype: torch.dtype = torch.bfloat16) -> Path:
     """Write `path` as a loadable HF directory (weights cast to `dtype`), each file fsynced."""
     path = Path(path)

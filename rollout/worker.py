@@ -1,0 +1,280 @@
+r"""The rollout worker: follow the local daemon's verified weights, generate groups of
+completions, score them with the task, and post them as trajectories to the daemon's spool.
+
+Run: python -m rollout.worker --daemon http://127.0.0.1:7001 --token T --region eu
+A new version is loaded between batches. Posts retry with the same body (same ids) on
+connection errors and 5xx, wait out 429 + Retry-After, and stop on a rejected request.
+SIGTERM/SIGINT: finish delivering the current batch (bounded by --drain-s), then exit 0;
+a second signal exits at once.
+"""
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import random
+import signal
+import socket
+import sys
+import time
+import uuid
+from typing import Any
+
+import aiohttp
+from pydantic import BaseModel, ConfigDict, Field
+
+log = logging.getLogger("rollout.worker")
+
+
+class WorkerConfig(BaseModel):
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
+
+    daemon: str
+    """Base URL of the local daemon's control plane."""
+    token: str = Field(min_length=1)
+    task: str = "rollout.tasks.arithmetic"
+    """Task plug-in spec (see rollout.tasks)."""
+    region: str = "local"
+    worker: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
+    engine: str = "torch"
+    prompts_per_batch: int = Field(default=16, ge=1, le=4096)
+    group_size: int = Field(default=8, ge=1, le=256)
+    max_tokens: int = Field(default=6, ge=1, le=32768)
+    temperature: float = Field(default=1.0, ge=0.0, le=10.0)
+    seed: int = 0
+    poll_timeout_s: float = Field(default=30.0, gt=0, le=600)
+    retry_max_s: float = Field(default=10.0, gt=0, le=600)
+    drain_s: float = Field(default=10.0, ge=0, le=600)
+    max_batches: int | None = Field(default=None, ge=1)
+    """Stop after this many batches (tests, benchmarks); None runs until signalled."""
+
+
+class RejectedError(RuntimeError):
+    """The daemon refused a batch for a reason a retry cannot fix (bad token, bad data)."""
+
+
+def build_trajectories(completions: list[Any], task: Any, group_size: int, region: str,
+                       worker: str) -> list[dict[str, Any]]:
+    """One trajectory per completion; completions are prompt-major, `group_size` per prompt."""
+    now = time.time()
+    out = []
+    group = ""
+    for i, c in enumerate(completions):
+        if i % group_size == 0:
+            group = uuid.uuid4().hex
+        out.append({
+            "id": uuid.uuid4().hex, "version": c.version, "group": group,
+            "prompt": c.prompt, "completion": c.text, "prompt_ids": list(c.prompt_ids),
+            "completion_ids": list(c.token_ids), "logprobs": [float(x) for x in c.logprobs],
+            "reward": float(task.reward(c.prompt, c.text)), "region": region,
+            "worker": worker, "created": now,
+        })
+    return out
+
+
+class RolloutWorker:
+    def __init__(self, config: WorkerConfig, engine: Any, task: Any) -> None:
+        self.config = config
+        self.engine = engine
+        self.task = task
+        self.stop = asyncio.Event()
+        self.latest: tuple[int, str] | None = None
+        self._new_version = asyncio.Event()
+        self._stop_at: float | None = None
+        self.stats = {"batches": 0, "posted": 0, "retries": 0, "pushbacks": 0, "loads": 0,
+                      "undelivered": 0}
+
+    def request_stop(self) -> None:
+        if not self.stop.is_set():
+            self._stop_at = time.monotonic()
+            self.stop.set()
+
+    async def run(self) -> dict[str, int]:
+        cfg = self.config
+        headers = {"Authorization": f"Bearer {cfg.token}"}
+        async with aiohttp.ClientSession(headers=headers) as session:
+            watcher = asyncio.create_task(self._watch(session))
+            try:
+                await self._loop(session)
+            finally:
+                watcher.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watcher
+        return self.stats
+
+    async def _loop(self, session: aiohttp.ClientSession) -> None:
+        cfg = self.config
+        rng = random.Random(cfg.seed)
+        while not self.stop.is_set():
+            if cfg.max_batches is not None and self.stats["batches"] >= cfg.max_batches:
+                return
+            if self.latest is None or self.latest[0] != self.engine.version:
+                if self.latest is None:
+                    await self._wait_any(self._new_version.wait())
+                    continue
+                version, path = self.latest
+                try:
+                    await asyncio.to_thread(self.engine.load_version, path, version)
+                    self.stats["loads"] += 1
+                    log.info("loaded version %d from %s", version, path)
+                except (OSError, ValueError) as e:
+                    log.error("cannot load version %d from %s: %s", version, path, e)
+                    if self.engine.version is None:
+                        self._new_version.clear()
+                        await self._wait_any(self._new_version.wait())
+                        continue
+            prompts = self.task.sample_prompts(rng, cfg.prompts_per_batch)
+            seed = rng.getrandbits(63)
+            completions = await asyncio.to_thread(
+                self.engine.generate, prompts, cfg.group_size, cfg.max_tokens,
+                cfg.temperature, seed)
+            trajs = build_trajectories(completions, self.task, cfg.group_size, cfg.region,
+                                       cfg.worker)
+            await self._post(session, trajs)
+            self.stats["batches"] += 1
+
+    async def _wait_any(self, aw: Any) -> None:
+        """Wait for `aw` or for stop, whichever first."""
+        task = asyncio.ensure_future(aw)
+        stopper = asyncio.ensure_future(self.stop.wait())
+        await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        for t in (task, stopper):
+            t.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+
+    async def _watch(self, session: aiohttp.ClientSession) -> None:
+        """Long-poll the daemon for verified versions newer than the latest seen."""
+        cfg = self.config
+        url = f"{cfg.daemon.rstrip('/')}/v1/weights/current"
+        backoff = 0.2
+        timeout = aiohttp.ClientTimeout(total=cfg.poll_timeout_s + 15)
+        while True:
+            after = -1 if self.latest is None else self.latest[0]
+            try:
+                async with session.get(url, params={"after": after,
+                                                    "timeout": cfg.poll_timeout_s},
+                                       timeout=timeout) as r:
+                    if r.status != 200:
+                        raise aiohttp.ClientResponseError(r.request_info, (), status=r.status,
+                                                          message=await r.text())
+                    body = await r.json()
+                backoff = 0.2
+            except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError) as e:
+                log.warning("weights poll failed (%s); retrying in %.1fs", e, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, cfg.retry_max_s)
+                continue
+            version = body.get("version") if isinstance(body, dict) else None
+            if isinstance(version, int) and (self.latest is None or version > self.latest[0]):
+                self.latest = (version, str(body["path"]))
+                self._new_version.set()
+
+    def _drain_left(self) -> float | None:
+        if self._stop_at is None:
+            return None
+        return self._stop_at + self.config.drain_s - time.monotonic()
+
+    async def _post(self, session: aiohttp.ClientSession, trajs: list[dict[str, Any]]) -> None:
+        """Deliver one batch; the body (and so every id) is identical on every attempt."""
+        cfg = self.config
+        url = f"{cfg.daemon.rstrip('/')}/v1/trajectories"
+        body = b"".join(json.dumps(t, separators=(",", ":")).encode() + b"\n" for t in trajs)
+        ids = [t["id"] for t in trajs]
+        backoff = 0.2
+        while True:
+            left = self._drain_left()
+            if left is not None and left <= 0:
+                self.stats["undelivered"] += len(trajs)
+                log.error("stopping with %d trajectories undelivered", len(trajs))
+                return
+            wait = backoff
+            try:
+                async with session.post(url, data=body, headers={
+                        "Content-Type": "application/x-ndjson"}) as r:
+                    text = await r.text()
+                    if r.status == 200:
+                        accepted = set(json.loads(text).get("accepted", []))
+                        if accepted.issuperset(ids):
+                            self.stats["posted"] += len(ids)
+                            return
+                        log.warning("daemon accepted %d of %d; resending", len(accepted), len(ids))
+                    elif r.status == 429:
+                        self.stats["pushbacks"] += 1
+                        wait = _retry_after(r.headers.get("Retry-After"), backoff)
+                    elif r.status < 500:
+                        raise RejectedError(f"daemon refused trajectories: {r.status} {text[:300]}")
+                    else:
+                        log.warning("daemon error %d: %s", r.status, text[:200])
+            except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError) as e:
+                log.warning("posting trajectories failed (%s); retrying in %.1fs", e, backoff)
+            self.stats["retries"] += 1
+            left = self._drain_left()
+            await asyncio.sleep(wait if left is None else max(0.0, min(wait, left)))
+            if wait == backoff:
+                backoff = min(backoff * 2, cfg.retry_max_s)
+
+
+def _retry_after(value: str | None, default: float) -> float:
+    try:
+        return max(0.0, float(value)) if value is not None else default
+    except ValueError:
+        return default
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[WorkerConfig, int]:
+    p = argparse.ArgumentParser(prog="python -m rollout.worker", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    for name, field in WorkerConfig.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        kind = {int: int, float: float}.get(field.annotation, str)
+        if field.annotation == int | None:
+            kind = int
+        p.add_argument(flag, type=kind, required=field.is_required(),
+                       help=field.description)
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    ns = vars(p.parse_args(argv))
+    threads = ns.pop("threads")
+    return WorkerConfig(**{k: v for k, v in ns.items() if v is not None}), threads
+
+
+async def _amain(config: WorkerConfig, threads: int) -> int:
+    from rollout.engine import make_engine
+    from rollout.tasks import load_task
+
+    if threads:
+        import torch
+        torch.set_num_threads(threads)
+    worker = RolloutWorker(config, make_engine(config.engine), load_task(config.task))
+    loop = asyncio.get_running_loop()
+    main = asyncio.current_task()
+
+    def on_signal() -> None:
+        if worker.stop.is_set() and main is not None:
+            main.cancel()
+        worker.request_stop()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal)
+    try:
+        stats = await worker.run()
+    except RejectedError as e:
+        log.error("%s", e)
+        return 2
+    except asyncio.CancelledError:
+        log.error("forced exit: %s", worker.stats)
+        return 1
+    log.info("stopped: %s", stats)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    config, threads = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return asyncio.run(_amain(config, threads))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
