@@ -5,11 +5,15 @@ the codec never does float arithmetic and every value, NaN payloads and -0.0 inc
 """
 
 from dataclasses import dataclass
+from functools import cache
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from chain.errors import BadManifest
+
+if TYPE_CHECKING:  # torch is imported only when a tensor is handled: daemons start faster
+    import torch
 
 
 @dataclass(frozen=True)
@@ -21,10 +25,15 @@ class DType:
     """
 
     name: str
-    torch_dtype: torch.dtype
     bits: int
     mantissa_bits: int
     exponent_bits: int
+
+    @property
+    def torch_dtype(self) -> "torch.dtype":
+        import torch
+
+        return getattr(torch, self.name)
 
     @property
     def uint(self) -> np.dtype:
@@ -36,21 +45,25 @@ class DType:
 
 
 _ALL = [
-    DType("bfloat16", torch.bfloat16, 16, 7, 8),
-    DType("float16", torch.float16, 16, 10, 5),
-    DType("float32", torch.float32, 32, 23, 8),
-    DType("float64", torch.float64, 64, 52, 11),
-    DType("float8_e4m3fn", torch.float8_e4m3fn, 8, 3, 4),
-    DType("float8_e5m2", torch.float8_e5m2, 8, 2, 5),
-    DType("int8", torch.int8, 8, 0, 0),
-    DType("uint8", torch.uint8, 8, 0, 0),
-    DType("int16", torch.int16, 16, 0, 0),
-    DType("int32", torch.int32, 32, 0, 0),
-    DType("int64", torch.int64, 64, 0, 0),
-    DType("bool", torch.bool, 8, 0, 0),
+    DType("bfloat16", 16, 7, 8),
+    DType("float16", 16, 10, 5),
+    DType("float32", 32, 23, 8),
+    DType("float64", 64, 52, 11),
+    DType("float8_e4m3fn", 8, 3, 4),
+    DType("float8_e5m2", 8, 2, 5),
+    DType("int8", 8, 0, 0),
+    DType("uint8", 8, 0, 0),
+    DType("int16", 16, 0, 0),
+    DType("int32", 32, 0, 0),
+    DType("int64", 64, 0, 0),
+    DType("bool", 8, 0, 0),
 ]
 BY_NAME: dict[str, DType] = {d.name: d for d in _ALL}
-BY_TORCH: dict[torch.dtype, DType] = {d.torch_dtype: d for d in _ALL}
+
+
+@cache
+def _by_torch() -> "dict[torch.dtype, DType]":
+    return {d.torch_dtype: d for d in _ALL}
 
 # safetensors' names for the same types
 SAFETENSORS_NAME = {
@@ -71,15 +84,17 @@ def lookup(name: str) -> DType:
         ) from None
 
 
-def of_tensor(t: torch.Tensor) -> DType:
+def of_tensor(t: "torch.Tensor") -> DType:
     try:
-        return BY_TORCH[t.dtype]
+        return _by_torch()[t.dtype]
     except KeyError:
         raise BadManifest(f"unsupported tensor dtype {t.dtype}") from None
 
 
-def bits_view(t: torch.Tensor) -> np.ndarray:
+def bits_view(t: "torch.Tensor") -> np.ndarray:
     """The tensor's bit patterns as a flat numpy unsigned array (no copy for contiguous CPU)."""
+    import torch
+
     dt = of_tensor(t)
     flat = t.detach().contiguous().reshape(-1)
     if flat.device.type != "cpu":
@@ -87,8 +102,10 @@ def bits_view(t: torch.Tensor) -> np.ndarray:
     return flat.view(torch.uint8).numpy().view(dt.uint)
 
 
-def tensor_from_bits(bits: np.ndarray, dtype: str, shape: list[int]) -> torch.Tensor:
+def tensor_from_bits(bits: np.ndarray, dtype: str, shape: list[int]) -> "torch.Tensor":
     """Inverse of bits_view: a torch tensor sharing memory with `bits`."""
+    import torch
+
     dt = lookup(dtype)
     raw = torch.from_numpy(np.ascontiguousarray(bits).view(np.uint8))
     return raw.view(dt.torch_dtype).reshape(shape)

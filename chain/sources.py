@@ -6,14 +6,16 @@ directory; all three look the same through `TensorSource`.
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
-import torch
 
 from chain import dtypes
 from chain.digest import state_digest, tensor_digest
 from chain.safetensors_io import TensorFiles
+
+if TYPE_CHECKING:
+    import torch
 
 
 class TensorSource(Protocol):
@@ -25,7 +27,7 @@ class TensorSource(Protocol):
 class StateDictSource:
     """Tensors of a state dict (moved to CPU one at a time when read)."""
 
-    def __init__(self, state: Mapping[str, torch.Tensor]) -> None:
+    def __init__(self, state: Mapping[str, "torch.Tensor"]) -> None:
         self._state = state
 
     def names(self) -> list[str]:
