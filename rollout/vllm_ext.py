@@ -8,6 +8,7 @@ vLLM's venv); vllm itself is imported lazily, inside the methods that need it.
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -15,8 +16,22 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 PATCH_INDICES, PATCH_VALUES = "::indices", "::values"
+CPU_CHECKPOINT_LAYOUT_ENV = "DELTASWARM_VLLM_CPU_CHECKPOINT_LAYOUT"
+
+
+def keep_checkpoint_layout_on_cpu() -> None:
+    """Make vLLM's CPU backend keep linear weights as plain tensors (torch F.linear) instead of
+    repacking them for oneDNN/sgl kernels, as a GPU does; in-place patches then reach them.
+    Slower GEMMs: for exercising the GPU patch path on CPU, not for serving."""
+    from vllm.model_executor.layers import utils
+
+    def plain_linear(layer: torch.nn.Module, remove_weight: bool) -> None:
+        layer.cpu_linear = torch.nn.functional.linear
+
+    utils.dispatch_cpu_unquantized_gemm = plain_linear
 
 
 def checkpoint_files(weights_path: Path) -> dict[str, Path]:
@@ -72,6 +87,17 @@ def read_tensors(files: dict[str, Path],
                 yield n, sf.get_tensor(n)
 
 
+def write_patch(path: Path, changes: dict[str, tuple[torch.Tensor, torch.Tensor, tuple]]) -> Path:
+    """Write a sparse patch: name -> (flat int32/int64 indices, new values, full shape)."""
+    tensors, shapes = {}, {}
+    for name, (indices, values, shape) in changes.items():
+        tensors[name + PATCH_INDICES] = indices.contiguous()
+        tensors[name + PATCH_VALUES] = values.contiguous()
+        shapes[name] = list(shape)
+    save_file(tensors, str(path), metadata={"shapes": json.dumps(shapes)})
+    return path
+
+
 def read_patch(patch_path: Path, device: torch.device) -> list[Any]:
     """A sparse patch file: per tensor `NAME::indices` (int32/64) and `NAME::values`, with
     `{"shapes": {NAME: [dims]}}` in the safetensors metadata. Returns CheckpointWeightPatch-es."""
@@ -91,6 +117,10 @@ def read_patch(patch_path: Path, device: torch.device) -> list[Any]:
     return patches
 
 
+if os.environ.get(CPU_CHECKPOINT_LAYOUT_ENV) == "1":  # set by the launcher; read at worker start
+    keep_checkpoint_layout_on_cpu()
+
+
 class DeltaswarmWorkerExtension:
     """Mixed into vLLM's Worker; `self` is the worker (self.model_runner, self.reload_weights)."""
 
@@ -100,8 +130,8 @@ class DeltaswarmWorkerExtension:
     def deltaswarm_info(self) -> dict[str, Any]:
         model = self._model()
         params = dict(model.named_parameters())
-        linear = {type(m).__name__: getattr(m, "cpu_linear", None) is not None
-                  for m in model.modules() if hasattr(m, "quant_method")}
+        linear = {type(m).__name__: getattr(m.cpu_linear, "__name__", "?")
+                  for m in model.modules() if hasattr(m, "cpu_linear")}
         emptied = [n for n, p in params.items() if p.numel() == 0]
         return {
             "model": type(model).__name__,
@@ -110,7 +140,7 @@ class DeltaswarmWorkerExtension:
             "dtypes": sorted({str(p.dtype) for p in params.values()}),
             "packed_modules_mapping": dict(getattr(model, "packed_modules_mapping", {})),
             "empty_params": sorted(emptied)[:8],
-            "cpu_prepacked_linear": linear,
+            "cpu_linear": linear,
         }
 
     def reload_changed(self, weights_path: str, names: list[str] | str,
@@ -132,29 +162,45 @@ class DeltaswarmWorkerExtension:
                 "bytes": sum(t.numel() * t.element_size() for _, t in weights),
                 "read_s": t1 - t0, "apply_s": time.perf_counter() - t1}
 
+    def _refuse_kernel_layout(self) -> None:
+        emptied = [n for n, p in self._model().named_parameters() if p.numel() == 0]
+        if emptied:
+            raise NotImplementedError(
+                f"in-place patch impossible: vLLM repacked {len(emptied)} weights into kernel "
+                f"layout (e.g. {emptied[0]}; vLLM's CPU backend does this); use reload_changed")
+
+    def stage_patch(self, patch_path: str) -> dict[str, Any]:
+        """Read a sparse patch onto the model's device while still serving (no pause needed)."""
+        self._refuse_kernel_layout()
+        t0 = time.perf_counter()
+        device = next(self._model().parameters()).device
+        patches = read_patch(Path(patch_path), device)
+        self._deltaswarm_staged = (patch_path, patches)
+        return {"staged": len(patches), "elements": sum(p.values.numel() for p in patches),
+                "stage_s": time.perf_counter() - t0}
+
     @torch.no_grad()
     def apply_patch(self, patch_path: str) -> dict[str, Any]:
-        """Apply a sparse element patch in place through vLLM's checkpoint-weight-patch API.
+        """Apply a sparse element patch in place through vLLM's checkpoint-weight-patch API
+        (staged by `stage_patch` for the same path, else read now).
 
         Works where the model keeps its parameters in checkpoint layout (GPU, unquantized).
         On CPU, vLLM repacks linear weights for oneDNN/sgl kernels and empties `weight`, so the
-        patch has nothing to write into: this raises rather than serving stale weights.
+        patch has nothing to write into: this raises before writing anything.
         """
         from vllm.model_executor.model_loader.checkpoint_weight_patch import (
             load_checkpoint_weight_patches,
         )
 
+        self._refuse_kernel_layout()
+        staged = getattr(self, "_deltaswarm_staged", None)
+        self._deltaswarm_staged = None
+        if staged is None or staged[0] != patch_path:
+            staged = (patch_path, read_patch(Path(patch_path),
+                                             next(self._model().parameters()).device))
+        patches = staged[1]
         t0 = time.perf_counter()
-        model = self._model()
-        emptied = [n for n, p in model.named_parameters() if p.numel() == 0]
-        if emptied:
-            raise NotImplementedError(
-                f"in-place patch impossible: vLLM repacked {len(emptied)} weights into kernel "
-                f"layout (e.g. {emptied[0]}; vLLM's CPU backend does this); use reload_changed")
-        device = next(model.parameters()).device
-        patches = read_patch(Path(patch_path), device)
-        t1 = time.perf_counter()
-        loaded = load_checkpoint_weight_patches(model, patches)
+        loaded = load_checkpoint_weight_patches(self._model(), patches)
         return {"patched": len(patches), "loaded": sorted(loaded),
                 "elements": sum(p.values.numel() for p in patches),
-                "read_s": t1 - t0, "apply_s": time.perf_counter() - t1}
+                "apply_s": time.perf_counter() - t0}

@@ -80,6 +80,8 @@ class VllmLaunchConfig:
     """--enable-scale-out: /inference/v1/generate, whose responses carry the weight version."""
     logprobs_mode: str = "processed_logprobs"
     """Log-probs of logits / temperature, as the rollout Engine contract asks."""
+    cpu_checkpoint_layout: bool = False
+    """CPU only: keep linear weights unpacked (as on GPU) so in-place patches apply; slower."""
     omp_threads: int | None = None
     startup_timeout_s: float = 300.0
     extra_args: tuple[str, ...] = ()
@@ -137,6 +139,8 @@ def build_env(cfg: VllmLaunchConfig, shim_dir: Path) -> dict[str, str]:
     }
     if cfg.device == "cpu":
         env |= {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": str(cfg.kv_cache_gib)}
+    if cfg.cpu_checkpoint_layout:
+        env["DELTASWARM_VLLM_CPU_CHECKPOINT_LAYOUT"] = "1"
     if cfg.omp_threads:
         env["OMP_NUM_THREADS"] = str(cfg.omp_threads)
     return env | cfg.extra_env
@@ -197,8 +201,8 @@ def wait_healthy(server: VllmServer, timeout_s: float) -> float:
                           f"{server.log_tail()}")
 
 
-def start(cfg: VllmLaunchConfig, log_path: Path | None = None) -> VllmServer:
-    """Start vLLM in a new session (its own process group) and wait for /health."""
+def spawn(cfg: VllmLaunchConfig, log_path: Path | None = None) -> VllmServer:
+    """Start vLLM in a new session (its own process group); returns at once (see start)."""
     vllm_python(cfg.venv)
     if not (cfg.model / "config.json").exists():
         raise VllmLaunchError(f"{cfg.model} has no config.json: point at an HF model directory")
@@ -210,7 +214,12 @@ def start(cfg: VllmLaunchConfig, log_path: Path | None = None) -> VllmServer:
         proc = subprocess.Popen(build_command(cfg, port), env=env, stdout=out,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 cwd=state_dir, start_new_session=True)
-    server = VllmServer(proc, f"http://{cfg.host}:{port}", state_dir, log)
+    return VllmServer(proc, f"http://{cfg.host}:{port}", state_dir, log)
+
+
+def start(cfg: VllmLaunchConfig, log_path: Path | None = None) -> VllmServer:
+    """spawn, then wait for /health; stops the server if it does not come up."""
+    server = spawn(cfg, log_path)
     try:
         wait_healthy(server, cfg.startup_timeout_s)
     except BaseException:

@@ -3,12 +3,15 @@
 Versions are written as the daemon writes them (complete immutable HF dirs renamed into place, a
 `current` symlink swapped); after each reload vLLM's greedy tokens and log-probs must equal a
 transformers reference on the same weights, differ from the previous version's, and carry the
-version. One server per module (start-up dominates: about a minute on two cores).
+version. A second server keeps its weights in checkpoint layout (as on a GPU) for the in-place
+sparse patch path. Start-up dominates: about a minute per server on two cores.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import json
 import os
 import shutil
 from pathlib import Path
@@ -19,7 +22,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rollout.vllm_launch import REPO, VllmLaunchConfig, start
+from rollout.vllm_ext import write_patch
+from rollout.vllm_launch import REPO, VllmLaunchConfig, spawn, wait_healthy
 from rollout.vllm_server import VllmPatchUnsupported, VllmServerHook
 from trainer.model import WEIGHTS_FILE, build_default_model, save_hf_dir
 
@@ -91,22 +95,44 @@ def assert_matches(completions: list, ref: list, version: int) -> None:
             {"version": str(version), "start": 0, "end": MAX_TOKENS}]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
+def weights_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     weights = tmp_path_factory.mktemp("state") / "weights"
     weights.mkdir()
     model, tok = build_default_model(seed=0)
     v0 = save_hf_dir(model, tok, weights / ".tmp-v00000000")
     os.rename(v0, weights / "v00000000")
     (weights / "current").symlink_to("v00000000")
-    cfg = VllmLaunchConfig(model=(weights / "current").resolve(), dtype="float32",
-                           max_model_len=64, startup_timeout_s=240)
-    srv = start(cfg)
+    return weights
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory):
+    """Two servers started side by side: default CPU kernels, and checkpoint-layout weights."""
+    running = []
     try:
-        yield srv, weights
+        for layout in (False, True):
+            weights = weights_dir(tmp_path_factory)
+            cfg = VllmLaunchConfig(model=(weights / "current").resolve(), dtype="float32",
+                                   max_model_len=64, startup_timeout_s=300,
+                                   cpu_checkpoint_layout=layout)
+            running.append((spawn(cfg), weights, cfg))
+        for srv, _, cfg in running:
+            wait_healthy(srv, cfg.startup_timeout_s)
+        yield [(srv, weights) for srv, weights, _ in running]
     finally:
-        srv.stop()
-    assert srv.proc.poll() is not None
+        for srv, _, _ in running:
+            srv.stop()
+    assert all(srv.proc.poll() is not None for srv, _, _ in running)
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers[0]
+
+
+@pytest.fixture(scope="module")
+def patch_server(servers):
+    return servers[1]
 
 
 def test_each_reloaded_version_generates_like_transformers_on_its_weights(server) -> None:
@@ -155,37 +181,50 @@ def test_completions_api_path_reports_the_same_tokens_and_version(server) -> Non
     assert {c.version for c in via_completions} == {current}
 
 
-async def generated_tokens(base_url: str) -> float:
-    """vLLM's running count of generated tokens, from its Prometheus /metrics."""
-    async with aiohttp.ClientSession() as s, s.get(base_url + "/metrics") as r:
-        text = await r.text()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:generation_tokens_total"))
+async def stream_across_reload(hook: VllmServerHook, prompt: str, reload) -> dict:
+    """Stream a 48-token greedy generation; run `reload()` once its first tokens have arrived.
+    Returns the final chunk's choice (it carries the weight-version spans) with all token ids."""
+    body = {"token_ids": await hook.tokenize(prompt), "stream": True,
+            "sampling_params": {"max_tokens": 48, "temperature": 0.0, "ignore_eos": True}}
+    tokens: list[int] = []
+    final: dict = {}
+    async with aiohttp.ClientSession() as s, s.post(
+            hook.base_url + "/inference/v1/generate", json=body) as r:
+        assert r.status == 200, await r.text()
+        async for raw in r.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: {"):
+                continue
+            choice = json.loads(line[len("data: "):])["choices"][0]
+            if not tokens and choice.get("token_ids"):
+                await reload()
+            tokens += choice.get("token_ids") or []
+            final = choice if choice.get("weight_versions") else final
+    return final | {"token_ids": tokens}
 
 
 def test_a_generation_spanning_a_reload_is_tagged_with_both_versions(server) -> None:
+    """The reload lands while tokens stream, unless the machine is so loaded that the client
+    reads the first token after the last is made: then retry, up to five versions."""
     srv, weights = server
     hook = VllmServerHook(srv.base_url)
     base = (weights / "current").resolve()
     old = int(base.name[1:])
-    new_dir = publish(weights, old + 1, perturbed(base, None, seed=3), like=base)
-
-    async def scenario() -> list:
-        before = await generated_tokens(srv.base_url)
-        gen = asyncio.create_task(hook.generate(["1+1="], max_tokens=48, temperature=0.0,
-                                                ignore_eos=True))
-        while await generated_tokens(srv.base_url) == before:  # reload once decoding started
-            assert not gen.done()
-            await asyncio.sleep(0.005)
-        await hook.reload(new_dir, old + 1)
-        return await gen
-
-    [c] = asyncio.run(scenario())
-    spans = c.extra["weight_versions"]
-    assert [s["version"] for s in spans] == [str(old), str(old + 1)], spans
-    assert spans[0]["start"] == 0 and spans[-1]["end"] == len(c.token_ids) == 48
-    assert spans[0]["end"] == spans[1]["start"]
-    assert c.version == old
+    asyncio.run(hook.reload(base, old))
+    seen = []
+    for new in range(old + 1, old + 6):
+        new_dir = publish(weights, new, perturbed(base, None, seed=new), like=base)
+        choice = asyncio.run(stream_across_reload(hook, "1+1=",
+                                                  lambda d=new_dir, v=new: hook.reload(d, v)))
+        spans = choice["weight_versions"]
+        assert spans[0]["start"] == 0 and spans[-1]["end"] == len(choice["token_ids"]) == 48
+        assert all(a["end"] == b["start"] for a, b in itertools.pairwise(spans))
+        seen.append([s["version"] for s in spans])
+        assert seen[-1] in ([str(new - 1)], [str(new - 1), str(new)], [str(new)]), spans
+        if len(spans) == 2:
+            break
+        base = new_dir
+    assert len(seen[-1]) == 2, f"the reload never landed mid-generation: {seen}"
 
 
 def test_in_place_patch_is_refused_on_cpu_without_pausing(server, tmp_path: Path) -> None:
@@ -199,3 +238,40 @@ def test_in_place_patch_is_refused_on_cpu_without_pausing(server, tmp_path: Path
         asyncio.run(hook.apply_patch(tmp_path / "unused.safetensors", 99))
     assert not asyncio.run(hook.is_paused())
     assert asyncio.run(hook.weight_version()) == version
+
+
+def sparse_update(path: Path, seed: int, density: float, index_dtype: torch.dtype):
+    """New weights differing from `path`'s in about `density` of every tensor's elements, and
+    the patch (changed positions + new values) that turns one into the other."""
+    state = load_file(str(path / WEIGHTS_FILE))
+    gen = torch.Generator().manual_seed(seed)
+    changes = {}
+    for name, t in state.items():
+        flat = t.flatten().clone()
+        pos = torch.nonzero(torch.rand(flat.numel(), generator=gen) < density).squeeze(1)
+        flat[pos] = (torch.randn(pos.numel(), generator=gen) * (t.float().std() + 0.05)).bfloat16()
+        pos = pos[flat[pos].view(torch.int16) != t.flatten()[pos].view(torch.int16)]
+        state[name] = flat.view(t.shape)
+        changes[name] = (pos.to(index_dtype), flat[pos], tuple(t.shape))
+    return state, changes
+
+
+def test_sparse_patches_apply_in_place_like_transformers_on_the_new_weights(patch_server) -> None:
+    srv, weights = patch_server
+    hook = VllmServerHook(srv.base_url)
+    assert asyncio.run(hook.rpc("deltaswarm_info"))[0]["patchable"]
+    base = weights / "v00000000"
+    asyncio.run(hook.reload(base, 0))
+    previous = served(hook)
+    assert_matches(previous, reference(base), 0)
+    for version, index_dtype in [(1, torch.int32), (2, torch.int64)]:
+        state, changes = sparse_update(base, seed=version, density=0.05, index_dtype=index_dtype)
+        base = publish(weights, version, state, like=base)
+        patch = write_patch(weights / f"v{version}.patch.safetensors", changes)
+        report = asyncio.run(hook.apply_patch(patch, version))
+        assert report.worker[0]["elements"] == sum(len(c[0]) for c in changes.values())
+        now = served(hook)
+        assert_matches(now, reference(base), version)
+        assert [c.token_ids for c in now] != [c.token_ids for c in previous]
+        previous = now
+    assert not asyncio.run(hook.is_paused())
