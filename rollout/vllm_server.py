@@ -42,10 +42,6 @@ class ReloadReport:
     seconds: dict[str, float] = field(default_factory=dict)
     worker: list[Any] = field(default_factory=list)
 
-    @property
-    def paused_s(self) -> float:
-        return sum(v for k, v in self.seconds.items() if k != "pause")
-
 
 def version_of(label: str) -> int | None:
     try:
@@ -133,7 +129,8 @@ class VllmServerHook:
         return report
 
     async def apply_patch(self, patch_path: str | Path, version: int) -> ReloadReport:
-        """In-place sparse apply (GPU): pause -> patch -> reset cache -> version -> resume."""
+        """In-place sparse apply (GPU): stage the patch on the device while serving, then
+        pause -> patch -> reset prefix cache -> weight version -> resume."""
         info = await self.rpc("deltaswarm_info")
         if not all(i.get("patchable") for i in info):
             raise VllmPatchUnsupported(
@@ -141,6 +138,8 @@ class VllmServerHook:
                 "patch in place; reload the changed tensors instead")
         report = ReloadReport(version=version, path=str(patch_path), mode="patch")
         t0 = time.perf_counter()
+        await self.rpc("stage_patch", patch_path=str(patch_path))
+        report.seconds["stage"] = time.perf_counter() - t0
         await self._call("POST", "/pause", params={"mode": self.pause_mode})
         try:
             report.worker = await self.rpc("apply_patch", patch_path=str(patch_path))
@@ -150,7 +149,7 @@ class VllmServerHook:
             raise VllmReloadError(f"patch {patch_path} for version {version} failed; vLLM "
                                   f"left paused: {exc}") from exc
         await self._call("POST", "/resume")
-        report.seconds["total"] = time.perf_counter() - t0
+        report.seconds["paused"] = time.perf_counter() - t0 - report.seconds["stage"]
         return report
 
     async def resume(self) -> None:
