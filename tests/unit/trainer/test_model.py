@@ -51,7 +51,7 @@ def test_warmup_is_deterministic_and_lowers_reference_loss() -> None:
     a, tok = build_default_model(seed=0)
     b, _ = build_default_model(seed=0)
     start = _reference_loss(a, tok, task)
-    warmup(a, tok, task, steps=25, batch=32, seed=5)
-    warmup(b, tok, task, steps=25, batch=32, seed=5)
+    warmup(a, tok, task, steps=15, batch=32, seed=5)
+    warmup(b, tok, task, steps=15, batch=32, seed=5)
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
     assert _reference_loss(a, tok, task) < 0.6 * start
