@@ -192,19 +192,25 @@ class IngestStore:
                 self._arrived.set()
             return list(dict.fromkeys(r["id"] for r in records))
 
-    async def take(self, n: int, timeout: float, commit: bool = True) -> list[dict[str, Any]]:
-        """Up to `n` unconsumed trajectories in arrival order, waiting up to `timeout` s for the
-        first. With commit=False they stay unconsumed on disk until `commit()`, so a crash
-        before the caller's step hands them out again after restart."""
+    async def take(self, n: int, timeout: float, commit: bool = True, min_n: int = 1,
+                   whole_groups: bool = True) -> list[dict[str, Any]]:
+        """Up to `n` unconsumed trajectories in arrival order, waiting up to `timeout` s until
+        at least `min_n` are pending (then returning what there is). With `whole_groups`, a
+        group cut by `n` is completed from the backlog, so GRPO sees whole groups. With
+        commit=False they stay unconsumed on disk until `commit()`: a crash before the
+        caller's step hands them out again after restart."""
         deadline = time.monotonic() + timeout
-        while not self.pending:
+        while len(self.pending) < min_n:
             self._arrived.clear()
             left = deadline - time.monotonic()
             if left <= 0:
-                return []
+                break
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._arrived.wait(), left)
         out = [self.pending.popleft() for _ in range(min(n, len(self.pending)))]
+        while whole_groups and out and self.pending and (
+                self.pending[0].get("group") == out[-1].get("group")):
+            out.append(self.pending.popleft())
         self.taken += len(out)
         if commit:
             await self.commit()

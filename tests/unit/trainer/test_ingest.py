@@ -117,3 +117,21 @@ def test_torn_last_line_is_dropped_on_start(tmp_path: Path) -> None:
     store = IngestStore(tmp_path)
     assert store.stats()["held"] == 1
     assert seg.read_bytes().endswith(b"\n")
+
+
+def test_take_completes_a_cut_group_and_waits_for_min_n(tmp_path: Path) -> None:
+    items = [traj(group="a"), traj(group="a"), traj(group="b"), traj(group="b"), traj(group="c")]
+
+    async def run() -> tuple[list[str], list[str], float]:
+        store = IngestStore(tmp_path)
+        await store.append(items)
+        first = [t["group"] for t in await store.take(1, timeout=0.1)]
+        second = [t["group"] for t in await store.take(3, timeout=0.1, whole_groups=False)]
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await store.take(10, timeout=0.3, min_n=5)
+        return first, second, loop.time() - t0
+
+    first, second, waited = asyncio.run(run())
+    assert first == ["a", "a"] and second == ["b", "b", "c"]
+    assert waited >= 0.25
