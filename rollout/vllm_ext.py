@@ -158,7 +158,7 @@ class DeltaswarmWorkerExtension:
         weights = list(read_tensors(files, load))
         t1 = time.perf_counter()
         self.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)  # type: ignore[attr-defined]
-        return {"changed": len(changed), "loaded": len(load),
+        return {"changed": len(changed), "loaded": load,
                 "bytes": sum(t.numel() * t.element_size() for _, t in weights),
                 "read_s": t1 - t0, "apply_s": time.perf_counter() - t1}
 
