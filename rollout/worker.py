@@ -196,11 +196,11 @@ class RolloutWorker:
                         "Content-Type": "application/x-ndjson"}) as r:
                     text = await r.text()
                     if r.status == 200:
-                        accepted = set(json.loads(text).get("accepted", []))
+                        accepted = set(json.loads(text).get("held", []))
                         if accepted.issuperset(ids):
                             self.stats["posted"] += len(ids)
                             return
-                        log.warning("daemon accepted %d of %d; resending", len(accepted), len(ids))
+                        log.warning("daemon holds %d of %d; resending", len(accepted), len(ids))
                     elif r.status == 429:
                         self.stats["pushbacks"] += 1
                         wait = _retry_after(r.headers.get("Retry-After"), backoff)

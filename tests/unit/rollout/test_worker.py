@@ -68,7 +68,7 @@ class StandInDaemon:
         if self.flip_after_first_batch and self.current == 0:
             self.current = 1
             self.changed.set()
-        return web.json_response({"accepted": [t["id"] for t in lines]})
+        return web.json_response({"held": [t["id"] for t in lines]})
 
 
 def config(url: str, **over: object) -> WorkerConfig:
