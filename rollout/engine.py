@@ -39,7 +39,10 @@ class Engine(Protocol):
         ...
 
 
-ENGINES = {"torch": "rollout.engine_torch:TorchEngine"}
+ENGINES = {
+    "torch": "rollout.engine_torch:TorchEngine",
+    "vllm": "rollout.vllm_server:VllmServerEngine",
+}
 
 
 def make_engine(kind: str, **kwargs: Any) -> Engine:
