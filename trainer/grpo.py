@@ -19,12 +19,14 @@ from trainer.staleness import filter_stale
 
 @dataclass(kw_only=True)
 class GRPOConfig:
-    lr: float = 3e-5
+    lr: float = 1e-4
+    """Sets both learning speed and delta density (bf16 changes when an update crosses |w|/256):
+    on the default tiny model 1e-4 changes ~20 % of elements per step, 3e-5 ~10 %."""
     betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = 0.0
-    adam_eps: float = 1e-8
-    """Raising it (e.g. 1e-5) damps updates of weights whose gradients are mostly noise,
-    which makes bf16 deltas sparser."""
+    adam_eps: float = 1e-4
+    """Above torch's 1e-8 on purpose: it damps updates of weights whose gradients are tiny
+    (noise), so fewer bf16 values change per step."""
     grad_clip: float = 1.0
     is_cap: float = 2.0
     """Truncated importance sampling: per-token weight min(pi/mu, is_cap)."""

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 @dataclass
 class Arithmetic:
-    max_operand: int = 19
+    max_operand: int = 9
     ops: str = "+-"
     name: str = "arithmetic"
 
