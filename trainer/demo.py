@@ -47,6 +47,9 @@ class DemoConfig(BaseModel):
     rollout: RolloutSection = RolloutSection()
     snapshot_every: int = Field(8, ge=1)
     timeout_s: float = Field(900, gt=0)
+    min_reward_gain: float = 0.05
+    """The run passes only if the mean reward of the last third of the steps beats the first
+    third by this much."""
 
 
 def load_demo_config(path: Path) -> DemoConfig:
@@ -150,7 +153,7 @@ def run(cfg: DemoConfig, out: Path) -> int:
     try:
         procs.start("trainer-daemon", "daemon.main", "--config", str(out / "trainer.daemon.yaml"))
         trainer = procs.start("trainer", "trainer.main", "--config", str(out / "trainer.yaml"))
-        for region in cfg.regions:
+        for i, region in enumerate(cfg.regions):
             procs.start(f"{region}-daemon", "daemon.main", "--config",
                         str(out / f"{region}.daemon.yaml"))
             procs.start(
@@ -158,7 +161,8 @@ def run(cfg: DemoConfig, out: Path) -> int:
                 "--task", cfg.task, "--region", region,
                 "--prompts-per-batch", str(cfg.rollout.prompts_per_batch),
                 "--group-size", str(cfg.rollout.group_size),
-                "--max-tokens", str(cfg.rollout.max_tokens),
+                "--max-tokens", str(cfg.rollout.max_tokens), "--threads", "1",
+                "--seed", str(i),
             )
         metrics_path = out / "trainer" / "metrics.jsonl"
         deadline = time.monotonic() + cfg.timeout_s
@@ -212,10 +216,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", type=Path, default=Path("configs/demo.yaml"))
     p.add_argument("--steps", type=int, help="override the number of versions")
     p.add_argument("--out", type=Path, help="run directory (default: out_dir/demo-<time>)")
+    p.add_argument("--warmup-steps", type=int, help="override warm-up steps")
+    p.add_argument("--min-reward-gain", type=float, help="override the reward check")
     a = p.parse_args(argv)
     cfg = load_demo_config(a.config)
     if a.steps:
         cfg.steps = a.steps
+    if a.warmup_steps is not None:
+        cfg.warmup = {**cfg.warmup, "steps": a.warmup_steps}
+    if a.min_reward_gain is not None:
+        cfg.min_reward_gain = a.min_reward_gain
     out = a.out or cfg.out_dir / time.strftime("demo-%Y%m%d-%H%M%S")
     return run(cfg, out.resolve())
 

@@ -120,12 +120,13 @@ def verdict(cfg, metrics: list[dict], statuses: dict[str, dict | None], out: Pat
         reasons.append((good, f"{region} is on v{s.get('current_version')} with "
                         f"{'the trainer' if good else 'a different'}'s state digest"))
     steps = _steps(metrics)
-    if len(steps) >= 3:
+    if len(steps) >= 3 or (steps and cfg.min_reward_gain <= -1):
         k = max(1, len(steps) // 3)
         first = statistics.mean(m["reward_mean"] for m in steps[:k])
         last = statistics.mean(m["reward_mean"] for m in steps[-k:])
-        reasons.append((last >= first + 0.05, f"reward rose {first:.3f} → {last:.3f}"
-                        " (needs +0.05)"))
+        gain = cfg.min_reward_gain
+        reasons.append((last >= first + gain, f"reward {first:.3f} → {last:.3f} over the RL "
+                        f"steps (needs {gain:+.2f})"))
     else:
         reasons.append((False, f"only {len(steps)} RL steps recorded"))
     return all(r[0] for r in reasons), reasons
