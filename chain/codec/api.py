@@ -134,14 +134,15 @@ def _encode_job(old, new, lo, hi, c: hdr.Coding, parts: list, s: int) -> Callabl
         cap = min(raw, 4096 + (hi - lo) // 4)
         while True:
             out, raw_out = ws.outbufs(cap)
-            nrc, nraw, k, pbits = encode_segment(
+            nrc, nraw, k, pbits, hsh = encode_segment(
                 old, new, lo, hi, c.shift, c.cmask, c.nctx, c.dtype.bits, c.is_float,
                 ws.models, *ws.ctx, *chg, out, raw_out)
             if nrc <= cap and nraw <= cap:
-                parts[s] = (k, pbits, out[:nrc].tobytes() + raw_out[:nraw][::-1].tobytes())
+                parts[s] = (k, pbits, out[:nrc].tobytes() + raw_out[:nraw][::-1].tobytes(),
+                            int(hsh))
                 return
             if cap >= raw:
-                parts[s] = (k, pbits, None)
+                parts[s] = (k, pbits, None, 0)
                 return
             cap = min(raw, cap * 4)
     return job
@@ -157,7 +158,15 @@ def _assemble(old, new, dtype: str, c: hdr.Coding, parts: list) -> bytes:
     if any(s is None for s in streams) or sum(len(s) for s in streams) >= raw_size:
         return hdr.pack(hdr.RAW, dtype, n, k, [new.tobytes()])
     pbits = round(sum(p[1] for p in parts))
-    return hdr.pack(hdr.CODED, dtype, n, k, streams, LOG2_SEG, pbits, [p[0] for p in parts])
+    return hdr.pack(hdr.CODED, dtype, n, k, streams, LOG2_SEG, pbits, [p[0] for p in parts],
+                    _combine(p[3] for p in parts if p[0]))
+
+
+def _combine(hashes) -> int:
+    total = 0
+    for h in hashes:
+        total ^= h
+    return total & 0xFFFFFFFF
 
 
 def encode_tensor_delta(old: np.ndarray, new: np.ndarray, dtype: str) -> bytes:
@@ -176,13 +185,16 @@ def apply_many(items: Sequence[tuple[np.ndarray, bytes | memoryview, str]],
         if plan is not None:
             decoded.append(plan)
     _run(jobs, threads)
-    for t, errs, *_ in decoded:
-        bad = [e for e in errs if e]
+    for t, errs, _, kind, _, want in decoded:
+        bad = [e[0] for e in errs if e[0]]
         if bad:
             raise BadDelta(f"tensor delta #{t} does not decode against its base: "
                            f"{_ERRORS.get(bad[0], 'unknown error')}")
+        if kind == hdr.CODED and _combine(e[1] for e in errs) != want:
+            raise BadDelta(f"tensor delta #{t} decodes to a result whose hash does not match "
+                           "the payload's: wrong base tensor, or a forged payload")
     scat = []
-    for _, _, target, kind, data in decoded:
+    for _, _, target, kind, data, _ in decoded:
         if kind == hdr.RAW:
             scat.append((target.size, _raw_job(target, data)))
         else:
@@ -219,11 +231,11 @@ def _plan_apply(t: int, target: np.ndarray, payload, dtype: str, jobs: list):
         return None
     if h.mode == hdr.RAW:
         data = buf[h.body_start:h.body_end].view(c.dtype.uint)
-        return t, [], target, hdr.RAW, data
+        return t, [], target, hdr.RAW, data, 0
     seg = 1 << h.log2_seg
     pos = np.empty(h.k, np.int32)
     val = np.empty(h.k, c.dtype.uint)
-    errs = [0] * len(h.seg_k)
+    errs = [(0, 0)] * len(h.seg_k)
     segs = []
     start, base = h.body_start, 0
     for s, (ks, ln) in enumerate(zip(h.seg_k, h.seg_len, strict=True)):
@@ -233,19 +245,20 @@ def _plan_apply(t: int, target: np.ndarray, payload, dtype: str, jobs: list):
                                               pos, val, base, errs, s)))
             segs.append((lo, pos, val, base, base + ks))
         elif ln:
-            errs[s] = ERR_STREAM
+            errs[s] = (ERR_STREAM, 0)
         start += ln
         base += ks
-    return t, errs, target, hdr.CODED, segs
+    return t, errs, target, hdr.CODED, segs, h.result
 
 
 def _decode_job(target, lo, hi, buf, start, end, ks, c: hdr.Coding, pos, val, base, errs,
                 s) -> Callable[[], None]:
     def job() -> None:
         ws = _ws()
-        errs[s] = decode_segment(target, lo, hi, buf, start, end, ks, c.shift, c.cmask,
+        err, hsh = decode_segment(target, lo, hi, buf, start, end, ks, c.shift, c.cmask,
                                  c.nctx, c.dtype.bits, c.is_float, ws.models, *ws.ctx[:3],
                                  pos, val, base)
+        errs[s] = (int(err), int(hsh))
     return job
 
 

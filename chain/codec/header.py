@@ -1,10 +1,13 @@
 """The byte layout around a tensor delta's coded streams, and its strict parser.
 
     0xD5 | format<<4 | mode | dtype code | varint n | varint k
-    mode CODED: log2(segment) | varint position-bits | per segment (if > 1): varint k, varint len
+    mode CODED: log2(segment) | varint position-bits | 4-byte result hash
+                | per segment (if > 1): varint k, varint len
     body (streams, or the raw new bits in mode RAW) | 4-byte xxh3-64 of everything before it
 
-Every count is checked against the target before any decoding starts.
+Every count is checked against the target before any decoding starts. The checksum catches
+damaged bytes; the result hash (over the changed positions and their new values, computed while
+decoding) catches a payload applied to the wrong base or a forged stream.
 """
 
 from dataclasses import dataclass
@@ -55,6 +58,7 @@ class Header:
     k: int
     log2_seg: int = 0
     pos_bits: int = 0
+    result: int = 0
     seg_k: list[int] | None = None
     seg_len: list[int] | None = None
     body_start: int = 0
@@ -69,13 +73,14 @@ def put_varint(out: bytearray, v: int) -> None:
 
 
 def pack(mode: int, dtype: str, n: int, k: int, body: list[bytes], log2_seg: int = 0,
-         pos_bits: int = 0, seg_k: list[int] | None = None) -> bytes:
+         pos_bits: int = 0, seg_k: list[int] | None = None, result: int = 0) -> bytes:
     out = bytearray((MAGIC, (FORMAT << 4) | mode, _CODE[dtype]))
     put_varint(out, n)
     put_varint(out, k)
     if mode == CODED:
         out.append(log2_seg)
         put_varint(out, pos_bits)
+        out += result.to_bytes(4, "little")
         if len(body) > 1:
             for ks, part in zip(seg_k or [], body, strict=True):
                 put_varint(out, ks)
@@ -138,6 +143,7 @@ def parse(payload: bytes | memoryview, verify: bool = True) -> Header:
         if not LOG2_SEG_MIN <= h.log2_seg <= LOG2_SEG_MAX:
             raise BadDelta(f"tensor delta segment size 2^{h.log2_seg} is out of range")
         h.pos_bits = r.varint()
+        h.result = int.from_bytes(bytes(r.byte() for _ in range(4)), "little")
         seg = 1 << h.log2_seg
         nseg = (h.n + seg - 1) // seg
         if nseg == 0 or h.k == 0:

@@ -70,6 +70,15 @@ def _ctx(x, shift, cmask):
 
 
 @njit
+def _mix(h, v):
+    z = h ^ v
+    z ^= z >> np.uint64(33)
+    z *= np.uint64(0xFF51AFD7ED558CCD)
+    z ^= z >> np.uint64(33)
+    return z
+
+
+@njit
 def _rice_param(n, k):
     gaps = (n - k) * 11 // (16 * k)
     r = 0
@@ -177,13 +186,14 @@ def encode_segment(old, new, lo, hi, shift, cmask, nctx, width, is_float,
                    models, h0, h1, h2, h3, kcnt, first, rpar,
                    chg_pos, chg_rank, chg_ctx, nxt, out, rbuf):
     """Code old[lo:hi] -> new[lo:hi]: range-coded part into `out`, raw bits into `rbuf`.
-    Returns (range-coded bytes, raw bytes, changes, estimated position bits); a byte count
-    larger than its buffer means the buffer was too small (the caller retries bigger)."""
+    Returns (range-coded bytes, raw bytes, changes, estimated position bits, result hash); a
+    byte count larger than its buffer means it was too small (the caller retries bigger)."""
     sh = np.uint64(shift)
     cm = np.uint64(cmask)
+    hsh = np.uint64(lo)
     m = _find_changes(old, new, lo, hi, chg_pos)
     if m == 0:
-        return 0, 0, 0, 0.0
+        return 0, 0, 0, 0.0, hsh
     for e in range(nctx):
         h0[e] = 0
         h1[e] = 0
@@ -231,11 +241,12 @@ def encode_segment(old, new, lo, hi, shift, cmask, nctx, width, is_float,
         i = chg_pos[j]
         st, rs = _enc_value(st, rs, models, off_cls + width * e, off_top + width * e,
                             off_sgn + 3 * e, old[i], new[i], width, is_float, out, rbuf)
+        hsh = _mix(_mix(hsh, np.uint64(i - lo)), np.uint64(new[i]))
         if nxt[j] >= 0:
             st, rs, c = _enc_gap(st, rs, models, off_gap + 2 * e, nxt[j] - chg_rank[j] - 1,
                                  rpar[e], out, rbuf)
             pbits += c
-    return enc_finish(st, out), raw_finish(rs, rbuf), m, pbits
+    return enc_finish(st, out), raw_finish(rs, rbuf), m, pbits, hsh
 
 
 # ---------------------------------------------------------------- decoding
@@ -282,7 +293,7 @@ def _dec_gap(st, rs, models, gi, r, qmax, buf, start, end):
 def decode_segment(target, lo, hi, buf, start, end, kseg, shift, cmask, nctx, width, is_float,
                    models, slack, rem, rpar, out_pos, out_val, obase):
     """Decode one segment's stream against target[lo:hi] (read only) into out_pos/out_val
-    [obase:obase+kseg]. Returns an error code (OK = 0)."""
+    [obase:obase+kseg]. Returns (error code (OK = 0), result hash)."""
     sh = np.uint64(shift)
     cm = np.uint64(cmask)
     seglen = hi - lo
@@ -291,7 +302,7 @@ def decode_segment(target, lo, hi, buf, start, end, kseg, shift, cmask, nctx, wi
     st = dec_start(buf, start, end)
     rs = (np.int64(0), np.int64(0), np.int64(0))
     if st[1] >= st[0]:
-        return ERR_STREAM
+        return ERR_STREAM, np.uint64(0)
     found = 0
     prev = 0
     for e in range(nctx):
@@ -304,24 +315,25 @@ def decode_segment(target, lo, hi, buf, start, end, kseg, shift, cmask, nctx, wi
             k += 1
             found += k
             if k > seglen or found > kseg:
-                return ERR_COUNT
+                return ERR_COUNT, np.uint64(0)
             r, rs = raw_get(rs, R_BITS, buf, start, end)
             if r > R_MAX:
-                return ERR_GAP
+                return ERR_GAP, np.uint64(0)
             g, st, rs = _dec_gap(st, rs, models, off_gap + 2 * e, r, seglen >> r, buf, start,
                                  end)
             if g < 0 or g >= seglen:
-                return ERR_GAP
+                return ERR_GAP, np.uint64(0)
             slack[e] = g
             rem[e] = k
             rpar[e] = r
     if found != kseg:
-        return ERR_COUNT
+        return ERR_COUNT, np.uint64(0)
 
     mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - width)
     top = np.uint64(1) << np.uint64(width - 1)
     m = 0
     err = OK
+    hsh = np.uint64(lo)
     for i in range(lo, hi):
         x = target[i]
         e = _ctx(x, sh, cm)
@@ -351,8 +363,10 @@ def decode_segment(target, lo, hi, buf, start, end, kseg, shift, cmask, nctx, wi
                 err = ERR_VALUE
             d = ((np.uint64(0) - mag) & mask) if neg else mag
             key = (_key(np.uint64(x), width, is_float) + d) & mask
+            nx = _key(key, width, is_float)
             out_pos[obase + m] = i - lo
-            out_val[obase + m] = _key(key, width, is_float)
+            out_val[obase + m] = nx
+            hsh = _mix(_mix(hsh, np.uint64(i - lo)), nx)
             m += 1
             left = rem[e] - 1
             rem[e] = left
@@ -360,17 +374,17 @@ def decode_segment(target, lo, hi, buf, start, end, kseg, shift, cmask, nctx, wi
                 g, st, rs = _dec_gap(st, rs, models, off_gap + 2 * e, rpar[e],
                                      seglen >> rpar[e], buf, start, end)
                 if g < 0:
-                    return ERR_GAP
+                    return ERR_GAP, np.uint64(0)
                 slack[e] = g
             else:
                 slack[e] = NEVER
     if err != OK:
-        return err
+        return err, np.uint64(0)
     if m != kseg:
-        return ERR_GAP
+        return ERR_GAP, np.uint64(0)
     if (st[2] - start) + rs[2] != end - start:
-        return ERR_STREAM
-    return OK
+        return ERR_STREAM, np.uint64(0)
+    return OK, hsh
 
 
 @njit(nogil=True, cache=True)

@@ -23,23 +23,19 @@ MUL = np.array([65536 // (c + 2) for c in range(LIMIT + 1)], dtype=np.int64)
 COST = np.array([0.0] + [-np.log2(p / PONE) for p in range(1, PONE + 1)], dtype=np.float64)
 
 
-@njit
+@njit(inline="always")
 def adapt(models, i, bit):
     s = models[i]
     p = np.int64(s & 0xFFFF)
     c = np.int64(s >> 16)
-    if bit == 0:
-        p += ((PONE - p) * MUL[c]) >> 16
-        p = min(p, PMAX)
-    else:
-        p -= (p * MUL[c]) >> 16
-        p = max(p, PMIN)
-    if c < LIMIT:
-        c += 1
+    target = PONE & (bit - 1)
+    p += ((target - p) * MUL[c]) >> 16
+    p = min(max(p, PMIN), PMAX)
+    c = min(c + 1, LIMIT)
     models[i] = np.int32(p | (c << 16))
 
 
-@njit
+@njit(inline="always")
 def cost(models, i, bit):
     p = np.int64(models[i] & 0xFFFF)
     return COST[p] if bit == 0 else COST[PONE - p]
@@ -50,7 +46,7 @@ def cost(models, i, bit):
 # never written. Returns pos > cap when `out` was too small (the caller retries bigger).
 
 
-@njit
+@njit(inline="always")
 def _shift_low(low, cache, csize, out, pos):
     if low < 0xFF000000 or low >= 0x100000000:
         carry = low >> 32
@@ -69,21 +65,19 @@ def _shift_low(low, cache, csize, out, pos):
     return low, cache, csize, pos
 
 
-@njit
+@njit(inline="always")
 def enc_start():
     return np.int64(0), np.int64(0xFFFFFFFF), np.int64(0), np.int64(1), np.int64(-1)
 
 
-@njit
+@njit(inline="always")
 def enc_bit(st, models, i, bit, out):
     low, rng, cache, csize, pos = st
     p = np.int64(models[i] & 0xFFFF)
     bound = (rng >> PROB_BITS) * p
-    if bit == 0:
-        rng = bound
-    else:
-        low += bound
-        rng -= bound
+    mb = -np.int64(bit)
+    low += bound & mb
+    rng = bound + ((rng - 2 * bound) & mb)
     adapt(models, i, bit)
     while rng < TOP:
         rng <<= 8
@@ -91,7 +85,7 @@ def enc_bit(st, models, i, bit, out):
     return low, rng, cache, csize, pos
 
 
-@njit
+@njit(inline="always")
 def enc_finish(st, out):
     low, _, cache, csize, pos = st
     for _ in range(5):
@@ -103,14 +97,14 @@ def enc_finish(st, out):
 # state: (rng, code, pos)
 
 
-@njit
+@njit(inline="always")
 def _byte(buf, pos, end):
     if pos < end:
         return np.int64(buf[pos])
     return np.int64(0)
 
 
-@njit
+@njit(inline="always")
 def dec_start(buf, start, end):
     code = np.int64(0)
     pos = start
@@ -120,18 +114,15 @@ def dec_start(buf, start, end):
     return np.int64(0xFFFFFFFF), code, pos
 
 
-@njit
+@njit(inline="always")
 def dec_bit(st, models, i, buf, end):
     rng, code, pos = st
     p = np.int64(models[i] & 0xFFFF)
     bound = (rng >> PROB_BITS) * p
-    if code < bound:
-        rng = bound
-        bit = 0
-    else:
-        code -= bound
-        rng -= bound
-        bit = 1
+    bit = np.int64(code >= bound)
+    mb = -bit
+    code -= bound & mb
+    rng = bound + ((rng - 2 * bound) & mb)
     adapt(models, i, bit)
     while rng < TOP:
         rng <<= 8
@@ -146,7 +137,7 @@ def dec_bit(st, models, i, buf, end):
 # backwards from the end and needs no length field. Writer state: (acc, nacc, rpos).
 
 
-@njit
+@njit(inline="always")
 def raw_put(rs, value, nbits, rbuf):
     """Append the low `nbits` (<= 24) of `value`."""
     acc, nacc, rpos = rs
@@ -161,7 +152,7 @@ def raw_put(rs, value, nbits, rbuf):
     return acc, nacc, rpos
 
 
-@njit
+@njit(inline="always")
 def raw_finish(rs, rbuf):
     acc, nacc, rpos = rs
     if nacc > 0:
@@ -171,7 +162,7 @@ def raw_finish(rs, rbuf):
     return rpos
 
 
-@njit
+@njit(inline="always")
 def raw_get(rs, nbits, buf, start, end):
     """Read `nbits` (<= 24) from the stream stored backwards ending at `end`; past `start`
     it reads zeros (rpos still counts, so the caller's length check fails)."""

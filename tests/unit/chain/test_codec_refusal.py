@@ -1,0 +1,114 @@
+"""Refusal of bad tensor delta payloads: truncated, bit-flipped, forged or mismatched input
+raises BadDelta and leaves the target untouched (the codec decodes into scratch first)."""
+
+import numpy as np
+import pytest
+import xxhash
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from chain.codec import apply_many, apply_tensor_delta, encode_tensor_delta, payload_stats
+from chain.codec.header import CHECK
+from chain.errors import BadDelta
+
+SETTINGS = settings(max_examples=80, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+
+def _pair(n: int = 20_000, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal(n) * 0.02).astype(np.float32)
+    old = (w.view(np.uint32) >> 16).astype(np.uint16)
+    new = old.copy()
+    idx = rng.choice(n, n // 40, replace=False)
+    new[idx] += rng.choice(np.array([1, 0xFFFF, 3], np.uint16), idx.size)
+    return old, new
+
+
+OLD, NEW = _pair()
+PAYLOAD = encode_tensor_delta(OLD, NEW, "bfloat16")
+
+
+def _reseal(body: bytes) -> bytes:
+    """Give altered bytes a valid checksum, as a forger (not line noise) would."""
+    return body + (xxhash.xxh3_64_intdigest(body) & 0xFFFFFFFF).to_bytes(CHECK, "little")
+
+
+def _refused(payload: bytes, target: np.ndarray | None = None, dtype: str = "bfloat16"):
+    target = OLD.copy() if target is None else target
+    before = target.copy()
+    with pytest.raises(BadDelta):
+        apply_tensor_delta(target, payload, dtype)
+    assert np.array_equal(target, before)
+
+
+@SETTINGS
+@given(st.integers(0, len(PAYLOAD) - 1))
+def test_every_truncation_is_refused(cut):
+    _refused(PAYLOAD[:cut])
+
+
+@SETTINGS
+@given(st.integers(0, 8 * len(PAYLOAD) - 1))
+def test_every_single_bit_flip_is_refused(bit):
+    bad = bytearray(PAYLOAD)
+    bad[bit // 8] ^= 1 << (bit % 8)
+    _refused(bytes(bad))
+
+
+@SETTINGS
+@given(st.integers(3, len(PAYLOAD) - CHECK - 1), st.integers(1, 255))
+def test_forged_bodies_with_valid_checksums_never_write_out_of_place(pos, xor):
+    """A forged payload (valid checksum, altered stream) is refused with the target untouched:
+    the result hash inside the payload no longer matches what decodes."""
+    bad = bytearray(PAYLOAD[:-CHECK])
+    bad[pos] ^= xor
+    _refused(_reseal(bytes(bad)))
+
+
+def test_payload_for_another_length_is_refused():
+    _refused(PAYLOAD, OLD[:-1].copy())
+    _refused(PAYLOAD, np.concatenate([OLD, OLD[:1]]))
+
+
+def test_payload_for_another_dtype_is_refused():
+    _refused(PAYLOAD, OLD.copy(), "float16")
+    with pytest.raises(BadDelta):
+        apply_tensor_delta(OLD.astype(np.uint32), PAYLOAD, "bfloat16")
+
+
+def test_payload_applied_to_the_wrong_base_is_refused():
+    other = OLD.copy()
+    other[::3] ^= np.uint16(0x0100)
+    _refused(PAYLOAD, other)
+
+
+def test_payload_applied_twice_is_refused():
+    target = OLD.copy()
+    apply_tensor_delta(target, PAYLOAD, "bfloat16")
+    assert np.array_equal(target, NEW)
+    _refused(PAYLOAD, target)
+
+
+def test_garbage_and_empty_input_is_refused():
+    for junk in (b"", b"\xd5", b"\x00" * 40, bytes(range(256))):
+        _refused(junk)
+        with pytest.raises(BadDelta):
+            payload_stats(junk)
+
+
+def test_batch_with_one_bad_payload_writes_no_target():
+    old2, new2 = _pair(5000, seed=1)
+    good = encode_tensor_delta(old2, new2, "bfloat16")
+    t1, t2 = old2.copy(), OLD.copy()
+    with pytest.raises(BadDelta):
+        apply_many([(t1, good, "bfloat16"), (t2, PAYLOAD[:-1], "bfloat16")])
+    assert np.array_equal(t1, old2)
+    assert np.array_equal(t2, OLD)
+
+
+def test_read_only_target_is_refused():
+    target = OLD.copy()
+    target.flags.writeable = False
+    with pytest.raises(BadDelta):
+        apply_tensor_delta(target, PAYLOAD, "bfloat16")
