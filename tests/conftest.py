@@ -7,6 +7,10 @@ import torch
 
 from chain import keys
 
+# Two cores shared by test processes, daemons and workers: oversubscribed torch threads made
+# single tests 10-50x slower here.
+torch.set_num_threads(1)
+
 
 @pytest.fixture
 def signing_key(tmp_path: Path):

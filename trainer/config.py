@@ -32,8 +32,11 @@ class WarmupConfig(_Section):
 
 
 class GRPOSection(_Section):
-    lr: float = Field(3e-5, gt=0, le=1)
+    lr: float = Field(1e-4, gt=0, le=1)
     """AdamW learning rate on the fp32 master weights."""
+    adam_eps: float = Field(1e-4, gt=0, le=1)
+    """AdamW epsilon; larger than torch's 1e-8 so near-zero gradients do not move every weight
+    by a full lr step (which would change far more bf16 values per version)."""
     is_cap: float = Field(2.0, ge=1)
     """Truncated importance sampling cap."""
     max_staleness: int = Field(4, ge=0, le=1000)

@@ -74,18 +74,6 @@ class IngestThread:
         self._thread.join(timeout=10)
 
 
-def take_batch(server: IngestThread, store, n: int, timeout: float, settle_s: float = 2.0
-               ) -> list[dict]:
-    """At least `n` trajectories (uncommitted), waiting up to `timeout` for the first and then
-    up to `settle_s` for the rest, so a step sees whole groups from several regions."""
-    batch = server.call(store.take(n, timeout, commit=False))
-    deadline = time.monotonic() + settle_s
-    while batch and len(batch) < n and time.monotonic() < deadline:
-        batch += server.call(store.take(n - len(batch), max(0.05, deadline - time.monotonic()),
-                                        commit=False))
-    return batch
-
-
 def run(cfg_path: Path) -> int:
     from trainer.config import load_trainer_config
 
@@ -122,7 +110,8 @@ def run(cfg_path: Path) -> int:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     files = hf_files(model, tokenizer)
     grpo = GRPOConfig(lr=cfg.grpo.lr, is_cap=cfg.grpo.is_cap, max_staleness=cfg.grpo.max_staleness,
-                      grad_clip=cfg.grpo.grad_clip, temperature=cfg.grpo.temperature)
+                      grad_clip=cfg.grpo.grad_clip, temperature=cfg.grpo.temperature,
+                      adam_eps=cfg.grpo.adam_eps)
     pub = Publisher(cfg.chain_dir, cfg.key, cfg.run, cfg.daemon.url, cfg.daemon.token,
                     snapshots=SnapshotPolicy(every=cfg.snapshot_every),
                     retention=Retention(versions=cfg.retention_versions),
@@ -164,7 +153,8 @@ def run(cfg_path: Path) -> int:
     log.info("ingest listening on http://%s:%d/v1/ingest", cfg.ingest.host, cfg.ingest.port)
     try:
         while trainer.version < cfg.steps:
-            batch = take_batch(server, store, cfg.batch, cfg.wait_timeout_s)
+            batch = server.call(store.take(cfg.batch, cfg.wait_timeout_s, commit=False,
+                                            min_n=cfg.batch))
             if not batch:
                 raise SystemExit(f"no trajectories for {cfg.wait_timeout_s:.0f} s; are the "
                                  "rollout workers and daemons up? (see deltaswarm status)")
