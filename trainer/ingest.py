@@ -284,3 +284,23 @@ def make_ingest_app(store: IngestStore, token: str, max_body: int = MAX_BODY) ->
     app.router.add_get("/v1/ingest/stats", stats)
     app.router.add_get("/healthz", healthz)
     return app
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ingest endpoint alone (no trainer): `python -m trainer.ingest --dir D --host H
+    --port P --token T`. SIGTERM/SIGINT stop it after in-flight requests."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m trainer.ingest", description=main.__doc__)
+    p.add_argument("--dir", required=True, type=Path, help="store directory (segments, cursor)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8800)
+    p.add_argument("--token", required=True, help="bearer token the senders present")
+    a = p.parse_args(argv)
+    web.run_app(make_ingest_app(IngestStore(a.dir), a.token), host=a.host, port=a.port,
+                print=lambda msg: print(msg, flush=True))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
