@@ -35,7 +35,7 @@ def adapt(models, i, bit):
     models[i] = np.int32(p | (c << 16))
 
 
-@njit(inline="always")
+@njit
 def cost(models, i, bit):
     p = np.int64(models[i] & 0xFFFF)
     return COST[p] if bit == 0 else COST[PONE - p]
@@ -65,7 +65,7 @@ def _shift_low(low, cache, csize, out, pos):
     return low, cache, csize, pos
 
 
-@njit(inline="always")
+@njit
 def enc_start():
     return np.int64(0), np.int64(0xFFFFFFFF), np.int64(0), np.int64(1), np.int64(-1)
 
@@ -85,7 +85,7 @@ def enc_bit(st, models, i, bit, out):
     return low, rng, cache, csize, pos
 
 
-@njit(inline="always")
+@njit
 def enc_finish(st, out):
     low, _, cache, csize, pos = st
     for _ in range(5):
@@ -104,7 +104,7 @@ def _byte(buf, pos, end):
     return np.int64(0)
 
 
-@njit(inline="always")
+@njit
 def dec_start(buf, start, end):
     code = np.int64(0)
     pos = start
@@ -137,7 +137,7 @@ def dec_bit(st, models, i, buf, end):
 # backwards from the end and needs no length field. Writer state: (acc, nacc, rpos).
 
 
-@njit(inline="always")
+@njit
 def raw_put(rs, value, nbits, rbuf):
     """Append the low `nbits` (<= 24) of `value`."""
     acc, nacc, rpos = rs
@@ -152,7 +152,7 @@ def raw_put(rs, value, nbits, rbuf):
     return acc, nacc, rpos
 
 
-@njit(inline="always")
+@njit
 def raw_finish(rs, rbuf):
     acc, nacc, rpos = rs
     if nacc > 0:
@@ -162,7 +162,7 @@ def raw_finish(rs, rbuf):
     return rpos
 
 
-@njit(inline="always")
+@njit
 def raw_get(rs, nbits, buf, start, end):
     """Read `nbits` (<= 24) from the stream stored backwards ending at `end`; past `start`
     it reads zeros (rpos still counts, so the caller's length check fails)."""
