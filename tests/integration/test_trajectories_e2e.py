@@ -1,0 +1,178 @@
+"""Trajectories end to end across a trainer restart and a cut link: rollout batches posted to a
+real region daemon reach a real trainer ingest process (`python -m trainer.ingest`) that is
+SIGKILLed mid-stream and restarted, then stopped for a while; the ingest's store on disk ends
+holding exactly the ids sent, each stored once, and the daemon's spool is empty."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tests.integration.harness import ROOT, TOKEN, Cluster, free_port, http, wait_until
+from trainer.ingest import IngestStore
+
+
+class IngestProcess:
+    """The trainer's ingest endpoint as its own process, restartable on the same dir and port."""
+
+    def __init__(self, root: Path, host: str) -> None:
+        self.root, self.host = root, host
+        self.store_dir = root / "ingest"
+        self.port = free_port(host)
+        self.url = f"http://{host}:{self.port}"
+        self.log_path = root / "ingest.log"
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+
+    def start(self) -> None:
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "trainer.ingest", "--dir", str(self.store_dir),
+                 "--host", self.host, "--port", str(self.port), "--token", TOKEN],
+                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        self.starts += 1
+
+        def up() -> bool:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"ingest exited {self.proc.returncode}:\n{self.log()}")
+            return http(f"{self.url}/healthz", token=None, timeout=2)[0] == 200
+        wait_until(up, 60, "the ingest process to serve /healthz")
+
+    def stats(self) -> dict:
+        code, body, _ = http(f"{self.url}/v1/ingest/stats", timeout=2)
+        if code != 200:
+            raise ValueError(f"ingest stats: {code} {body[:200]!r}")
+        return json.loads(body)
+
+    def kill9(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+            raise AssertionError(f"ingest did not stop on SIGTERM:\n{self.log()}") from None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-3000:] if self.log_path.exists() else ""
+
+
+def trajectories(n: int, version: int = 0) -> tuple[list[str], bytes]:
+    """`n` valid trajectories (docs/CONTRACTS.md) in groups of 4, as an NDJSON body."""
+    ids = [uuid.uuid4().hex for _ in range(n)]
+    lines = []
+    for i, tid in enumerate(ids):
+        completion = [5 + (i % 7), 6, 7]
+        lines.append(json.dumps({
+            "id": tid, "version": version, "group": f"g{i // 4}-{tid[:6]}",
+            "prompt": "3+4=", "completion": "7", "prompt_ids": [1, 9, 12, 10, 13],
+            "completion_ids": completion, "logprobs": [-0.5] * len(completion),
+            "reward": float(i % 2), "region": "r1", "worker": "w0", "created": time.time()}))
+    return ids, "\n".join(lines).encode()
+
+
+def post(daemon_url: str, body: bytes) -> list[str]:
+    code, raw, _ = http(f"{daemon_url}/v1/trajectories", body, content_type="application/x-ndjson")
+    assert code == 200, f"daemon refused a batch: {code} {raw[:300]!r}"
+    return json.loads(raw)["held"]
+
+
+def stored_ids(store_dir: Path) -> list[str]:
+    """Every id in the ingest's segment files, one per stored line (duplicates kept)."""
+    out = []
+    for seg in sorted((store_dir / "segments").glob("*.jsonl")):
+        out += [json.loads(line)["id"] for line in seg.read_bytes().splitlines() if line.strip()]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_trajectories_survive_trainer_kill_and_cut_link_exactly_once(tmp_path: Path) -> None:
+    ingest = IngestProcess(tmp_path, "127.0.0.70")
+    with Cluster(tmp_path / "cluster") as c:
+        r1 = c.region("r1", bootstrap=[], trajectories={
+            "upstream": f"{ingest.url}/v1/ingest", "retry_initial_s": 0.2, "retry_max_s": 1.0,
+            "batch_size": 7})
+        try:
+            ingest.start()
+            c.start_all()
+            spool = lambda: r1.status()["spool"]  # noqa: E731
+            sent: list[str] = []
+
+            ids_a, body_a = trajectories(40)
+            assert post(r1.url, body_a) == ids_a
+            sent += ids_a
+            wait_until(lambda: spool()["depth"] == 0, 30, "the first batch to be forwarded")
+            assert ingest.stats()["held"] == 40
+
+            # Trainer restart: SIGKILL the ingest while the daemon is streaming a big batch.
+            ids_b, body_b = trajectories(210)
+            assert post(r1.url, body_b) == ids_b
+            sent += ids_b
+            held_at_kill = wait_until(lambda: ingest.stats()["held"] > 40 and
+                                      ingest.stats()["held"], 30, "forwarding to start",
+                                      interval=0.01)
+            ingest.kill9()
+            print(f"ingest SIGKILLed holding ~{held_at_kill} of {len(sent)}; "
+                  f"daemon spool depth {spool()['depth']}")
+            ingest.start()
+            # A worker resends batch B (its reply was lost): the restarted ingest must know
+            # these ids from disk and store none of them again.
+            assert post(r1.url, body_b) == ids_b
+            wait_until(lambda: spool()["depth"] == 0, 60, "the spool to drain after restart")
+            assert ingest.stats()["held"] == len(sent)
+
+            # Cut link: the ingest is down while more arrives; the forwarder retries with backoff.
+            ingest.stop()
+            errors_before = spool()["errors"]
+            ids, body = trajectories(30)
+            assert post(r1.url, body) == ids
+            sent += ids
+            ids, body = trajectories(30)
+            assert post(r1.url, body) == ids
+            sent += ids
+            assert post(r1.url, body_a) == ids_a  # a late resend of what the ingest holds
+            t_cut = time.monotonic()
+            wait_until(lambda: spool()["errors"] >= errors_before + 3, 30,
+                       "the forwarder to retry against the cut link")
+            time.sleep(max(0.0, 4.0 - (time.monotonic() - t_cut)))
+            down = spool()
+            retries = down["errors"] - errors_before
+            print(f"cut link: {retries} failed forwards in {time.monotonic() - t_cut:.1f} s; "
+                  f"last error {down['last_error']!r}")
+            assert down["depth"] == 100, down
+            # backoff (0.2 s doubling to 1 s, jittered) allows about 6-10 tries in ~4 s, not a
+            # tight loop of hundreds
+            assert 3 <= retries <= 20, down
+            ingest.start()
+            wait_until(lambda: spool()["depth"] == 0, 60, "the spool to drain after the cut")
+            final = spool()
+            assert final["depth"] == 0 and final["bytes"] == 0
+            assert final["forwarded"] >= len(sent) + 40
+            ingest.stop()
+        finally:
+            if ingest.proc is not None and ingest.proc.poll() is None:
+                ingest.kill9()
+
+    on_disk = stored_ids(ingest.store_dir)
+    twice = [tid for tid, n in Counter(on_disk).items() if n > 1]
+    assert not twice, f"{len(twice)} ids stored more than once, e.g. {twice[:3]}"
+    assert set(on_disk) == set(sent) and len(on_disk) == len(sent)
+    store = IngestStore(ingest.store_dir)
+    assert store.ids == set(sent)
+    assert store.stats()["pending"] == len(sent)
+
