@@ -1,13 +1,15 @@
 """Telling the local inference engine that a new verified version is current.
 
 One small seam, `EngineHook.notify(version, path, state_digest)`, chosen by the config's
-`engine.type`: none, an HTTP POST, a command, or a vLLM server (`rollout.vllm_server`, imported
-only when configured). Failures are retried a few times, then counted; they never stop the sync.
+`engine.type`: none, an HTTP POST, a command, or a vLLM server (reloaded by running
+`python -m rollout.vllm_server reload …`, a process boundary rather than an import).
+Failures are retried a few times, then counted; they never stop the sync.
 """
 
 import asyncio
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Protocol
@@ -79,20 +81,15 @@ class CommandNotifyHook:
         return None
 
 
-class VllmNotifyHook:
-    """pause → reload the verified directory → reset prefix cache → resume, through
-    `rollout.vllm_server.VllmServerHook` (imported on first use: only vLLM regions need it)."""
+class VllmNotifyHook(CommandNotifyHook):
+    """pause → reload the verified directory → reset prefix cache → resume, run as
+    `python -m rollout.vllm_server reload URL PATH VERSION`: a process boundary, so the daemon
+    never imports rollout's internals (and only vLLM regions need its dependencies)."""
 
     def __init__(self, cfg: VllmHook) -> None:
-        from rollout.vllm_server import VllmServerHook
-
-        self.server = VllmServerHook(cfg.url, timeout_s=cfg.timeout_s)
-
-    async def notify(self, version: int, path: Path, state_digest: str) -> None:
-        await self.server.reload(path, version)
-
-    async def close(self) -> None:
-        return None
+        argv = [sys.executable, "-m", "rollout.vllm_server", "reload", cfg.url, "{path}",
+                "{version}", "--timeout", str(cfg.timeout_s)]
+        super().__init__(CommandHook(type="command", argv=argv, timeout_s=cfg.timeout_s + 30))
 
 
 def build_hook(cfg: NoHook | HttpHook | CommandHook | VllmHook, session: aiohttp.ClientSession,

@@ -240,3 +240,30 @@ class VllmServerEngine:
                  seed: int) -> list[Completion]:
         return asyncio.run(self.hook.generate(prompts, n=n, max_tokens=max_tokens,
                                               temperature=temperature, seed=seed))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m rollout.vllm_server reload URL PATH VERSION`: one hot reload, used by the
+    daemon's `type: vllm` engine hook across a process boundary (the daemon never imports
+    rollout)."""
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(prog="python -m rollout.vllm_server", description=main.__doc__)
+    p.add_argument("action", choices=["reload"])
+    p.add_argument("url", help="base URL of a vllm serve started with VLLM_SERVER_DEV_MODE=1")
+    p.add_argument("path", help="a complete, verified HF directory")
+    p.add_argument("version", type=int)
+    p.add_argument("--timeout", type=float, default=600.0)
+    a = p.parse_args(argv)
+    try:
+        report = asyncio.run(VllmServerHook(a.url, timeout_s=a.timeout).reload(a.path, a.version))
+    except (VllmServerError, ValueError, OSError) as e:
+        print(f"vllm reload of v{a.version} from {a.path} failed: {e}", file=sys.stderr)
+        return 1
+    print(report)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
