@@ -117,6 +117,8 @@ class Notifier:
         self.last_version: int | None = None
         self.last_error = ""
         self.last_seconds = 0.0
+        self.last_ok_at: float | None = None
+        self.last_error_at: float | None = None
 
     async def notify(self, version: int, path: Path, state_digest: str) -> bool:
         delay = 0.5
@@ -126,6 +128,7 @@ class Notifier:
                 await self.hook.notify(version, path, state_digest)
             except Exception as e:  # an engine failure must never stop the sync loop
                 self.last_error = f"v{version}: {type(e).__name__}: {e}"[:400]
+                self.last_error_at = time.time()
                 log.warning("engine notification %d/%d failed: %s", attempt, self.attempts,
                             self.last_error)
                 if attempt < self.attempts:
@@ -135,6 +138,7 @@ class Notifier:
             self.ok += 1
             self.last_version = version
             self.last_seconds = time.monotonic() - t0
+            self.last_ok_at = time.time()
             return True
         self.failed += 1
         return False

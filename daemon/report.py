@@ -105,7 +105,8 @@ def build_status(node: "Node") -> NodeStatus:
     engine = EngineStatus(type=node.cfg.engine.type)
     if n is not None:
         engine = EngineStatus(type=n.kind, notifications=n.ok, failures=n.failed,
-                              last_version=n.last_version, last_error=n.last_error or None)
+                              last_version=n.last_version, last_error=n.last_error or None,
+                              last_ok_at=n.last_ok_at, last_error_at=n.last_error_at)
     spool = SpoolStatus(upstream=node.cfg.trajectories.upstream)
     if node.forwarder is not None and node.spool is not None:
         f = node.forwarder
