@@ -232,12 +232,26 @@ def parse_args(argv: list[str] | None = None) -> tuple[WorkerConfig, int]:
         kind = {int: int, float: float}.get(field.annotation, str)
         if field.annotation == int | None:
             kind = int
-        p.add_argument(flag, type=kind, required=field.is_required(),
-                       help=field.description)
+        p.add_argument(flag, type=kind, help=field.description)
+    p.add_argument("--config", help="YAML file with any of these fields (flags override it)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     ns = vars(p.parse_args(argv))
     threads = ns.pop("threads")
-    return WorkerConfig(**{k: v for k, v in ns.items() if v is not None}), threads
+    fields: dict[str, Any] = {}
+    if (path := ns.pop("config")) is not None:
+        import yaml
+
+        try:
+            fields = yaml.safe_load(open(path).read()) or {}  # noqa: SIM115
+        except (OSError, yaml.YAMLError) as e:
+            p.error(f"cannot read --config {path}: {e}")
+        if not isinstance(fields, dict):
+            p.error(f"--config {path}: expected a mapping of worker fields")
+    fields.update({k: v for k, v in ns.items() if v is not None})
+    try:
+        return WorkerConfig(**fields), threads
+    except ValueError as e:
+        p.error(str(e))
 
 
 async def _amain(config: WorkerConfig, threads: int) -> int:
