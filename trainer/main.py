@@ -6,7 +6,8 @@ Loop: take a batch of trajectories from the ingest store (filled over HTTP by th
 forwarders) → one GRPO step on the fp32 master weights → checkpoint → publish the bf16 weights
 as version N (a sparse delta, plus a snapshot per policy). A restart resumes from the last
 published version: checkpoints are kept for the last two versions, so a crash between
-checkpoint and publish is repaired by republishing from them.
+checkpoint and publish is repaired by republishing from them; each checkpoint records how many
+ingested trajectories it has trained on, so none is trained twice after such a crash.
 """
 
 import argparse
@@ -31,6 +32,17 @@ def _prune(state_dir: Path, keep: int = 2) -> None:
     ck = _checkpoints(state_dir)
     for v in sorted(ck)[:-keep]:
         ck[v].unlink(missing_ok=True)
+        _consumed_path(state_dir, v).unlink(missing_ok=True)
+
+
+def _consumed_path(state_dir: Path, version: int) -> Path:
+    """How many ingested trajectories the checkpoint of `version` has trained on."""
+    return state_dir / f"ckpt-v{version}.consumed"
+
+
+def _read_consumed(state_dir: Path, version: int) -> int | None:
+    path = _consumed_path(state_dir, version)
+    return int(path.read_text()) if path.exists() else None
 
 
 class IngestThread:
@@ -81,6 +93,7 @@ def run(cfg_path: Path) -> int:
     import torch
 
     from chain import keys
+    from chain.atomic import write_atomic
     from chain.policy import Retention, SnapshotPolicy
     from trainer.grpo import GRPOConfig, GRPOTrainer
     from trainer.ingest import IngestStore, make_ingest_app
@@ -151,6 +164,9 @@ def run(cfg_path: Path) -> int:
                           cfg.ingest.host, cfg.ingest.port)
     server.start()
     log.info("ingest listening on http://%s:%d/v1/ingest", cfg.ingest.host, cfg.ingest.port)
+    consumed = _read_consumed(cfg.state_dir, trainer.version)
+    if consumed is not None and consumed > store.committed:  # crashed before the commit below
+        server.call(store.take(consumed - store.committed, 0, min_n=0, whole_groups=False))
     try:
         while trainer.version < cfg.steps:
             batch = server.call(store.take(cfg.batch, cfg.wait_timeout_s, commit=False,
@@ -163,6 +179,7 @@ def run(cfg_path: Path) -> int:
                 server.call(store.commit())
                 emit({"event": "skip", **m})
                 continue
+            write_atomic(_consumed_path(cfg.state_dir, trainer.version), b"%d" % store.taken)
             trainer.save_checkpoint(cfg.state_dir / f"ckpt-v{trainer.version}.pt")
             p = pub.publish(trainer.version, trainer.state_dict_bf16(), files)
             _prune(cfg.state_dir)

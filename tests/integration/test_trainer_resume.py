@@ -206,38 +206,48 @@ def test_trainer_killed_at_v1_resumes_without_warmup_and_publishes_v2_v3(tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_checkpoint_ahead_of_the_chain_is_published_on_restart(tmp_path: Path) -> None:
-    """The crash window between `save_checkpoint(v+1)` and `publish(v+1)`: the state dir holds
-    ckpt-v1 (made by the trainer's own GRPO step from ckpt-v0) but the chain's head is v0."""
-    from trainer.grpo import GRPOConfig, GRPOTrainer
-    from trainer.model import build_default_model
-
-    t = Trainer(tmp_path, steps=1)
+def test_crash_between_checkpoint_and_publish_republishes_without_retraining(tmp_path: Path
+                                                                            ) -> None:
+    """The trainer really crashes after `save_checkpoint(v1)` and before `publish(v1)`: a
+    directory squats on the v1 manifest's path, so writing it fails. On restart (path freed)
+    the trainer publishes v1 from its checkpoint and does not train the batch inside ckpt-v1 a
+    second time: v2 is made from fresh trajectories only."""
+    t = Trainer(tmp_path, steps=2)
     try:
         t.start()
         wait_until(lambda: t.alive() and t.store().head() == 0, 90, "v0 to be published")
         t.wait_ingest()
-        t.kill9()
-
-        batch = rollouts(t.store(), 0, tmp_path / "w0", prompts=2, seed=2)
-        model, tokenizer = build_default_model(**MODEL)
-        grpo = GRPOTrainer(model, GRPOConfig(), pad_id=tokenizer.pad_token_id)
-        grpo.load_checkpoint(t.state_dir / "ckpt-v0.pt")
-        assert grpo.step(batch)["stepped"]
-        grpo.save_checkpoint(t.state_dir / "ckpt-v1.pt")
+        first = rollouts(t.store(), 0, tmp_path / "w0", prompts=4, seed=2)
+        squat = t.chain_dir / "manifests" / "v00000001.delta.json"
+        squat.mkdir()
+        (squat / "x").write_bytes(b"")
+        t.ingest(first[:8])
+        assert t.wait_exit(60) != 0
+        published = sorted(p.name for p in (t.chain_dir / "manifests").glob("v*.json")
+                           if p.is_file())
+        assert (t.state_dir / "ckpt-v1.pt").exists(), t.log()
+        assert published == ["v00000000.snapshot.json"], published
+        assert "v00000001.delta.json" in t.log()
         expected = bf16_digest_of_checkpoint(t.state_dir / "ckpt-v1.pt")
-        assert t.store().head() == 0
+        (squat / "x").unlink()
+        squat.rmdir()
 
         t.start()
         t.wait_event("resume", 1, 90)
+        assert t.store().head() == 1
+        t.ingest(first[8:])
+        step = t.wait_event("step", 2, 60)
         assert t.wait_exit(60) == 0, t.log()
     finally:
         t.stop()
 
     kinds = [e["event"] for e in t.events()]
-    assert kinds.count("warmup") == 1 and "step" not in kinds, kinds
-    assert "2 ok, 0 bad" in verify_cli(t.chain_dir, t.key)
+    assert kinds.count("warmup") == 1 and kinds.count("step") == 1, kinds
+    assert step["kept"] == 8
+    ingest = IngestStore(t.state_dir / "ingest").stats()
+    assert (ingest["held"], ingest["consumed"], ingest["pending"]) == (16, 16, 0), \
+        f"the batch inside ckpt-v1 was handed out again after the restart: {ingest}"
+    assert "3 ok, 0 bad" in verify_cli(t.chain_dir, t.key)
     store = t.store()
-    assert store.head() == 1
     assert store.get(1, "delta").state_digest == expected
-    assert rebuild(store, 1, tmp_path / "w1").state_digest == expected
+    assert rebuild(store, 2, tmp_path / "w2").state_digest == store.get(2, "delta").state_digest
