@@ -2,11 +2,11 @@
 
 Builds a ~19M-parameter Qwen2, pre-trains it briefly on a synthetic Markov language at lr 1e-3
 (cached in ~/.cache/deltaswarm/), then runs GRPO-style policy-gradient steps with fp32 master
-weights and AdamW at lr 2e-6, publishing bf16 after each step. Per checkpoint pair it prints the
+weights and AdamW at lr 1e-6, publishing bf16 after each step. Per checkpoint pair it prints the
 codec's size against baselines and an entropy estimate, and its speed against one comparison
 scan of the whole model, all measured in the same run.
 
-    python bench/codec.py [--fresh] [--lr 2e-6] [--steps 5]
+    python bench/codec.py [--fresh] [--lr 1e-6] [--steps 5]
 """
 
 import argparse
@@ -264,7 +264,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fresh", action="store_true", help="redo the cached pre-training")
     ap.add_argument("--pretrain-steps", type=int, default=150)
-    ap.add_argument("--lr", type=float, default=2e-6)
+    ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--steps", type=int, default=5, help="bf16 checkpoints kept")
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()

@@ -40,20 +40,18 @@ class _Workspace:
     def __init__(self) -> None:
         self.models = np.empty(model_size(256, 64), np.int32)
         self.ctx = [np.empty(256, np.int64) for _ in range(7)]
-        self.chg = [np.empty(0, np.int64) for _ in range(4)]
-        self.out = np.empty(0, np.uint8)
-        self.raw = np.empty(0, np.uint8)
+        self.chg = [np.empty(0, np.int64) for _ in range(3)]
+        self.out = [np.empty(0, np.uint8) for _ in range(3)]
 
     def changes(self, n: int) -> list[np.ndarray]:
         if self.chg[0].size < n:
-            self.chg = [np.empty(n, np.int64) for _ in range(4)]
+            self.chg = [np.empty(max(n, 2 * self.chg[0].size), np.int64) for _ in range(3)]
         return self.chg
 
-    def outbufs(self, n: int) -> tuple[np.ndarray, np.ndarray]:
-        if self.out.size < n:
-            self.out = np.empty(max(n, 2 * self.out.size), np.uint8)
-            self.raw = np.empty(max(n, 2 * self.out.size), np.uint8)
-        return self.out[:n], self.raw[:n]
+    def outbufs(self, n: int) -> list[np.ndarray]:
+        if self.out[0].size < n:
+            self.out = [np.empty(max(n, 2 * self.out[0].size), np.uint8) for _ in range(3)]
+        return [o[:n] for o in self.out]
 
 
 _local = threading.local()
@@ -128,21 +126,26 @@ def encode_many(pairs: Sequence[tuple[np.ndarray, np.ndarray, str]],
 
 def _encode_job(old, new, lo, hi, c: hdr.Coding, parts: list, s: int) -> Callable[[], None]:
     def job() -> None:
+        idx = np.flatnonzero(old[lo:hi] != new[lo:hi])
+        k = idx.size
+        if k == 0:
+            parts[s] = (0, [b"", b"", b""], 0)
+            return
         ws = _ws()
-        chg = ws.changes(hi - lo)
+        chg = ws.changes(k)
         raw = (hi - lo) * c.dtype.itemsize + 64
-        cap = min(raw, 4096 + (hi - lo) // 4)
+        cap = min(raw, 256 + 2 * k)
         while True:
-            out, raw_out = ws.outbufs(cap)
-            nrc, nraw, k, pbits, hsh = encode_segment(
-                old, new, lo, hi, c.shift, c.cmask, c.nctx, c.dtype.bits, c.is_float,
-                ws.models, *ws.ctx, *chg, out, raw_out)
-            if nrc <= cap and nraw <= cap:
-                parts[s] = (k, pbits, out[:nrc].tobytes() + raw_out[:nraw][::-1].tobytes(),
+            outs = ws.outbufs(cap)
+            *lens, hsh = encode_segment(
+                old, new, lo, hi, idx, k, c.shift, c.cmask, c.nctx, c.dtype.bits, c.is_float,
+                ws.models, *ws.ctx, *chg, *outs)
+            if max(lens) <= cap:
+                parts[s] = (k, [o[:n].tobytes() for o, n in zip(outs, lens, strict=True)],
                             int(hsh))
                 return
             if cap >= raw:
-                parts[s] = (k, pbits, None, 0)
+                parts[s] = (k, None, 0)
                 return
             cap = min(raw, cap * 4)
     return job
@@ -153,13 +156,13 @@ def _assemble(old, new, dtype: str, c: hdr.Coding, parts: list) -> bytes:
     k = sum(p[0] for p in parts)
     if k == 0:
         return hdr.pack(hdr.NONE, dtype, n, 0, [])
-    streams = [p[2] for p in parts]
     raw_size = n * c.dtype.itemsize
-    if any(s is None for s in streams) or sum(len(s) for s in streams) >= raw_size:
+    if any(p[1] is None for p in parts) or \
+            sum(len(b) for p in parts for b in p[1]) >= raw_size:
         return hdr.pack(hdr.RAW, dtype, n, k, [new.tobytes()])
-    pbits = round(sum(p[1] for p in parts))
-    return hdr.pack(hdr.CODED, dtype, n, k, streams, LOG2_SEG, pbits, [p[0] for p in parts],
-                    _combine(p[3] for p in parts if p[0]))
+    streams = [b for p in parts for b in p[1]]
+    return hdr.pack(hdr.CODED, dtype, n, k, streams, LOG2_SEG, [p[0] for p in parts],
+                    _combine(p[2] for p in parts if p[0]))
 
 
 def _combine(hashes) -> int:
@@ -238,24 +241,25 @@ def _plan_apply(t: int, target: np.ndarray, payload, dtype: str, jobs: list):
     errs = [(0, 0)] * len(h.seg_k)
     segs = []
     start, base = h.body_start, 0
-    for s, (ks, ln) in enumerate(zip(h.seg_k, h.seg_len, strict=True)):
+    for s, (ks, lens) in enumerate(zip(h.seg_k, h.seg_len, strict=True)):
         lo, hi = s * seg, min(h.n, (s + 1) * seg)
+        bounds = (start, start + lens[0], start + lens[0] + lens[1], start + sum(lens))
         if ks:
-            jobs.append((hi - lo, _decode_job(target, lo, hi, buf, start, start + ln, ks, c,
+            jobs.append((hi - lo, _decode_job(target, lo, hi, buf, bounds, ks, c,
                                               pos, val, base, errs, s)))
             segs.append((lo, pos, val, base, base + ks))
-        elif ln:
+        elif sum(lens):
             errs[s] = (ERR_STREAM, 0)
-        start += ln
+        start = bounds[3]
         base += ks
     return t, errs, target, hdr.CODED, segs, h.result
 
 
-def _decode_job(target, lo, hi, buf, start, end, ks, c: hdr.Coding, pos, val, base, errs,
+def _decode_job(target, lo, hi, buf, bounds, ks, c: hdr.Coding, pos, val, base, errs,
                 s) -> Callable[[], None]:
     def job() -> None:
         ws = _ws()
-        err, hsh = decode_segment(target, lo, hi, buf, start, end, ks, c.shift, c.cmask,
+        err, hsh = decode_segment(target, lo, hi, buf, *bounds, ks, c.shift, c.cmask,
                                  c.nctx, c.dtype.bits, c.is_float, ws.models, *ws.ctx[:3],
                                  pos, val, base)
         errs[s] = (int(err), int(hsh))
@@ -272,7 +276,7 @@ def payload_stats(payload: bytes | memoryview) -> dict:
     h = hdr.parse(payload)
     nbytes = len(memoryview(payload).cast("B"))
     body_bits = 8 * (h.body_end - h.body_start)
-    pos_bits = min(h.pos_bits, body_bits)
+    pos_bits = 8 * sum(p + r for p, r, _ in h.seg_len)
     return {
         "dtype": h.dtype,
         "mode": {hdr.NONE: "unchanged", hdr.CODED: "coded", hdr.RAW: "raw"}[h.mode],

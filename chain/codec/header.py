@@ -1,16 +1,17 @@
 """The byte layout around a tensor delta's coded streams, and its strict parser.
 
     0xD5 | format<<4 | mode | dtype code | varint n | varint k
-    mode CODED: log2(segment) | varint position-bits | 4-byte result hash
-                | per segment (if > 1): varint k, varint len
-    body (streams, or the raw new bits in mode RAW) | 4-byte xxh3-64 of everything before it
+    mode CODED: log2(segment) | 4-byte result hash
+                | per segment: [varint k, if more than one segment] varint position-stream
+                  length, varint raw-bits length, varint value-stream length
+    body (the streams, or the raw new bits in mode RAW) | 4-byte xxh3-64 of all before it
 
 Every count is checked against the target before any decoding starts. The checksum catches
 damaged bytes; the result hash (over the changed positions and their new values, computed while
 decoding) catches a payload applied to the wrong base or a forged stream.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import xxhash
@@ -57,10 +58,9 @@ class Header:
     n: int
     k: int
     log2_seg: int = 0
-    pos_bits: int = 0
     result: int = 0
-    seg_k: list[int] | None = None
-    seg_len: list[int] | None = None
+    seg_k: list[int] = field(default_factory=list)
+    seg_len: list[tuple[int, int, int]] = field(default_factory=list)
     body_start: int = 0
     body_end: int = 0
 
@@ -73,17 +73,19 @@ def put_varint(out: bytearray, v: int) -> None:
 
 
 def pack(mode: int, dtype: str, n: int, k: int, body: list[bytes], log2_seg: int = 0,
-         pos_bits: int = 0, seg_k: list[int] | None = None, result: int = 0) -> bytes:
+         seg_k: list[int] | None = None, result: int = 0) -> bytes:
+    """`body`: the raw bytes (RAW), or three streams per segment (CODED)."""
     out = bytearray((MAGIC, (FORMAT << 4) | mode, _CODE[dtype]))
     put_varint(out, n)
     put_varint(out, k)
     if mode == CODED:
         out.append(log2_seg)
-        put_varint(out, pos_bits)
         out += result.to_bytes(4, "little")
-        if len(body) > 1:
-            for ks, part in zip(seg_k or [], body, strict=True):
+        seg_k = seg_k or []
+        for s, ks in enumerate(seg_k):
+            if len(seg_k) > 1:
                 put_varint(out, ks)
+            for part in body[3 * s : 3 * s + 3]:
                 put_varint(out, len(part))
     for part in body:
         out += part
@@ -142,33 +144,29 @@ def parse(payload: bytes | memoryview, verify: bool = True) -> Header:
         h.log2_seg = r.byte()
         if not LOG2_SEG_MIN <= h.log2_seg <= LOG2_SEG_MAX:
             raise BadDelta(f"tensor delta segment size 2^{h.log2_seg} is out of range")
-        h.pos_bits = r.varint()
         h.result = int.from_bytes(bytes(r.byte() for _ in range(4)), "little")
         seg = 1 << h.log2_seg
         nseg = (h.n + seg - 1) // seg
         if nseg == 0 or h.k == 0:
             raise BadDelta("coded tensor delta has no elements or no changes")
-        if nseg == 1:
-            h.seg_k, h.seg_len = [h.k], [end - r.pos]
-        else:
-            if nseg > end:
-                raise BadDelta(f"tensor delta needs {nseg} segment entries; payload is truncated")
-            h.seg_k, h.seg_len = [], []
-            for s in range(nseg):
-                h.seg_k.append(r.varint())
-                h.seg_len.append(r.varint())
-                if h.seg_k[-1] > min(seg, h.n - s * seg):
-                    raise BadDelta(f"tensor delta segment {s} claims too many changes")
-            if sum(h.seg_k) != h.k:
-                raise BadDelta("tensor delta segment change counts do not add up")
+        if nseg > end:
+            raise BadDelta(f"tensor delta needs {nseg} segment entries; payload is truncated")
+        for s in range(nseg):
+            h.seg_k.append(r.varint() if nseg > 1 else h.k)
+            h.seg_len.append((r.varint(), r.varint(), r.varint()))
+            if h.seg_k[-1] > min(seg, h.n - s * seg):
+                raise BadDelta(f"tensor delta segment {s} claims too many changes")
+        if sum(h.seg_k) != h.k:
+            raise BadDelta("tensor delta segment change counts do not add up")
     h.body_start, h.body_end = r.pos, end
     body = end - r.pos
     if mode == NONE and body:
         raise BadDelta("tensor delta of mode 'unchanged' has trailing bytes")
     if mode == RAW and body != h.n * lookup(h.dtype).itemsize:
         raise BadDelta(f"raw tensor delta has {body} bytes of values for {h.n} elements")
-    if mode == CODED and sum(h.seg_len) != body:
-        raise BadDelta(f"tensor delta streams take {sum(h.seg_len)} bytes; the payload holds "
+    streams = sum(sum(lens) for lens in h.seg_len)
+    if mode == CODED and streams != body:
+        raise BadDelta(f"tensor delta streams take {streams} bytes; the payload holds "
                        f"{body}: it is truncated or corrupted")
     return h
 

@@ -5,10 +5,11 @@ Model: every element has a context e = a few high bits of its *old* pattern (the
 floats). Within a segment, the changed elements of context e are coded as gaps between their
 ranks among the elements of context e (Rice split: adaptive unary quotient, raw remainder), and
 each change as sign and magnitude of key(new) - key(old), where key() makes float patterns
-monotone so a sign flip near zero is a small step. Symbols are interleaved in the order the
-decoder asks for them, so one stream per segment suffices and the decoder's single pass over
-the old tensor finds every change without an index array. The decoder writes only to scratch
-(walk positions and new values); the caller scatters after every segment checked out.
+monotone so a sign flip near zero is a small step. A segment has three streams: range-coded
+position decisions, raw position bits, range-coded values; each is read in the order the
+decoder asks, so its single pass over the old tensor finds every change without an index
+array. The decoder writes only to scratch (walk positions and new values); the caller scatters
+after every segment checked out.
 """
 
 import numpy as np
@@ -16,7 +17,6 @@ from numba import njit
 
 from chain.codec.rangecoder import (
     INIT,
-    cost,
     dec_bit,
     dec_start,
     enc_bit,
@@ -41,7 +41,7 @@ NEVER = 1 << 62
 
 @njit
 def _layout(nctx, width):
-    off_k = 2
+    off_k = 3
     off_gap = off_k + 2 * KMAX_CLASS
     off_cls = off_gap + 2 * nctx
     off_top = off_cls + width * nctx
@@ -50,8 +50,11 @@ def _layout(nctx, width):
     return off_k, off_gap, off_cls, off_top, off_sgn, total
 
 
+REST = 2
+
+
 def model_size(nctx: int, width: int) -> int:
-    return 2 + 2 * KMAX_CLASS + nctx * (2 * width + 5)
+    return 3 + 2 * KMAX_CLASS + nctx * (2 * width + 5)
 
 
 @njit
@@ -80,14 +83,14 @@ def _mix(h, v):
 
 @njit
 def _rice_param(n, k):
-    gaps = (n - k) * 11 // (16 * k)
+    gaps = (n - k) * 22 // (16 * k)
     r = 0
     while r < R_MAX and (np.int64(2) << r) <= gaps:
         r += 1
     return r
 
 
-# ---------------------------------------------------------------- encoding pieces
+# ---------------------------------------------------------------- encoding
 
 
 @njit
@@ -97,43 +100,33 @@ def _enc_count(st, rs, models, off_k, k, out, rbuf):
     n = 0
     while (v >> (n + 1)) != 0:
         n += 1
-    c = 0.0
     for t in range(n):
-        c += cost(models, off_k + t, 1)
         st = enc_bit(st, models, off_k + t, 1, out)
     if n < KMAX_CLASS - 1:
-        c += cost(models, off_k + n, 0)
         st = enc_bit(st, models, off_k + n, 0, out)
     if n >= 1:
-        b = (v >> (n - 1)) & 1
-        c += cost(models, off_k + KMAX_CLASS + n, b) + (n - 1)
-        st = enc_bit(st, models, off_k + KMAX_CLASS + n, b, out)
+        st = enc_bit(st, models, off_k + KMAX_CLASS + n, (v >> (n - 1)) & 1, out)
         rest = n - 1
         while rest > 0:
             take = min(rest, 24)
             rest -= take
             rs = raw_put(rs, v >> rest, take, rbuf)
-    return st, rs, c
+    return st, rs
 
 
 @njit
 def _enc_gap(st, rs, models, gi, g, r, out, rbuf):
     q = g >> r
-    c = 0.0
     for t in range(q):
-        j = gi + min(t, 1)
-        c += cost(models, j, 1)
-        st = enc_bit(st, models, j, 1, out)
-    j = gi + min(q, 1)
-    c += cost(models, j, 0)
-    st = enc_bit(st, models, j, 0, out)
+        st = enc_bit(st, models, gi + min(t, 1), 1, out)
+    st = enc_bit(st, models, gi + min(q, 1), 0, out)
     if r:
         rs = raw_put(rs, g, r, rbuf)
-    return st, rs, c + r
+    return st, rs
 
 
 @njit
-def _enc_value(st, rs, models, ci, ti, si, o, nw, width, is_float, out, rbuf):
+def _enc_value(vs, models, ci, ti, si, o, nw, width, is_float, vout):
     mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - width)
     d = (_key(np.uint64(nw), width, is_float) - _key(np.uint64(o), width, is_float)) & mask
     neg = (d >> np.uint64(width - 1)) & np.uint64(1)
@@ -142,19 +135,16 @@ def _enc_value(st, rs, models, ci, ti, si, o, nw, width, is_float, out, rbuf):
     while (mag >> np.uint64(n + 1)) != np.uint64(0):
         n += 1
     for t in range(n):
-        st = enc_bit(st, models, ci + t, 1, out)
+        vs = enc_bit(vs, models, ci + t, 1, vout)
     if n < width - 1:
-        st = enc_bit(st, models, ci + n, 0, out)
+        vs = enc_bit(vs, models, ci + n, 0, vout)
     if n >= 1:
-        st = enc_bit(st, models, ti + n, np.int64((mag >> np.uint64(n - 1)) & np.uint64(1)), out)
-        rest = n - 1
-        while rest > 0:
-            take = min(rest, 24)
-            rest -= take
-            rs = raw_put(rs, np.int64((mag >> np.uint64(rest)) & np.uint64(0xFFFFFF)), take,
-                         rbuf)
-    st = enc_bit(st, models, si + min(n, 2), np.int64(neg), out)
-    return st, rs
+        vs = enc_bit(vs, models, ti + n, np.int64((mag >> np.uint64(n - 1)) & np.uint64(1)),
+                     vout)
+        for b in range(n - 2, -1, -1):
+            vs = enc_bit(vs, models, REST, np.int64((mag >> np.uint64(b)) & np.uint64(1)), vout)
+    vs = enc_bit(vs, models, si + min(n, 2), np.int64(neg), vout)
+    return vs
 
 
 @njit
@@ -171,29 +161,15 @@ def _hist4(old, a, b, sh, cm, h0, h1, h2, h3):
         i += 1
 
 
-@njit
-def _find_changes(old, new, lo, hi, chg_pos):
-    m = 0
-    for j in range(lo, hi):
-        if old[j] != new[j]:
-            chg_pos[m] = j
-            m += 1
-    return m
-
-
 @njit(nogil=True, cache=True)
-def encode_segment(old, new, lo, hi, shift, cmask, nctx, width, is_float,
-                   models, h0, h1, h2, h3, kcnt, first, rpar,
-                   chg_pos, chg_rank, chg_ctx, nxt, out, rbuf):
-    """Code old[lo:hi] -> new[lo:hi]: range-coded part into `out`, raw bits into `rbuf`.
-    Returns (range-coded bytes, raw bytes, changes, estimated position bits, result hash); a
-    byte count larger than its buffer means it was too small (the caller retries bigger)."""
+def encode_segment(old, new, lo, hi, chg, m, shift, cmask, nctx, width, is_float,
+                   models, h0, h1, h2, h3, kcnt, first, rpar, chg_rank, chg_ctx, nxt,
+                   pout, rout, vout):
+    """Code old[lo:hi] -> new[lo:hi] given the m > 0 changed offsets `chg` (relative to lo)
+    into three buffers. Returns (position bytes, raw bytes, value bytes, result hash); a count
+    larger than its buffer means it was too small (the caller retries bigger)."""
     sh = np.uint64(shift)
     cm = np.uint64(cmask)
-    hsh = np.uint64(lo)
-    m = _find_changes(old, new, lo, hi, chg_pos)
-    if m == 0:
-        return 0, 0, 0, 0.0, hsh
     for e in range(nctx):
         h0[e] = 0
         h1[e] = 0
@@ -203,7 +179,7 @@ def encode_segment(old, new, lo, hi, shift, cmask, nctx, width, is_float,
         first[e] = -1
     a = lo
     for j in range(m):
-        i = chg_pos[j]
+        i = lo + chg[j]
         _hist4(old, a, i, sh, cm, h0, h1, h2, h3)
         e = _ctx(old[i], sh, cm)
         chg_ctx[j] = e
@@ -220,64 +196,61 @@ def encode_segment(old, new, lo, hi, shift, cmask, nctx, width, is_float,
     off_k, off_gap, off_cls, off_top, off_sgn, total = _layout(nctx, width)
     models[:total] = INIT
     st = enc_start()
+    vs = enc_start()
     rs = (np.int64(0), np.int64(0), np.int64(0))
-    pbits = 0.0
     prev = 0
     for e in range(nctx):
         act = 1 if kcnt[e] > 0 else 0
-        pbits += cost(models, prev, act)
-        st = enc_bit(st, models, prev, act, out)
+        st = enc_bit(st, models, prev, act, pout)
         prev = act
         if act:
-            st, rs, c = _enc_count(st, rs, models, off_k, kcnt[e] - 1, out, rbuf)
-            pbits += c + R_BITS
+            st, rs = _enc_count(st, rs, models, off_k, kcnt[e] - 1, pout, rout)
             r = _rice_param(h0[e] + h1[e] + h2[e] + h3[e], kcnt[e])
             rpar[e] = r
-            rs = raw_put(rs, r, R_BITS, rbuf)
-            st, rs, c = _enc_gap(st, rs, models, off_gap + 2 * e, first[e], r, out, rbuf)
-            pbits += c
+            rs = raw_put(rs, r, R_BITS, rout)
+            st, rs = _enc_gap(st, rs, models, off_gap + 2 * e, first[e], r, pout, rout)
+    hsh = np.uint64(lo)
     for j in range(m):
         e = chg_ctx[j]
-        i = chg_pos[j]
-        st, rs = _enc_value(st, rs, models, off_cls + width * e, off_top + width * e,
-                            off_sgn + 3 * e, old[i], new[i], width, is_float, out, rbuf)
-        hsh = _mix(_mix(hsh, np.uint64(i - lo)), np.uint64(new[i]))
+        i = lo + chg[j]
+        vs = _enc_value(vs, models, off_cls + width * e, off_top + width * e, off_sgn + 3 * e,
+                        old[i], new[i], width, is_float, vout)
+        hsh = _mix(_mix(hsh, np.uint64(chg[j])), np.uint64(new[i]))
         if nxt[j] >= 0:
-            st, rs, c = _enc_gap(st, rs, models, off_gap + 2 * e, nxt[j] - chg_rank[j] - 1,
-                                 rpar[e], out, rbuf)
-            pbits += c
-    return enc_finish(st, out), raw_finish(rs, rbuf), m, pbits, hsh
+            st, rs = _enc_gap(st, rs, models, off_gap + 2 * e, nxt[j] - chg_rank[j] - 1,
+                              rpar[e], pout, rout)
+    return enc_finish(st, pout), raw_finish(rs, rout), enc_finish(vs, vout), hsh
 
 
 # ---------------------------------------------------------------- decoding
 
 
 @njit
-def _dec_count(st, rs, models, off_k, buf, start, end):
+def _dec_count(st, rs, models, off_k, buf, pend, rend):
     n = 0
     while n < KMAX_CLASS - 1:
-        b, st = dec_bit(st, models, off_k + n, buf, end)
+        b, st = dec_bit(st, models, off_k + n, buf, pend)
         if b == 0:
             break
         n += 1
     v = np.int64(1)
     if n >= 1:
-        b, st = dec_bit(st, models, off_k + KMAX_CLASS + n, buf, end)
+        b, st = dec_bit(st, models, off_k + KMAX_CLASS + n, buf, pend)
         v = np.int64(2) | b
         rest = n - 1
         while rest > 0:
             take = min(rest, 24)
             rest -= take
-            chunk, rs = raw_get(rs, take, buf, start, end)
+            chunk, rs = raw_get(rs, take, buf, rend)
             v = (v << take) | chunk
     return v - 1, st, rs
 
 
 @njit
-def _dec_gap(st, rs, models, gi, r, qmax, buf, start, end):
+def _dec_gap(st, rs, models, gi, r, qmax, buf, pend, rend):
     q = 0
     while True:
-        b, st = dec_bit(st, models, gi + min(q, 1), buf, end)
+        b, st = dec_bit(st, models, gi + min(q, 1), buf, pend)
         if b == 0:
             break
         q += 1
@@ -285,54 +258,79 @@ def _dec_gap(st, rs, models, gi, r, qmax, buf, start, end):
             return np.int64(-1), st, rs
     low = np.int64(0)
     if r:
-        low, rs = raw_get(rs, r, buf, start, end)
+        low, rs = raw_get(rs, r, buf, rend)
     return (np.int64(q) << r) | low, st, rs
 
 
+@njit
+def _dec_value(vs, models, ci, ti, si, x, width, is_float, buf, vend):
+    """New pattern for old pattern x, and whether the coded value was canonical."""
+    n = 0
+    while n < width - 1:
+        b, vs = dec_bit(vs, models, ci + n, buf, vend)
+        if b == 0:
+            break
+        n += 1
+    mag = np.uint64(1) << np.uint64(n)
+    if n >= 1:
+        b, vs = dec_bit(vs, models, ti + n, buf, vend)
+        mag |= np.uint64(b) << np.uint64(n - 1)
+        for k in range(n - 2, -1, -1):
+            b, vs = dec_bit(vs, models, REST, buf, vend)
+            mag |= np.uint64(b) << np.uint64(k)
+    neg, vs = dec_bit(vs, models, si + min(n, 2), buf, vend)
+    mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - width)
+    ok = not (neg == 0 and mag == (np.uint64(1) << np.uint64(width - 1)))
+    d = ((np.uint64(0) - mag) & mask) if neg else mag
+    key = (_key(np.uint64(x), width, is_float) + d) & mask
+    return _key(key, width, is_float), ok, vs
+
+
 @njit(nogil=True, cache=True)
-def decode_segment(target, lo, hi, buf, start, end, kseg, shift, cmask, nctx, width, is_float,
-                   models, slack, rem, rpar, out_pos, out_val, obase):
-    """Decode one segment's stream against target[lo:hi] (read only) into out_pos/out_val
-    [obase:obase+kseg]. Returns (error code (OK = 0), result hash)."""
+def decode_segment(target, lo, hi, buf, pstart, rstart, vstart, vend, kseg, shift, cmask,
+                   nctx, width, is_float, models, slack, rem, rpar, out_pos, out_val, obase):
+    """Decode one segment's streams (positions buf[pstart:rstart], raw bits [rstart:vstart],
+    values [vstart:vend]) against target[lo:hi] (read only) into out_pos/out_val
+    [obase:obase+kseg]. Returns (error code, OK = 0; result hash)."""
     sh = np.uint64(shift)
     cm = np.uint64(cmask)
     seglen = hi - lo
     off_k, off_gap, off_cls, off_top, off_sgn, total = _layout(nctx, width)
     models[:total] = INIT
-    st = dec_start(buf, start, end)
-    rs = (np.int64(0), np.int64(0), np.int64(0))
-    if st[1] >= st[0]:
-        return ERR_STREAM, np.uint64(0)
+    st = dec_start(buf, pstart, rstart)
+    vs = dec_start(buf, vstart, vend)
+    rs = (np.int64(0), np.int64(0), rstart)
+    none = np.uint64(0)
+    if st[1] >= st[0] or vs[1] >= vs[0]:
+        return ERR_STREAM, none
     found = 0
     prev = 0
     for e in range(nctx):
         slack[e] = NEVER
         rem[e] = 0
-        act, st = dec_bit(st, models, prev, buf, end)
+        act, st = dec_bit(st, models, prev, buf, rstart)
         prev = act
         if act:
-            k, st, rs = _dec_count(st, rs, models, off_k, buf, start, end)
+            k, st, rs = _dec_count(st, rs, models, off_k, buf, rstart, vstart)
             k += 1
             found += k
             if k > seglen or found > kseg:
-                return ERR_COUNT, np.uint64(0)
-            r, rs = raw_get(rs, R_BITS, buf, start, end)
+                return ERR_COUNT, none
+            r, rs = raw_get(rs, R_BITS, buf, vstart)
             if r > R_MAX:
-                return ERR_GAP, np.uint64(0)
-            g, st, rs = _dec_gap(st, rs, models, off_gap + 2 * e, r, seglen >> r, buf, start,
-                                 end)
+                return ERR_GAP, none
+            g, st, rs = _dec_gap(st, rs, models, off_gap + 2 * e, r, seglen >> r, buf, rstart,
+                                 vstart)
             if g < 0 or g >= seglen:
-                return ERR_GAP, np.uint64(0)
+                return ERR_GAP, none
             slack[e] = g
             rem[e] = k
             rpar[e] = r
     if found != kseg:
-        return ERR_COUNT, np.uint64(0)
+        return ERR_COUNT, none
 
-    mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - width)
-    top = np.uint64(1) << np.uint64(width - 1)
     m = 0
-    err = OK
+    canonical = True
     hsh = np.uint64(lo)
     for i in range(lo, hi):
         x = target[i]
@@ -340,50 +338,30 @@ def decode_segment(target, lo, hi, buf, start, end, kseg, shift, cmask, nctx, wi
         s = slack[e]
         if s != 0:
             slack[e] = s - 1
+            continue
+        nx, ok, vs = _dec_value(vs, models, off_cls + width * e, off_top + width * e,
+                                off_sgn + 3 * e, x, width, is_float, buf, vend)
+        canonical &= ok
+        out_pos[obase + m] = i - lo
+        out_val[obase + m] = nx
+        hsh = _mix(_mix(hsh, np.uint64(i - lo)), nx)
+        m += 1
+        left = rem[e] - 1
+        rem[e] = left
+        if left > 0:
+            g, st, rs = _dec_gap(st, rs, models, off_gap + 2 * e, rpar[e], seglen >> rpar[e],
+                                 buf, rstart, vstart)
+            if g < 0:
+                return ERR_GAP, none
+            slack[e] = g
         else:
-            ci = off_cls + width * e
-            n = 0
-            while n < width - 1:
-                b, st = dec_bit(st, models, ci + n, buf, end)
-                if b == 0:
-                    break
-                n += 1
-            mag = np.uint64(1) << np.uint64(n)
-            if n >= 1:
-                b, st = dec_bit(st, models, off_top + width * e + n, buf, end)
-                mag |= np.uint64(b) << np.uint64(n - 1)
-                rest = n - 1
-                while rest > 0:
-                    take = min(rest, 24)
-                    rest -= take
-                    chunk, rs = raw_get(rs, take, buf, start, end)
-                    mag |= np.uint64(chunk) << np.uint64(rest)
-            neg, st = dec_bit(st, models, off_sgn + 3 * e + min(n, 2), buf, end)
-            if mag == top and neg == 0:
-                err = ERR_VALUE
-            d = ((np.uint64(0) - mag) & mask) if neg else mag
-            key = (_key(np.uint64(x), width, is_float) + d) & mask
-            nx = _key(key, width, is_float)
-            out_pos[obase + m] = i - lo
-            out_val[obase + m] = nx
-            hsh = _mix(_mix(hsh, np.uint64(i - lo)), nx)
-            m += 1
-            left = rem[e] - 1
-            rem[e] = left
-            if left > 0:
-                g, st, rs = _dec_gap(st, rs, models, off_gap + 2 * e, rpar[e],
-                                     seglen >> rpar[e], buf, start, end)
-                if g < 0:
-                    return ERR_GAP, np.uint64(0)
-                slack[e] = g
-            else:
-                slack[e] = NEVER
-    if err != OK:
-        return err, np.uint64(0)
+            slack[e] = NEVER
+    if not canonical:
+        return ERR_VALUE, none
     if m != kseg:
-        return ERR_GAP, np.uint64(0)
-    if (st[2] - start) + rs[2] != end - start:
-        return ERR_STREAM, np.uint64(0)
+        return ERR_GAP, none
+    if st[2] != rstart or rs[2] != vstart or vs[2] != vend:
+        return ERR_STREAM, none
     return OK, hsh
 
 

@@ -5,6 +5,8 @@ update count in the high bits, so a context learns at rate 1/(count+2) (the KT e
 it settles at 1/LIMIT. Coder state travels as tuples of int64 so LLVM keeps it in registers.
 Decoding never reads past `end` (it feeds zeros instead; the caller rejects a stream whose
 position ran past its end) and keeps code < range, so corrupted input cannot overflow.
+numba's on-disk cache keys kernels on their own file only: after editing this file, delete
+chain/codec/__pycache__ (or the stale kernels keep the old primitives).
 """
 
 import numpy as np
@@ -19,8 +21,6 @@ TOP = 1 << 24
 INIT = PONE // 2
 # MUL[c] = 2^16 / (c + 2): the learning rate of a context updated c times before
 MUL = np.array([65536 // (c + 2) for c in range(LIMIT + 1)], dtype=np.int64)
-# -log2(p / PONE) for cost accounting
-COST = np.array([0.0] + [-np.log2(p / PONE) for p in range(1, PONE + 1)], dtype=np.float64)
 
 
 @njit(inline="always")
@@ -33,12 +33,6 @@ def adapt(models, i, bit):
     p = min(max(p, PMIN), PMAX)
     c = min(c + 1, LIMIT)
     models[i] = np.int32(p | (c << 16))
-
-
-@njit
-def cost(models, i, bit):
-    p = np.int64(models[i] & 0xFFFF)
-    return COST[p] if bit == 0 else COST[PONE - p]
 
 
 # ---------------------------------------------------------------- encoder
@@ -132,12 +126,12 @@ def dec_bit(st, models, i, buf, end):
 
 
 # ---------------------------------------------------------------- raw bits
-# Bits that are close to uniform skip the range coder: they go LSB-first into a side buffer
-# that the caller stores reversed at the end of the segment's stream, so the decoder reads it
-# backwards from the end and needs no length field. Writer state: (acc, nacc, rpos).
+# Bits that are close to uniform skip the range coder: LSB-first into their own stream.
+# Writer state: (acc, nacc, pos); reader state the same, reading zeros past `end` (pos still
+# counts, so the caller's exact-length check fails).
 
 
-@njit
+@njit(inline="always")
 def raw_put(rs, value, nbits, rbuf):
     """Append the low `nbits` (<= 24) of `value`."""
     acc, nacc, rpos = rs
@@ -162,15 +156,12 @@ def raw_finish(rs, rbuf):
     return rpos
 
 
-@njit
-def raw_get(rs, nbits, buf, start, end):
-    """Read `nbits` (<= 24) from the stream stored backwards ending at `end`; past `start`
-    it reads zeros (rpos still counts, so the caller's length check fails)."""
+@njit(inline="always")
+def raw_get(rs, nbits, buf, end):
+    """Read `nbits` (<= 24)."""
     acc, nacc, rpos = rs
     while nacc < nbits:
-        j = end - 1 - rpos
-        if j >= start:
-            acc |= np.int64(buf[j]) << nacc
+        acc |= _byte(buf, rpos, end) << nacc
         rpos += 1
         nacc += 8
     value = acc & ((np.int64(1) << nbits) - 1)
