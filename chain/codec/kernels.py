@@ -210,15 +210,36 @@ def encode_segment(old, new, lo, hi, chg, m, shift, cmask, nctx, width, is_float
             rs = raw_put(rs, r, R_BITS, rout)
             st, rs = _enc_gap(st, rs, models, off_gap + 2 * e, first[e], r, pout, rout)
     hsh = np.uint64(lo)
+    mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - width)
+    half = mask >> np.uint64(1)
+    wm1 = np.uint64(width - 1)
+    zero = np.uint64(0)
     for j in range(m):
         e = chg_ctx[j]
         i = lo + chg[j]
-        vs = _enc_value(vs, models, off_cls + width * e, off_top + width * e, off_sgn + 3 * e,
-                        old[i], new[i], width, is_float, vout)
-        hsh = _mix(_mix(hsh, np.uint64(chg[j])), np.uint64(new[i]))
+        ko = np.uint64(old[i])
+        kn = np.uint64(new[i])
+        hsh = _mix(_mix(hsh, np.uint64(chg[j])), kn)
+        if is_float:
+            ko ^= (zero - (ko >> wm1)) & half
+            kn ^= (zero - (kn >> wm1)) & half
+        d = (kn - ko) & mask
+        if d == 1 or d == mask:
+            vs = enc_bit(vs, models, off_cls + width * e, 0, vout)
+            vs = enc_bit(vs, models, off_sgn + 3 * e, np.int64(d != 1), vout)
+        else:
+            vs = _enc_value(vs, models, off_cls + width * e, off_top + width * e,
+                            off_sgn + 3 * e, old[i], new[i], width, is_float, vout)
         if nxt[j] >= 0:
-            st, rs = _enc_gap(st, rs, models, off_gap + 2 * e, nxt[j] - chg_rank[j] - 1,
-                              rpar[e], pout, rout)
+            g = nxt[j] - chg_rank[j] - 1
+            r = rpar[e]
+            gi = off_gap + 2 * e
+            if (g >> r) == 0:
+                st = enc_bit(st, models, gi, 0, pout)
+                if r:
+                    rs = raw_put(rs, g, r, rout)
+            else:
+                st, rs = _enc_gap(st, rs, models, gi, g, r, pout, rout)
     return enc_finish(st, pout), raw_finish(rs, rout), enc_finish(vs, vout), hsh
 
 
@@ -247,8 +268,8 @@ def _dec_count(st, rs, models, off_k, buf, pend, rend):
 
 
 @njit
-def _dec_gap(st, rs, models, gi, r, qmax, buf, pend, rend):
-    q = 0
+def _dec_gap(st, rs, models, gi, r, qmax, buf, pend, rend, q=0):
+    """A gap; `q` > 0 when the caller already read that many unary ones."""
     while True:
         b, st = dec_bit(st, models, gi + min(q, 1), buf, pend)
         if b == 0:
@@ -263,9 +284,9 @@ def _dec_gap(st, rs, models, gi, r, qmax, buf, pend, rend):
 
 
 @njit
-def _dec_value(vs, models, ci, ti, si, x, width, is_float, buf, vend):
-    """New pattern for old pattern x, and whether the coded value was canonical."""
-    n = 0
+def _dec_value(vs, models, ci, ti, si, x, width, is_float, buf, vend, n=0):
+    """New pattern for old pattern x, and whether the coded value was canonical; `n` > 0 when
+    the caller already read that many unary ones."""
     while n < width - 1:
         b, vs = dec_bit(vs, models, ci + n, buf, vend)
         if b == 0:
@@ -332,6 +353,10 @@ def decode_segment(target, lo, hi, buf, pstart, rstart, vstart, vend, kseg, shif
     m = 0
     canonical = True
     hsh = np.uint64(lo)
+    mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - width)
+    half = mask >> np.uint64(1)
+    wm1 = np.uint64(width - 1)
+    zero = np.uint64(0)
     for i in range(lo, hi):
         x = target[i]
         e = _ctx(x, sh, cm)
@@ -339,9 +364,21 @@ def decode_segment(target, lo, hi, buf, pstart, rstart, vstart, vend, kseg, shif
         if s != 0:
             slack[e] = s - 1
             continue
-        nx, ok, vs = _dec_value(vs, models, off_cls + width * e, off_top + width * e,
-                                off_sgn + 3 * e, x, width, is_float, buf, vend)
-        canonical &= ok
+        ci = off_cls + width * e
+        b, vs = dec_bit(vs, models, ci, buf, vend)
+        if b == 0:
+            neg, vs = dec_bit(vs, models, off_sgn + 3 * e, buf, vend)
+            ko = np.uint64(x)
+            if is_float:
+                ko ^= (zero - (ko >> wm1)) & half
+            kn = (ko + (mask if neg else np.uint64(1))) & mask
+            if is_float:
+                kn ^= (zero - (kn >> wm1)) & half
+            nx = kn
+        else:
+            nx, ok, vs = _dec_value(vs, models, ci, off_top + width * e, off_sgn + 3 * e, x,
+                                    width, is_float, buf, vend, 1)
+            canonical &= ok
         out_pos[obase + m] = i - lo
         out_val[obase + m] = nx
         hsh = _mix(_mix(hsh, np.uint64(i - lo)), nx)
@@ -349,10 +386,17 @@ def decode_segment(target, lo, hi, buf, pstart, rstart, vstart, vend, kseg, shif
         left = rem[e] - 1
         rem[e] = left
         if left > 0:
-            g, st, rs = _dec_gap(st, rs, models, off_gap + 2 * e, rpar[e], seglen >> rpar[e],
-                                 buf, rstart, vstart)
-            if g < 0:
-                return ERR_GAP, none
+            r = rpar[e]
+            gi = off_gap + 2 * e
+            b, st = dec_bit(st, models, gi, buf, rstart)
+            if b == 0:
+                g = np.int64(0)
+                if r:
+                    g, rs = raw_get(rs, r, buf, vstart)
+            else:
+                g, st, rs = _dec_gap(st, rs, models, gi, r, seglen >> r, buf, rstart, vstart, 1)
+                if g < 0:
+                    return ERR_GAP, none
             slack[e] = g
         else:
             slack[e] = NEVER
