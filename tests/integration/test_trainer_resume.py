@@ -166,9 +166,10 @@ def test_trainer_killed_at_v1_resumes_without_warmup_and_publishes_v2_v3(tmp_pat
         batches = rollouts(t.store(), 0, tmp_path / "w0", prompts=6, seed=1)
         t.wait_ingest()
         t.ingest(batches[:8])
-        step1 = t.wait_event("step", 1, 60)
-        assert (t.chain_dir / "manifests" / "v00000001.delta.json").exists()
-        t.kill9()
+        v1 = t.chain_dir / "manifests" / "v00000001.delta.json"
+        wait_until(lambda: t.alive() and v1.exists(), 60, "v1 to be published", interval=0.005)
+        t.kill9()  # maybe before the ingest commit and the step record: resume must cope
+        killed_after_step = any(e["event"] == "step" for e in t.events())
 
         t.start()
         resume = t.wait_event("resume", 1, 90)
@@ -182,9 +183,9 @@ def test_trainer_killed_at_v1_resumes_without_warmup_and_publishes_v2_v3(tmp_pat
     events = t.events()
     kinds = [e["event"] for e in events]
     assert kinds.count("warmup") == 1, kinds
-    assert kinds.count("resume") == 1 and resume["time"] > step1["time"]
+    assert kinds.count("resume") == 1 and resume["version"] == 1
     steps = [e for e in events if e["event"] == "step"]
-    assert [e["version"] for e in steps] == [1, 2, 3], kinds
+    assert [e["version"] for e in steps] == [1, 2, 3][1 - killed_after_step:], kinds
     assert all(e["kept"] == 8 and e["dropped_stale"] == 0 for e in steps), steps
     assert events[-1] == {**events[-1], "event": "done", "version": 3}
 
