@@ -46,6 +46,8 @@ def _roundtrip(old: np.ndarray, new: np.ndarray, dtype: str) -> bytes:
     assert stats["changed"] == int(np.count_nonzero(old != new))
     assert stats["total"] == old.size
     assert stats["nbytes"] == len(payload)
+    parts = stats["bits_header"] + stats["bits_positions"] + stats["bits_values"]
+    assert parts == 8 * len(payload)
     return payload
 
 
