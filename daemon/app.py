@@ -19,6 +19,7 @@ from aiohttp import web
 from chain.errors import BadManifest
 from chain.manifest import parse_artifact
 from daemon.peers import HEADER, BadPeer, check_url, parse_endpoint
+from daemon.publish import PublishError
 from daemon.spool import BadTrajectory, SpoolFull, parse_batch
 
 if TYPE_CHECKING:
@@ -214,7 +215,10 @@ async def publish(request: web.Request) -> web.Response:
     version = doc.get("version") if isinstance(doc, dict) else None
     if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version < 2**62:
         raise fail(400, f'body must be {{"version": N}} with N an int >= 0, got {doc!r:.80}')
-    return web.json_response(await node.seeder.publish(version))
+    try:
+        return web.json_response(await node.seeder.publish(version))
+    except PublishError as e:
+        raise fail(e.status, str(e)) from None
 
 
 async def peers_list(request: web.Request) -> web.Response:

@@ -14,6 +14,7 @@ from chain.errors import BadManifest
 from chain.manifest import Manifest, artifact_name
 from chain.policy import Retention
 from daemon import torrents
+from daemon.swarm import SwarmError
 
 if TYPE_CHECKING:
     from daemon.node import Node
@@ -67,7 +68,10 @@ class Seeder:
                 if missing:
                     raise PublishError(409, f"{m.artifact}: {len(missing)} blocks missing from "
                                        f"{store.blocks.root}, e.g. {missing[0]}")
-                await asyncio.to_thread(self._seed, m)
+                try:
+                    await asyncio.to_thread(self._seed, m)
+                except (SwarmError, torrents.BadTorrent) as e:
+                    raise PublishError(409, f"{m.artifact} could not be seeded: {e}") from None
                 seeded.append(m.artifact)
             self.published.append({"version": version, "artifacts": seeded})
             del self.published[:-50]
