@@ -24,6 +24,7 @@ from chain.policy import Retention
 from daemon import torrents
 from daemon.peers import BadPeer, Peer, parse_endpoint
 from daemon.report import refusal_kind
+from daemon.swarm import SwarmError
 
 if TYPE_CHECKING:
     from daemon.node import Node
@@ -64,7 +65,8 @@ class Syncer:
                 progressed = await self.step()
                 self.last_error = "" if progressed is not None else self.last_error
                 delay = 1.0
-            except (ChainError, SyncError, OSError, aiohttp.ClientError, TimeoutError) as e:
+            except (ChainError, SyncError, SwarmError, OSError, aiohttp.ClientError,
+                    TimeoutError) as e:
                 self.last_error = f"{type(e).__name__}: {e}"[:500]
                 log.warning("sync step failed: %s", self.last_error)
                 delay = min(delay * 2, 15.0)
