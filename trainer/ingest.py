@@ -21,6 +21,8 @@ from typing import Any
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from chain.atomic import fsync_dir, write_atomic
+
 SEGMENT_BYTES = 64 * 1024 * 1024
 MAX_BODY = 64 * 1024 * 1024
 
@@ -171,7 +173,7 @@ class IngestStore:
             f.flush()
             os.fsync(f.fileno())
         if fresh:
-            _fsync_dir(self.segments)
+            fsync_dir(self.segments)
 
     async def append(self, records: list[dict[str, Any]]) -> list[str]:
         """Store the records not already held; return every id of the request (each once)."""
@@ -224,26 +226,12 @@ class IngestStore:
                 self.committed = self.taken
 
     def _write_cursor(self, consumed: int) -> None:
-        tmp = self.root / "cursor.json.tmp"
-        with tmp.open("wb") as f:
-            f.write(json.dumps({"consumed": consumed}).encode())
-            f.flush()
-            os.fsync(f.fileno())
-        tmp.replace(self.root / "cursor.json")
-        _fsync_dir(self.root)
+        write_atomic(self.root / "cursor.json", json.dumps({"consumed": consumed}).encode())
 
     def stats(self) -> dict[str, int]:
         return {"held": len(self.ids), "pending": len(self.pending),
                 "consumed": self.committed, "taken": self.taken,
                 "segments": len(self._segment_files())}
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 STORE_KEY = web.AppKey("ingest_store", IngestStore)
