@@ -43,16 +43,45 @@ def read_header(path: Path) -> tuple[int, dict[str, Slot]]:
             doc = json.loads(f.read(n))
         except ValueError as e:
             raise ChainError(f"{path}: safetensors header is not JSON: {e}") from None
+    if not isinstance(doc, dict):
+        raise ChainError(f"{path}: safetensors header is not a JSON object")
+    data_bytes = Path(path).stat().st_size - 8 - n
     slots = {}
     for name, info in doc.items():
         if name == "__metadata__":
             continue
-        if info["dtype"] not in FROM_SAFETENSORS:
-            raise ChainError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
-        s, e = info["data_offsets"]
-        slots[name] = Slot(name, FROM_SAFETENSORS[info["dtype"]], list(info["shape"]),
-                           Path(path).name, s, e)
+        slots[name] = _slot(path, name, info, data_bytes)
     return 8 + n, slots
+
+
+def _slot(path: Path, name: str, info: object, data_bytes: int) -> Slot:
+    """One header entry, checked: known dtype, offsets inside the file that fit the shape."""
+    try:
+        dtype, shape, (s, e) = info["dtype"], list(info["shape"]), info["data_offsets"]
+        numel = 1
+        for d in shape:
+            numel *= int(d)
+        ok = all(isinstance(x, int) and x >= 0 for x in (*shape, s, e))
+    except (TypeError, KeyError, ValueError):
+        ok = False
+    if not ok:
+        raise ChainError(f"{path}: tensor {name} has a malformed header entry {info!r:.120}; "
+                         "the file is not valid safetensors")
+    if dtype not in FROM_SAFETENSORS:
+        raise ChainError(f"{path}: tensor {name} has unsupported dtype {dtype}")
+    size = numel * lookup(FROM_SAFETENSORS[dtype]).itemsize
+    if e - s != size or e > data_bytes:
+        raise ChainError(f"{path}: tensor {name} spans bytes {s}..{e} of {data_bytes}, its "
+                         f"shape needs {size}; the file is truncated or corrupt")
+    return Slot(name, FROM_SAFETENSORS[dtype], shape, Path(path).name, s, e)
+
+
+def _view(maps: dict[str, tuple[np.memmap, int]], slot: Slot) -> np.ndarray:
+    dt = lookup(slot.dtype)
+    if slot.end == slot.start:
+        return np.zeros(0, dtype=dt.uint)
+    mm, base = maps[slot.file]
+    return mm[base + slot.start : base + slot.end].view(dt.uint)
 
 
 class TensorFiles:
@@ -75,12 +104,7 @@ class TensorFiles:
                 self.slots[name] = slot
 
     def bits(self, name: str) -> np.ndarray:
-        slot = self.slots[name]
-        dt = lookup(slot.dtype)
-        if slot.end == slot.start:
-            return np.zeros(0, dtype=dt.uint)
-        mm, base = self._maps[slot.file]
-        return mm[base + slot.start : base + slot.end].view(dt.uint)
+        return _view(self._maps, self.slots[name])
 
     def names(self) -> list[str]:
         return sorted(self.slots)
@@ -142,12 +166,7 @@ class WritableFiles:
             self.slots.update(slots)
 
     def bits(self, name: str) -> np.ndarray:
-        slot = self.slots[name]
-        dt = lookup(slot.dtype)
-        if slot.end == slot.start:
-            return np.zeros(0, dtype=dt.uint)
-        mm, base = self._maps[slot.file]
-        return mm[base + slot.start : base + slot.end].view(dt.uint)
+        return _view(self._maps, self.slots[name])
 
     def flush(self) -> None:
         for mm, _ in self._maps.values():

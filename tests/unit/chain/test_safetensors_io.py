@@ -1,0 +1,57 @@
+"""Reading safetensors headers: a truncated or malformed file is refused with ChainError naming
+the tensor, instead of a KeyError or a short view."""
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from chain.errors import ChainError
+from chain.safetensors_io import TensorFiles
+
+
+def _write(tmp_path: Path) -> Path:
+    path = tmp_path / "m.safetensors"
+    save_file({"a": torch.arange(12, dtype=torch.bfloat16).reshape(3, 4),
+               "b": torch.ones(5)}, str(path))
+    return path
+
+
+def _with_header(path: Path, edit) -> Path:
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    edit(header)
+    body = json.dumps(header).encode()
+    out = path.with_name("edited.safetensors")
+    out.write_bytes(struct.pack("<Q", len(body)) + body + raw[8 + n :])
+    return out
+
+
+def test_a_valid_file_reads_every_tensor(tmp_path: Path) -> None:
+    files = TensorFiles(_write(tmp_path))
+    assert files.names() == ["a", "b"]
+    assert files.bits("a").size == 12 and files.bits("b").size == 5
+
+
+def test_a_truncated_file_is_refused(tmp_path: Path) -> None:
+    path = _write(tmp_path)
+    path.write_bytes(path.read_bytes()[:-4])
+    with pytest.raises(ChainError, match="truncated or corrupt"):
+        TensorFiles(path)
+
+
+@pytest.mark.parametrize("edit", [
+    lambda h: h.__setitem__("a", "not an object"),
+    lambda h: h["a"].pop("dtype"),
+    lambda h: h["a"].__setitem__("data_offsets", [0]),
+    lambda h: h["a"].__setitem__("shape", [3, "4"]),
+    lambda h: h["a"].__setitem__("data_offsets", [0, 7]),
+    lambda h: h["a"].__setitem__("dtype", "C64"),
+])
+def test_a_malformed_header_entry_is_refused(tmp_path: Path, edit) -> None:
+    with pytest.raises(ChainError, match="tensor a"):
+        TensorFiles(_with_header(_write(tmp_path), edit))
