@@ -85,12 +85,14 @@ class WeightsDir:
 
     def _build(self, m: Manifest, parent: Current | None, get_block: GetBlock,
                progress: Progress | None) -> Current:
-        for stale in self.staging():
+        for stale in [*self.staging(), *self.root.glob(".prep-*")]:
             if stale.name != f".staging-{m.artifact}":
                 shutil.rmtree(stale)
         staging = self.root / f".staging-{m.artifact}"
-        resumed = staging.is_dir()
+        resumed = (staging / "SHARDS.json").is_file()
         if not resumed:
+            # No staging, or one killed inside _commit after SHARDS.json went: build afresh.
+            shutil.rmtree(staging, ignore_errors=True)
             self._prepare(staging, m, get_block)
         journal_path = staging / "JOURNAL"
         done = set(journal_path.read_text().split("\n")) if journal_path.exists() else set()
@@ -199,21 +201,20 @@ def fill_tensors(out: WritableFiles, tensors: list[TensorEntry], reader: BlockRe
         raise BadDelta(f"{what} has records after its last tensor")
 
 
-def _fill(slot: np.ndarray, t, rec: RecordHeader | None, reader: BlockReader,
-              base: TensorSource | None, what: str) -> None:
-        if rec is not None and (rec.dtype != t.dtype or rec.shape != t.shape):
-            raise BadDelta(f"record for {t.name} disagrees with the manifest's dtype/shape")
-        if rec is not None and rec.op == "full":
-            if rec.n != t.nbytes:
-                raise BadDelta(f"full record for {t.name} has {rec.n} bytes, needs {t.nbytes}")
-            reader.read_into(memoryview(slot).cast("B"))
-            return
-        if base is None or t.name not in base.names() or base.meta(t.name) != (t.dtype, t.shape):
-            raise BadDelta(f"{what}: tensor {t.name} needs a full record (no parent tensor)")
-        slot[:] = base.bits(t.name)
-        if rec is not None:
-            if rec.n > 8 * t.nbytes + (1 << 20):
-                raise BadDelta(f"delta record for {t.name} is implausibly large ({rec.n} bytes)")
-            payload = reader.read(rec.n)
-            codec.apply_tensor_delta(slot, payload, t.dtype)
-
+def _fill(slot: np.ndarray, t: TensorEntry, rec: RecordHeader | None, reader: BlockReader,
+          base: TensorSource | None, what: str) -> None:
+    if rec is not None and (rec.dtype != t.dtype or rec.shape != t.shape):
+        raise BadDelta(f"record for {t.name} disagrees with the manifest's dtype/shape")
+    if rec is not None and rec.op == "full":
+        if rec.n != t.nbytes:
+            raise BadDelta(f"full record for {t.name} has {rec.n} bytes, needs {t.nbytes}")
+        reader.read_into(memoryview(slot).cast("B"))
+        return
+    if base is None or t.name not in base.names() or base.meta(t.name) != (t.dtype, t.shape):
+        raise BadDelta(f"{what}: tensor {t.name} needs a full record (no parent tensor)")
+    slot[:] = base.bits(t.name)
+    if rec is not None:
+        if rec.n > 8 * t.nbytes + (1 << 20):
+            raise BadDelta(f"delta record for {t.name} is implausibly large ({rec.n} bytes)")
+        payload = reader.read(rec.n)
+        codec.apply_tensor_delta(slot, payload, t.dtype)

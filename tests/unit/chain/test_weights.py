@@ -164,3 +164,18 @@ def test_kill_during_apply_restarts_into_a_verified_state_and_converges(tmp_path
     assert cur.state_digest == WeightsDir(ref).current().state_digest
     assert not w.staging()
     assert kills == 12
+
+
+def test_a_kill_inside_commit_after_the_shard_list_went_rebuilds(tmp_path, signing_key):
+    store = ChainStore(tmp_path / "chain", signing_key.public_key())
+    states = build_chain(store, signing_key, 1)
+    w = WeightsDir(tmp_path / "w")
+    w.apply(store.plan(None, 0), getter(store))
+    m1 = store.manifest("v00000001.delta")
+    staging = tmp_path / "w" / f".staging-{m1.artifact}"
+    staging.mkdir()
+    (staging / "model.safetensors").write_bytes(b"left by a kill inside _commit")
+    cur = w.apply([m1], getter(store))
+    assert cur.version == 1
+    assert same(load_file(cur.path / "model.safetensors"), states[1])
+    assert not w.staging()
