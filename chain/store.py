@@ -28,7 +28,11 @@ class ChainStore:
         self._cache: dict[str, Manifest] = {}
         self._run: str | None = None
         for path in sorted(self.manifest_dir.glob("v*.json")):
-            m = Manifest.parse(path.read_bytes(), None)
+            try:
+                m = Manifest.parse(path.read_bytes(), None)
+            except BadManifest as e:
+                raise BadManifest(f"{path}: {e}; delete the file to refetch it from peers"
+                                  ) from None
             self._cache[m.artifact] = m
 
     # reading

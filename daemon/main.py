@@ -13,6 +13,7 @@ import socket
 import sys
 from pathlib import Path
 
+from chain.errors import ChainError
 from daemon.config import Config, ConfigError, load_config
 
 
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         rc = uvloop.run(serve(cfg, args.config))
-    except ConfigError as e:
+    except (ConfigError, ChainError) as e:
         print(f"deltaswarm daemon: {e}", file=sys.stderr)
         return 2
     # Everything is stopped, fsync'd and saved; skip the slow interpreter teardown (torch,

@@ -135,3 +135,12 @@ def test_snapshot_policy_every_n_and_when_deltas_outweigh(tmp_path, signing_key)
     assert SnapshotPolicy(every=3, max_delta_ratio=100).due(3, ms)
     assert not SnapshotPolicy(every=10, max_delta_ratio=100).due(3, ms)
     assert SnapshotPolicy(every=10, max_delta_ratio=0.01).due(3, ms)
+
+
+def test_a_corrupt_manifest_on_disk_is_named_when_the_store_opens(tmp_path, signing_key):
+    store = ChainStore(tmp_path / "chain", signing_key.public_key())
+    build_chain(store, signing_key, 1)
+    bad = tmp_path / "chain" / "manifests" / "v00000001.delta.json"
+    bad.write_bytes(b'{"format": 1, "run": ')
+    with pytest.raises(BadManifest, match=r"v00000001\.delta\.json.*delete the file"):
+        ChainStore(tmp_path / "chain", signing_key.public_key())
