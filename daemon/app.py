@@ -194,6 +194,8 @@ async def trajectories(request: web.Request) -> web.Response:
         raise fail(400, f"trajectory batch refused: {e}") from None
     try:
         held, fresh = await asyncio.to_thread(node.spool.append, items)
+    except BadTrajectory as e:
+        raise fail(400, f"trajectory batch refused: {e}") from None
     except SpoolFull as e:
         node.spool_refusals += 1
         raise fail(429, str(e), **{"Retry-After": str(node.retry_after_s())}) from None

@@ -133,6 +133,11 @@ class Spool:
                 if tid not in self.pending and tid not in fresh:
                     fresh[tid] = line
             size = sum(len(line) + 1 for line in fresh.values())
+            if size > self.max_bytes:
+                raise BadTrajectory(
+                    f"a batch of {size} bytes can never fit the {self.max_bytes}-byte spool "
+                    "(trajectories.spool_max_bytes); send smaller batches"
+                )
             if fresh and self.bytes + size > self.max_bytes:
                 raise SpoolFull(self.bytes, self.max_bytes)
             if fresh:

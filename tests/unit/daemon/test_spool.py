@@ -62,10 +62,17 @@ def test_full_spool_refuses_without_writing(tmp_path: Path) -> None:
     s.append(batch(range(10), pad=1000))
     before = s.bytes
     with pytest.raises(SpoolFull, match="retry later"):
-        s.append(batch(range(100, 200), pad=1000))
+        s.append(batch(range(100, 155), pad=1000))
     assert s.bytes == before and s.depth() == 10
     s.ack([f"t{i:06d}" for i in range(10)])
     s.append(batch(range(100, 110), pad=1000))
+
+
+def test_batch_larger_than_the_whole_spool_is_refused_as_bad_not_retried(tmp_path: Path) -> None:
+    s = Spool(tmp_path, 1 << 16)
+    with pytest.raises(BadTrajectory, match="can never fit"):
+        s.append(batch(range(100), pad=1000))
+    assert s.depth() == 0 and s.bytes == 0
 
 
 def test_torn_last_line_is_dropped_on_reopen(tmp_path: Path) -> None:
