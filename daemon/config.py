@@ -96,6 +96,17 @@ class CommandHook(_Section):
     timeout_s: float = Field(300.0, gt=0, le=86400)
     """Kill the command after this long."""
 
+    @field_validator("argv")
+    @classmethod
+    def _known_placeholders(cls, argv: list[str]) -> list[str]:
+        for arg in argv:
+            try:
+                arg.format_map({"version": 1, "path": "p", "state_digest": "d"})
+            except (KeyError, ValueError, IndexError) as e:
+                raise ValueError(f"argument {arg!r}: only {{version}}, {{path}} and "
+                                 f"{{state_digest}} may be substituted ({e!r})") from None
+        return argv
+
 
 class VllmHook(_Section):
     type: Literal["vllm"]

@@ -106,3 +106,12 @@ def test_not_yaml_and_not_a_mapping(tmp_path: Path) -> None:
 def test_seed_mode_only_for_trainer(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="seed_mode"):
         load_config(write(tmp_path, minimal(tmp_path, "seed_mode: true\n")))
+
+
+def test_command_hook_with_an_unknown_placeholder_fails_at_load(tmp_path):
+    from daemon.config import CommandHook
+
+    with pytest.raises(ValueError, match="may be substituted"):
+        CommandHook(type="command", argv=["reload", "{verison}"])
+    ok = CommandHook(type="command", argv=["reload", "{version}", "{path}"])
+    assert ok.argv[1] == "{version}"
