@@ -189,9 +189,10 @@ def run(cfg_path: Path) -> int:
                    "elements": p.elements, "publish_s": p.seconds,
                    "snapshot": p.snapshot is not None, "published_at": time.time()}
             emit(rec)
-            log.info("v%d reward %.3f kept %d/%d staleness %s delta %.1f KiB (%.2f %% changed)",
-                     trainer.version, m["reward_mean"], m["kept"], m["received"],
-                     m["staleness_hist"], p.delta_bytes / 1024, 100 * p.density)
+            log.info("v%d reward %.3f kept %d/%d staleness %s kl %.2e entropy %.3f %.0f tok/s "
+                     "delta %.1f KiB (%.2f %% changed)", trainer.version, m["reward_mean"],
+                     m["kept"], m["received"], m["staleness_hist"], m["kl_behaviour"],
+                     m["entropy"], m["tokens_per_s"], p.delta_bytes / 1024, 100 * p.density)
         emit({"event": "done", "version": trainer.version})
         if cfg.on_exit == "serve":
             threading.Event().wait()
