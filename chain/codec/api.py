@@ -6,6 +6,7 @@ reused, so a call allocates only its output and an exact-size scratch for the de
 Guarantee on refusal: `apply_*` raises BadDelta before writing anything to any target.
 """
 
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -40,12 +41,12 @@ class _Workspace:
     def __init__(self) -> None:
         self.models = np.empty(model_size(256, 64), np.int32)
         self.ctx = [np.empty(256, np.int64) for _ in range(7)]
-        self.chg = [np.empty(0, np.int64) for _ in range(3)]
+        self.chg = [np.empty(0, np.int64) for _ in range(4)]
         self.out = [np.empty(0, np.uint8) for _ in range(3)]
 
     def changes(self, n: int) -> list[np.ndarray]:
         if self.chg[0].size < n:
-            self.chg = [np.empty(max(n, 2 * self.chg[0].size), np.int64) for _ in range(3)]
+            self.chg = [np.empty(max(n, 2 * self.chg[0].size), np.int64) for _ in range(4)]
         return self.chg
 
     def outbufs(self, n: int) -> list[np.ndarray]:
@@ -125,29 +126,22 @@ def encode_many(pairs: Sequence[tuple[np.ndarray, np.ndarray, str]],
 
 
 def _encode_job(old, new, lo, hi, c: hdr.Coding, parts: list, s: int) -> Callable[[], None]:
+    words = (c.dtype.itemsize == 2 and sys.byteorder == "little"
+             and old.ctypes.data % 8 == 0 and new.ctypes.data % 8 == 0)
+
     def job() -> None:
-        idx = np.flatnonzero(old[lo:hi] != new[lo:hi])
-        k = idx.size
+        ws = _ws()
+        raw = (hi - lo) * c.dtype.itemsize + 64
+        k, *lens, hsh = encode_segment(
+            old, new, lo, hi, words, c.shift, c.cmask, c.nctx, c.dtype.bits, c.is_float,
+            ws.models, *ws.ctx, *ws.changes(hi - lo), *ws.outbufs(raw))
         if k == 0:
             parts[s] = (0, [b"", b"", b""], 0)
-            return
-        ws = _ws()
-        chg = ws.changes(k)
-        raw = (hi - lo) * c.dtype.itemsize + 64
-        cap = min(raw, 256 + 2 * k)
-        while True:
-            outs = ws.outbufs(cap)
-            *lens, hsh = encode_segment(
-                old, new, lo, hi, idx, k, c.shift, c.cmask, c.nctx, c.dtype.bits, c.is_float,
-                ws.models, *ws.ctx, *chg, *outs)
-            if max(lens) <= cap:
-                parts[s] = (k, [o[:n].tobytes() for o, n in zip(outs, lens, strict=True)],
-                            int(hsh))
-                return
-            if cap >= raw:
-                parts[s] = (k, None, 0)
-                return
-            cap = min(raw, cap * 4)
+        elif max(lens) <= raw:
+            parts[s] = (k, [o[:n].tobytes() for o, n in zip(ws.out, lens, strict=True)],
+                        int(hsh))
+        else:
+            parts[s] = (k, None, 0)
     return job
 
 

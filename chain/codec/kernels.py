@@ -161,13 +161,51 @@ def _hist4(old, a, b, sh, cm, h0, h1, h2, h3):
         i += 1
 
 
+@njit
+def _find_changes(old, new, lo, hi, words, chg):
+    """Offsets (from lo) of the elements where old and new differ, into chg; their count.
+    With `words` (2-byte elements, 8-byte aligned) four elements are compared per uint64 and
+    16 per test; lanes are stored branch-free."""
+    m = 0
+    i = lo
+    if words:
+        n4 = (hi - lo) // 16 * 4
+        wo = old[lo:lo + 4 * n4].view(np.uint64)
+        wn = new[lo:lo + 4 * n4].view(np.uint64)
+        z = np.uint64(0)
+        ff = np.uint64(0xFFFF)
+        for w in range(0, n4, 4):
+            x = (wo[w] ^ wn[w]) | (wo[w + 1] ^ wn[w + 1]) | (wo[w + 2] ^ wn[w + 2]) \
+                | (wo[w + 3] ^ wn[w + 3])
+            if x == z:
+                continue
+            for u in range(w, w + 4):
+                y = wo[u] ^ wn[u]
+                if y != z:
+                    chg[m] = 4 * u
+                    m += (y & ff) != z
+                    chg[m] = 4 * u + 1
+                    m += ((y >> np.uint64(16)) & ff) != z
+                    chg[m] = 4 * u + 2
+                    m += ((y >> np.uint64(32)) & ff) != z
+                    chg[m] = 4 * u + 3
+                    m += (y >> np.uint64(48)) != z
+        i = lo + 4 * n4
+    while i < hi:
+        chg[m] = i - lo
+        m += old[i] != new[i]
+        i += 1
+    return m
+
+
 @njit(nogil=True, cache=True)
-def encode_segment(old, new, lo, hi, chg, m, shift, cmask, nctx, width, is_float,
-                   models, h0, h1, h2, h3, kcnt, first, rpar, chg_rank, chg_ctx, nxt,
+def encode_segment(old, new, lo, hi, words, shift, cmask, nctx, width, is_float,
+                   models, h0, h1, h2, h3, kcnt, first, rpar, chg, chg_rank, chg_ctx, nxt,
                    pout, rout, vout):
-    """Code old[lo:hi] -> new[lo:hi] given the m > 0 changed offsets `chg` (relative to lo)
-    into three buffers. Returns (position bytes, raw bytes, value bytes, result hash); a count
-    larger than its buffer means it was too small (the caller retries bigger)."""
+    """Code old[lo:hi] -> new[lo:hi] into three buffers (scratch arrays of hi - lo entries;
+    `words`: see _find_changes).
+    Returns (changes, position bytes, raw bytes, value bytes, result hash); no changes codes
+    nothing, and a count larger than its buffer means the buffer was too small."""
     sh = np.uint64(shift)
     cm = np.uint64(cmask)
     for e in range(nctx):
@@ -177,6 +215,9 @@ def encode_segment(old, new, lo, hi, chg, m, shift, cmask, nctx, width, is_float
         h3[e] = 0
         kcnt[e] = 0
         first[e] = -1
+    m = _find_changes(old, new, lo, hi, words, chg)
+    if m == 0:
+        return 0, 0, 0, 0, np.uint64(0)
     a = lo
     for j in range(m):
         i = lo + chg[j]
@@ -240,7 +281,7 @@ def encode_segment(old, new, lo, hi, chg, m, shift, cmask, nctx, width, is_float
                     rs = raw_put(rs, g, r, rout)
             else:
                 st, rs = _enc_gap(st, rs, models, gi, g, r, pout, rout)
-    return enc_finish(st, pout), raw_finish(rs, rout), enc_finish(vs, vout), hsh
+    return m, enc_finish(st, pout), raw_finish(rs, rout), enc_finish(vs, vout), hsh
 
 
 # ---------------------------------------------------------------- decoding
