@@ -29,6 +29,7 @@ from chain.errors import BadDelta
 LOG2_SEG = 20
 THREADS = 2
 _PARALLEL_MIN = 1 << 18
+_CHANGE_COST = 100  # decoding one change takes about as long as stepping 100 elements
 _ERRORS = {ERR_STREAM: "its stream is truncated or malformed",
            ERR_COUNT: "its change counts do not fit the target",
            ERR_VALUE: "it holds a non-canonical value",
@@ -239,8 +240,9 @@ def _plan_apply(t: int, target: np.ndarray, payload, dtype: str, jobs: list):
         lo, hi = s * seg, min(h.n, (s + 1) * seg)
         bounds = (start, start + lens[0], start + lens[0] + lens[1], start + sum(lens))
         if ks:
-            jobs.append((hi - lo, _decode_job(target, lo, hi, buf, bounds, ks, c,
-                                              pos, val, base, errs, s)))
+            jobs.append((hi - lo + _CHANGE_COST * ks, _decode_job(target, lo, hi, buf, bounds,
+                                                                   ks, c, pos, val, base,
+                                                                   errs, s)))
             segs.append((lo, pos, val, base, base + ks))
         elif sum(lens):
             errs[s] = (ERR_STREAM, 0)
