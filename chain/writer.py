@@ -36,14 +36,46 @@ class EncodeStats:
         return {k: v for k, v in self.__dict__.items() if k != "per_tensor"}
 
 
+BATCH_ELEMENTS = 1 << 25
+"""Tensors are encoded in batches of about this many elements, spread over the codec's threads,
+so memory stays bounded while both cores work."""
+
+
 def encode_stream(
     writer: BlockWriter, new: TensorSource, parent: TensorSource | None, kind: str
 ) -> tuple[list[TensorEntry], EncodeStats]:
-    """Write the record stream for `new` against `parent` (None or kind=snapshot: all raw)."""
+    """Write the record stream for `new` against `parent` (None or kind=snapshot: all raw).
+
+    Tensors whose dtype and shape are unchanged get a codec payload (no record at all when
+    nothing changed); new, reshaped or retyped tensors get their raw bytes."""
     stats = EncodeStats()
     t0 = time.perf_counter()
     entries = []
     parent_names = set(parent.names()) if parent is not None else set()
+    pending: list[tuple[str, str, list[int], np.ndarray | None, np.ndarray]] = []
+
+    def flush() -> None:
+        deltas = [(old, bits, dtype) for _, dtype, _, old, bits in pending if old is not None]
+        payloads = iter(codec.encode_many(deltas) if deltas else [])
+        for name, dtype, shape, old, bits in pending:
+            if old is not None:
+                payload = next(payloads)
+                changed = codec.payload_stats(payload)["changed"]
+                if changed == 0:
+                    continue
+                op = "delta"
+            else:
+                payload = memoryview(np.ascontiguousarray(bits)).cast("B")
+                op, changed = "full", bits.size
+            writer.write_record(RecordHeader(name, op, dtype, shape, len(payload)), payload)
+            stats.changed_tensors += 1
+            stats.changed_elements += changed
+            stats.encoded_bytes += len(payload)
+            stats.per_tensor.append({"name": name, "op": op, "changed": int(changed),
+                                     "numel": int(bits.size), "bytes": len(payload)})
+        pending.clear()
+
+    queued = 0
     for name in new.names():
         dtype, shape = new.meta(name)
         bits = new.bits(name)
@@ -54,23 +86,13 @@ def encode_stream(
         stats.dense_bytes += bits.nbytes
         same_layout = (kind == "delta" and name in parent_names
                        and parent.meta(name) == (dtype, shape))
-        if same_layout:
-            old = parent.bits(name)
-            if np.array_equal(old, bits):
-                continue
-            payload = codec.encode_tensor_delta(np.asarray(old), np.asarray(bits), dtype)
-            op = "delta"
-            changed = codec.payload_stats(payload)["changed"]
-        else:
-            payload = memoryview(np.ascontiguousarray(bits)).cast("B")
-            op = "full"
-            changed = bits.size
-        writer.write_record(RecordHeader(name, op, dtype, shape, len(payload)), payload)
-        stats.changed_tensors += 1
-        stats.changed_elements += changed
-        stats.encoded_bytes += len(payload)
-        stats.per_tensor.append({"name": name, "op": op, "changed": int(changed),
-                                 "numel": int(bits.size), "bytes": len(payload)})
+        old = parent.bits(name) if same_layout else None
+        pending.append((name, dtype, shape, old, bits))
+        queued += bits.size
+        if queued >= BATCH_ELEMENTS:
+            flush()
+            queued = 0
+    flush()
     stats.seconds = time.perf_counter() - t0
     return entries, stats
 
