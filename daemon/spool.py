@@ -277,14 +277,18 @@ class Forwarder:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.wake.wait(), 5.0)
                 continue
+            n = 0
             try:
                 held, retry_after = await self._post(batch)
-            except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+                if held is not None:
+                    sent = {tid for tid, _ in batch}
+                    n = await asyncio.to_thread(self.spool.ack, [t for t in held if t in sent])
+            except (aiohttp.ClientError, TimeoutError, ValueError, OSError) as e:
+                # OSError: the ack log could not be written (disk full…); the batch stays
+                # spooled and is resent later, which the upstream's dedupe makes harmless.
                 held, retry_after = None, None
                 self.last_error = f"{type(e).__name__}: {e}"[:300]
             if held is not None:
-                sent = {tid for tid, _ in batch}
-                n = await asyncio.to_thread(self.spool.ack, [t for t in held if t in sent])
                 self.forwarded += n
                 self._acks.append((time.monotonic(), n))
                 if n:
