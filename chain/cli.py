@@ -71,7 +71,7 @@ def delta_stats(a: argparse.Namespace) -> int:
     from chain.deltafile import read_delta_file
 
     _header, tensors, reader = read_delta_file(Path(a.delta))
-    total = changed = nbytes = 0
+    changed = nbytes = 0
     rows = []
     while (h := reader.next_header()) is not None:
         payload = reader.read(h.n)

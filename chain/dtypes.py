@@ -100,12 +100,3 @@ def bits_view(t: "torch.Tensor") -> np.ndarray:
     if flat.device.type != "cpu":
         flat = flat.cpu()
     return flat.view(torch.uint8).numpy().view(dt.uint)
-
-
-def tensor_from_bits(bits: np.ndarray, dtype: str, shape: list[int]) -> "torch.Tensor":
-    """Inverse of bits_view: a torch tensor sharing memory with `bits`."""
-    import torch
-
-    dt = lookup(dtype)
-    raw = torch.from_numpy(np.ascontiguousarray(bits).view(np.uint8))
-    return raw.view(dt.torch_dtype).reshape(shape)

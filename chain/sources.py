@@ -58,14 +58,6 @@ class FileSource:
         return self.files.bits(name)
 
 
-def open_source(obj: "Mapping[str, torch.Tensor] | Path | str | TensorSource") -> TensorSource:
-    if isinstance(obj, (str, Path)):
-        return FileSource(Path(obj))
-    if isinstance(obj, Mapping):
-        return StateDictSource(obj)
-    return obj
-
-
 def source_digest(src: TensorSource) -> str:
     """State digest of every tensor in `src` (equal digests mean bit-identical weights)."""
     return state_digest({n: tensor_digest(*src.meta(n), src.bits(n)) for n in src.names()})

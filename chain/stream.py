@@ -10,7 +10,7 @@ one tensor.
 
 import json
 import struct
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from chain.blocks import DEFAULT_BLOCK, BlockStore
@@ -141,9 +141,3 @@ class BlockReader:
         if h.op not in ("delta", "full") or h.n < 0:
             raise BadDelta(f"record for {h.name!r} has invalid op {h.op!r} or length {h.n}")
         return h
-
-
-def iter_records(reader: BlockReader) -> Iterator[tuple[RecordHeader, bytes]]:
-    """All records with their payloads (for tools and in-memory apply; small models)."""
-    while (h := reader.next_header()) is not None:
-        yield h, reader.read(h.n)
