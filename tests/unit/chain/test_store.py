@@ -81,8 +81,12 @@ def test_wrong_parent_and_forks_are_refused_without_changing_the_store(tmp_path,
     before = sorted(p.name for p in (tmp_path / "a" / "manifests").iterdir())
     with pytest.raises(BadManifest, match="conflicts"):
         store.add_manifest(m2.to_bytes())  # replayed/forked v2
-    m3_fork = ChainStore(tmp_path / "c", signing_key.public_key())
-    assert m3_fork.head() == 1
+    fork_v2 = perturb(perturb(states[0], 1), 2)
+    m3_fork, _ = write_artifact(fork_store.blocks, signing_key, run="r1", version=3,
+                                kind="delta", new=StateDictSource(perturb(fork_v2, 3)),
+                                parent=StateDictSource(fork_v2), parent_manifest=m2)
+    with pytest.raises(BadManifest, match="wrong parent"):
+        store.add_manifest(m3_fork.to_bytes())  # v3 built on the fork's v2, not ours
     fresh = other.manifest("v00000003.delta")
     store.add_manifest(fresh.to_bytes())  # the honest v3 fits
     with pytest.raises(BadManifest, match="run"):
