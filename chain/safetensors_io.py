@@ -168,6 +168,9 @@ class WritableFiles:
     def bits(self, name: str) -> np.ndarray:
         return _view(self._maps, self.slots[name])
 
-    def flush(self) -> None:
-        for mm, _ in self._maps.values():
-            mm.flush()
+    def flush(self, name: str | None = None) -> None:
+        """msync to disk: the shard holding tensor `name`, or every shard."""
+        files = [self.slots[name].file] if name is not None else list(self._maps)
+        for f in files:
+            if f in self._maps:
+                self._maps[f][0].flush()

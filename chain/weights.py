@@ -102,7 +102,7 @@ class WeightsDir:
         with open(journal_path, "a") as journal:
 
             def journaled(name: str, i: int) -> None:
-                out.flush()
+                out.flush(name)
                 journal.write(name + "\n")
                 journal.flush()
                 os.fsync(journal.fileno())
