@@ -29,7 +29,7 @@ from chain.errors import BadDelta
 LOG2_SEG = 20
 THREADS = 2
 _PARALLEL_MIN = 1 << 18
-_CHANGE_COST = 100  # decoding one change takes about as long as stepping 100 elements
+_CHANGE_COST = 30  # decoding one change takes about as long as stepping 30 elements
 _ERRORS = {ERR_STREAM: "its stream is truncated or malformed",
            ERR_COUNT: "its change counts do not fit the target",
            ERR_VALUE: "it holds a non-canonical value",
@@ -42,12 +42,12 @@ class _Workspace:
     def __init__(self) -> None:
         self.models = np.empty(model_size(256, 64), np.int32)
         self.ctx = [np.empty(256, np.int64) for _ in range(7)]
-        self.chg = [np.empty(0, np.int64) for _ in range(4)]
+        self.chg = [np.empty(0, np.int64) for _ in range(5)]
         self.out = [np.empty(0, np.uint8) for _ in range(3)]
 
     def changes(self, n: int) -> list[np.ndarray]:
         if self.chg[0].size < n:
-            self.chg = [np.empty(max(n, 2 * self.chg[0].size), np.int64) for _ in range(4)]
+            self.chg = [np.empty(max(n, 2 * self.chg[0].size), np.int64) for _ in range(5)]
         return self.chg
 
     def outbufs(self, n: int) -> list[np.ndarray]:
@@ -126,16 +126,21 @@ def encode_many(pairs: Sequence[tuple[np.ndarray, np.ndarray, str]],
     return [_assemble(old, new, dtype, c, parts) for old, new, dtype, c, parts in plans]
 
 
+def _words(*arrays: np.ndarray) -> bool:
+    """Whether the kernels may read 2-byte elements four at a time as 64-bit words."""
+    return (arrays[0].itemsize == 2 and sys.byteorder == "little"
+            and all(a.ctypes.data % 8 == 0 for a in arrays))
+
+
 def _encode_job(old, new, lo, hi, c: hdr.Coding, parts: list, s: int) -> Callable[[], None]:
-    words = (c.dtype.itemsize == 2 and sys.byteorder == "little"
-             and old.ctypes.data % 8 == 0 and new.ctypes.data % 8 == 0)
+    words = _words(old, new)
 
     def job() -> None:
         ws = _ws()
         raw = (hi - lo) * c.dtype.itemsize + 64
         k, *lens, hsh = encode_segment(
             old, new, lo, hi, words, c.shift, c.cmask, c.nctx, c.dtype.bits, c.is_float,
-            ws.models, *ws.ctx, *ws.changes(hi - lo), *ws.outbufs(raw))
+            ws.models, *ws.ctx, *ws.changes(hi - lo + 1), *ws.outbufs(raw))
         if k == 0:
             parts[s] = (0, [b"", b"", b""], 0)
         elif max(lens) <= raw:
@@ -255,9 +260,9 @@ def _decode_job(target, lo, hi, buf, bounds, ks, c: hdr.Coding, pos, val, base, 
                 s) -> Callable[[], None]:
     def job() -> None:
         ws = _ws()
-        err, hsh = decode_segment(target, lo, hi, buf, *bounds, ks, c.shift, c.cmask,
-                                 c.nctx, c.dtype.bits, c.is_float, ws.models, *ws.ctx[:3],
-                                 pos, val, base)
+        err, hsh = decode_segment(target, lo, hi, _words(target), buf, *bounds, ks, c.shift,
+                                  c.cmask, c.nctx, c.dtype.bits, c.is_float, ws.models,
+                                  *ws.ctx[:5], ws.changes(ks + c.nctx)[0], pos, val, base)
         errs[s] = (int(err), int(hsh))
     return job
 

@@ -20,7 +20,7 @@ from chain.dtypes import DType, lookup
 from chain.errors import BadDelta
 
 MAGIC = 0xD5
-FORMAT = 1
+FORMAT = 2
 NONE, CODED, RAW = 0, 1, 2
 CHECK = 4
 LOG2_SEG_MIN, LOG2_SEG_MAX = 8, 26

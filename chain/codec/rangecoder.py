@@ -1,4 +1,5 @@
-"""A binary adaptive range coder (LZMA-style carry handling) written for numba.
+"""A binary adaptive range coder (LZMA-style carry handling) written for numba, with direct
+(equiprobable) bits, plus a raw bit stream and Rice codes on it.
 
 Each adaptive context is one int32: the 12-bit probability of a 0 in the low 16 bits and an
 update count in the high bits, so a context learns at rate 1/(count+2) (the KT estimator) until
@@ -11,6 +12,7 @@ chain/codec/__pycache__ (or the stale kernels keep the old primitives).
 
 import numpy as np
 from numba import njit
+from numba.cpython.unsafe.numbers import trailing_zeros
 
 PROB_BITS = 12
 PONE = 1 << PROB_BITS
@@ -125,6 +127,34 @@ def dec_bit(st, models, i, buf, end):
     return bit, (rng, code, pos)
 
 
+# ---------------------------------------------------------------- direct bits
+# An equiprobable bit (a sign) inside a coded stream: halve the range, no model to update.
+
+
+@njit(inline="always")
+def enc_direct(st, bit, out):
+    low, rng, cache, csize, pos = st
+    rng >>= 1
+    low += rng & -np.int64(bit)
+    while rng < TOP:
+        rng <<= 8
+        low, cache, csize, pos = _shift_low(low, cache, csize, out, pos)
+    return low, rng, cache, csize, pos
+
+
+@njit(inline="always")
+def dec_direct(st, buf, end):
+    rng, code, pos = st
+    rng >>= 1
+    bit = np.int64(code >= rng)
+    code -= rng & -bit
+    if rng < TOP:
+        rng <<= 8
+        code = (code << 8) | _byte(buf, pos, end)
+        pos += 1
+    return bit, (rng, code, pos)
+
+
 # ---------------------------------------------------------------- raw bits
 # Bits that are close to uniform skip the range coder: LSB-first into their own stream.
 # Writer state: (acc, nacc, pos); reader state the same, reading zeros past `end` (pos still
@@ -133,7 +163,7 @@ def dec_bit(st, models, i, buf, end):
 
 @njit(inline="always")
 def raw_put(rs, value, nbits, rbuf):
-    """Append the low `nbits` (<= 24) of `value`."""
+    """Append the low `nbits` (<= 48) of `value`."""
     acc, nacc, rpos = rs
     acc |= (value & ((np.int64(1) << nbits) - 1)) << nacc
     nacc += nbits
@@ -158,7 +188,7 @@ def raw_finish(rs, rbuf):
 
 @njit(inline="always")
 def raw_get(rs, nbits, buf, end):
-    """Read `nbits` (<= 24)."""
+    """Read `nbits` (<= 48)."""
     acc, nacc, rpos = rs
     while nacc < nbits:
         acc |= _byte(buf, rpos, end) << nacc
@@ -166,3 +196,67 @@ def raw_get(rs, nbits, buf, end):
         nacc += 8
     value = acc & ((np.int64(1) << nbits) - 1)
     return value, (acc >> nbits, nacc - nbits, rpos)
+
+
+# ---------------------------------------------------------------- Rice codes
+# A gap g with parameter r: q = g >> r in unary (q zeros, then a one), then the low r bits.
+# Unary runs of QESC or more escape to an Elias-gamma code of q - QESC + 1. The reader keeps at
+# least 49 bits buffered so a unary run is found with one count of trailing zeros.
+
+QESC = 32
+
+
+@njit(inline="always")
+def rice_put(rs, g, r, rbuf):
+    q = g >> r
+    if q < QESC:
+        rs = raw_put(rs, np.int64(1) << q, q + 1, rbuf)
+    else:
+        rs = raw_put(rs, np.int64(1) << QESC, QESC + 1, rbuf)
+        v = q - QESC + 1
+        n = 0
+        while (v >> (n + 1)) != 0:
+            n += 1
+        rs = raw_put(rs, n, 5, rbuf)
+        rs = raw_put(rs, v, n, rbuf)
+    if r:
+        rs = raw_put(rs, g, r, rbuf)
+    return rs
+
+
+@njit(inline="always")
+def _refill(rs, buf, end):
+    acc, nacc, rpos = rs
+    while nacc <= 48:
+        acc |= _byte(buf, rpos, end) << nacc
+        rpos += 1
+        nacc += 8
+    return acc, nacc, rpos
+
+
+@njit(inline="always")
+def rice_get(rs, r, buf, end):
+    """A gap coded by rice_put with the same r, or -1 for a malformed code. The reader reads
+    ahead: bits consumed = 8 * position - buffered bits."""
+    acc, nacc, rpos = _refill(rs, buf, end)
+    run = acc & ((np.int64(1) << (QESC + 1)) - 1)
+    if run == 0:
+        return np.int64(-1), (acc, nacc, rpos)
+    q = np.int64(trailing_zeros(run))
+    acc >>= q + 1
+    nacc -= q + 1
+    if q == QESC:
+        acc, nacc, rpos = _refill((acc, nacc, rpos), buf, end)
+        n = acc & 31
+        if n > 26:
+            return np.int64(-1), (acc, nacc, rpos)
+        acc >>= 5
+        v = (acc & ((np.int64(1) << n) - 1)) | (np.int64(1) << n)
+        acc >>= n
+        nacc -= 5 + n
+        q = QESC - 1 + v
+    if r:
+        acc, nacc, rpos = _refill((acc, nacc, rpos), buf, end)
+        low = acc & ((np.int64(1) << r) - 1)
+        return (q << r) | low, (acc >> r, nacc - r, rpos)
+    return q, (acc, nacc, rpos)
