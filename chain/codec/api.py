@@ -43,7 +43,7 @@ class _Workspace:
         self.models = np.empty(model_size(256, 64), np.int32)
         self.ctx = [np.empty(256, np.int64) for _ in range(7)]
         self.chg = [np.empty(0, np.int64) for _ in range(5)]
-        self.out = [np.empty(0, np.uint8) for _ in range(3)]
+        self.out = [np.empty(0, np.uint8) for _ in range(hdr.STREAMS)]
 
     def changes(self, n: int) -> list[np.ndarray]:
         if self.chg[0].size < n:
@@ -52,7 +52,8 @@ class _Workspace:
 
     def outbufs(self, n: int) -> list[np.ndarray]:
         if self.out[0].size < n:
-            self.out = [np.empty(max(n, 2 * self.out[0].size), np.uint8) for _ in range(3)]
+            self.out = [np.empty(max(n, 2 * self.out[0].size), np.uint8)
+                        for _ in range(hdr.STREAMS)]
         return [o[:n] for o in self.out]
 
 
@@ -142,7 +143,7 @@ def _encode_job(old, new, lo, hi, c: hdr.Coding, parts: list, s: int) -> Callabl
             old, new, lo, hi, words, c.shift, c.cmask, c.nctx, c.dtype.bits, c.is_float,
             ws.models, *ws.ctx, *ws.changes(hi - lo + 1), *ws.outbufs(raw))
         if k == 0:
-            parts[s] = (0, [b"", b"", b""], 0)
+            parts[s] = (0, [b""] * hdr.STREAMS, 0)
         elif max(lens) <= raw:
             parts[s] = (k, [o[:n].tobytes() for o, n in zip(ws.out, lens, strict=True)],
                         int(hsh))
@@ -243,7 +244,7 @@ def _plan_apply(t: int, target: np.ndarray, payload, dtype: str, jobs: list):
     start, base = h.body_start, 0
     for s, (ks, lens) in enumerate(zip(h.seg_k, h.seg_len, strict=True)):
         lo, hi = s * seg, min(h.n, (s + 1) * seg)
-        bounds = (start, start + lens[0], start + lens[0] + lens[1], start + sum(lens))
+        bounds = tuple(start + sum(lens[:i]) for i in range(hdr.STREAMS + 1))
         if ks:
             jobs.append((hi - lo + _CHANGE_COST * ks, _decode_job(target, lo, hi, buf, bounds,
                                                                    ks, c, pos, val, base,
@@ -251,7 +252,7 @@ def _plan_apply(t: int, target: np.ndarray, payload, dtype: str, jobs: list):
             segs.append((lo, pos, val, base, base + ks))
         elif sum(lens):
             errs[s] = (ERR_STREAM, 0)
-        start = bounds[3]
+        start = bounds[-1]
         base += ks
     return t, errs, target, hdr.CODED, segs, h.result
 
@@ -277,7 +278,7 @@ def payload_stats(payload: bytes | memoryview) -> dict:
     h = hdr.parse(payload)
     nbytes = len(memoryview(payload).cast("B"))
     body_bits = 8 * (h.body_end - h.body_start)
-    pos_bits = 8 * sum(p + r for p, r, _ in h.seg_len)
+    pos_bits = 8 * sum(lens[0] + lens[1] for lens in h.seg_len)  # table and gaps
     return {
         "dtype": h.dtype,
         "mode": {hdr.NONE: "unchanged", hdr.CODED: "coded", hdr.RAW: "raw"}[h.mode],

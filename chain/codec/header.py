@@ -2,8 +2,8 @@
 
     0xD5 | format<<4 | mode | dtype code | varint n | varint k
     mode CODED: log2(segment) | 4-byte result hash
-                | per segment: [varint k, if more than one segment] varint position-stream
-                  length, varint raw-bits length, varint value-stream length
+                | per segment: [varint k, if more than one segment] and the varint lengths of
+                  its four streams (context table, gaps, step sizes, signs and exceptions)
     body (the streams, or the raw new bits in mode RAW) | 4-byte xxh3-64 of all before it
 
 Every count is checked against the target before any decoding starts. The checksum catches
@@ -21,6 +21,7 @@ from chain.errors import BadDelta
 
 MAGIC = 0xD5
 FORMAT = 2
+STREAMS = 4  # per segment, in this order: table, gaps, steps, signs (see kernels.py)
 NONE, CODED, RAW = 0, 1, 2
 CHECK = 4
 LOG2_SEG_MIN, LOG2_SEG_MAX = 8, 26
@@ -60,7 +61,7 @@ class Header:
     log2_seg: int = 0
     result: int = 0
     seg_k: list[int] = field(default_factory=list)
-    seg_len: list[tuple[int, int, int]] = field(default_factory=list)
+    seg_len: list[tuple[int, ...]] = field(default_factory=list)
     body_start: int = 0
     body_end: int = 0
 
@@ -74,7 +75,7 @@ def put_varint(out: bytearray, v: int) -> None:
 
 def pack(mode: int, dtype: str, n: int, k: int, body: list[bytes], log2_seg: int = 0,
          seg_k: list[int] | None = None, result: int = 0) -> bytes:
-    """`body`: the raw bytes (RAW), or three streams per segment (CODED)."""
+    """`body`: the raw bytes (RAW), or STREAMS streams per segment (CODED)."""
     out = bytearray((MAGIC, (FORMAT << 4) | mode, _CODE[dtype]))
     put_varint(out, n)
     put_varint(out, k)
@@ -85,7 +86,7 @@ def pack(mode: int, dtype: str, n: int, k: int, body: list[bytes], log2_seg: int
         for s, ks in enumerate(seg_k):
             if len(seg_k) > 1:
                 put_varint(out, ks)
-            for part in body[3 * s : 3 * s + 3]:
+            for part in body[STREAMS * s : STREAMS * (s + 1)]:
                 put_varint(out, len(part))
     for part in body:
         out += part
@@ -153,7 +154,7 @@ def parse(payload: bytes | memoryview, verify: bool = True) -> Header:
             raise BadDelta(f"tensor delta needs {nseg} segment entries; payload is truncated")
         for s in range(nseg):
             h.seg_k.append(r.varint() if nseg > 1 else h.k)
-            h.seg_len.append((r.varint(), r.varint(), r.varint()))
+            h.seg_len.append(tuple(r.varint() for _ in range(STREAMS)))
             if h.seg_k[-1] > min(seg, h.n - s * seg):
                 raise BadDelta(f"tensor delta segment {s} claims too many changes")
         if sum(h.seg_k) != h.k:

@@ -4,19 +4,22 @@ Model: every element has a context e = a few high bits of its *old* pattern (the
 floats). Within a segment, the changed elements of context e are coded as gaps between their
 ranks among the elements of context e (Rice codes, parameter chosen per context), and each
 change as the difference key(new) - key(old), where key() makes float patterns monotone so a
-sign flip near zero is a small step: an adaptive "is it +-1" bit per context, a direct sign bit,
-and for larger steps an adaptive Exp-Golomb class with adaptive top bit.
+sign flip near zero is a small step. Most steps are +-1: per context, the changes whose step is
+not +-1 (or, when those are the majority, the ones whose step is) are listed as Rice-coded gaps,
+every change has a raw sign bit, and only the listed exceptions code a magnitude (adaptive
+Exp-Golomb class, adaptive top bit, rest bits).
 
-Everything about a context is stored together (its count, its gaps, its values), so the decoder
-reads all symbols first in tight loops, and then finds every change in one pass over the old
-tensor that only counts elements down per context; the values are finished in that same pass.
-A segment has three streams: range-coded context table (which contexts changed, how often),
-raw bits (Rice parameters and gaps), range-coded values. The decoder writes only to scratch
-(positions and new values); the caller scatters after every segment checked out.
+Everything about a context is stored together, so the decoder reads all symbols first in tight
+loops and then finds every change in one pass over the old tensor that only counts elements
+down per context; the values are finished in that same pass. A segment has four streams:
+the context table (which contexts changed, how often: range coded), the gaps (raw bits),
+the exception magnitudes (range coded), and the signs and exception lists (raw bits). The
+decoder writes only to scratch (positions and new values); the caller scatters after every
+segment checked out.
 
 For 2-byte elements the encoder finds the changes, their contexts and their ranks in a single
-pass over 64-bit words (4 elements per load); other widths take a change scan and then count
-the elements between changes.
+pass over 64-bit words (4 elements per load) and the decoder counts down over words too; other
+widths take a change scan and then count the elements between changes.
 """
 
 import numpy as np
@@ -25,10 +28,8 @@ from numba import njit
 from chain.codec.rangecoder import (
     INIT,
     dec_bit,
-    dec_direct,
     dec_start,
     enc_bit,
-    enc_direct,
     enc_finish,
     enc_start,
     raw_finish,
@@ -53,17 +54,20 @@ NEVER = 1 << 62
 
 @njit
 def _layout(nctx, width):
-    """Offsets in the model array: 0-1 active-context bits, 2 value rest bits, then the count
-    code, then per context the value classes and top bits."""
+    """Offsets in the model array: 0-1 active-context bits, 2 magnitude rest bits, then the
+    change-count code, the listed-count code, the "list is inverted" bit, and per context the
+    magnitude classes and top bits."""
     off_k = 3
-    off_cls = off_k + 2 * KMAX_CLASS
+    off_x = off_k + 2 * KMAX_CLASS
+    off_inv = off_x + 2 * KMAX_CLASS
+    off_cls = off_inv + 1
     off_top = off_cls + width * nctx
     total = off_top + width * nctx
-    return off_k, off_cls, off_top, total
+    return off_k, off_x, off_inv, off_cls, off_top, total
 
 
 def model_size(nctx: int, width: int) -> int:
-    return 3 + 2 * KMAX_CLASS + 2 * width * nctx
+    return 4 + 4 * KMAX_CLASS + 2 * width * nctx
 
 
 @njit(inline="always")
@@ -198,41 +202,38 @@ def _enc_count(st, rs, models, off_k, k, out, rbuf):
 
 
 @njit
-def _enc_step(vs, models, ci, ti, d, width, vout):
-    """A key difference other than +-1 (mod 2^width): unary class n = floor(log2 |d|) from
-    ci + 0 (whose 1 says "not +-1"), top bit below the leading one, rest bits, direct sign."""
-    mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - width)
-    neg = (d >> np.uint64(width - 1)) & np.uint64(1)
-    mag = ((np.uint64(0) - d) & mask) if neg else d
+def _enc_mag(vs, models, ci, ti, mag, width, vout):
+    """A step magnitude >= 2: unary class n = floor(log2 mag) >= 1, the bit below the leading
+    one (adaptive per class), the rest (one shared adaptive context, nearly uniform)."""
     n = 0
     while (mag >> np.uint64(n + 1)) != np.uint64(0):
         n += 1
-    for t in range(n):
+    for t in range(1, n):
         vs = enc_bit(vs, models, ci + t, 1, vout)
     if n < width - 1:
         vs = enc_bit(vs, models, ci + n, 0, vout)
     vs = enc_bit(vs, models, ti + n, np.int64((mag >> np.uint64(n - 1)) & np.uint64(1)), vout)
     for b in range(n - 2, -1, -1):
         vs = enc_bit(vs, models, REST, np.int64((mag >> np.uint64(b)) & np.uint64(1)), vout)
-    return enc_direct(vs, np.int64(neg), vout)
+    return vs
 
 
 @njit
-def _rice_param(chg_rank, order, s, k):
-    """The Rice parameter with the fewest bits for one context's gaps: the best of three
-    around the one the mean gap suggests."""
-    mean = (chg_rank[order[s + k - 1]] + 1 - k) // k
+def _rice_choose(vals, a, k):
+    """The Rice parameter with the fewest bits for vals[a:a+k] (k >= 1): the best of three
+    around the one the mean suggests."""
+    total = 0
+    for t in range(a, a + k):
+        total += vals[t]
+    mean = total // k
     r0 = 0
     while r0 < R_MAX - 2 and (np.int64(4) << r0) <= mean:
         r0 += 1
     c0 = k * r0
     c1 = k * (r0 + 1)
     c2 = k * (r0 + 2)
-    prev = -1
-    for t in range(s, s + k):
-        rk = chg_rank[order[t]]
-        g = rk - prev - 1
-        prev = rk
+    for t in range(a, a + k):
+        g = vals[t]
         c0 += g >> r0
         c1 += g >> (r0 + 1)
         c2 += g >> (r0 + 2)
@@ -241,14 +242,62 @@ def _rice_param(chg_rank, order, s, k):
     return r0 + 1 if c1 <= c2 else r0 + 2
 
 
+@njit
+def _enc_values(vs, ss, models, off_x, off_inv, ci, ti, chg_d, order, s0, k, width, scratch,
+                vout, sout):
+    """One context's k steps (chg_d[order[s0:s0+k]]): exception list, signs, magnitudes."""
+    mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - width)
+    one = np.uint64(1)
+    wm1 = np.uint64(width - 1)
+    x = 0
+    for t in range(s0, s0 + k):
+        d = np.uint64(chg_d[order[t]])
+        x += (d != one) & (d != mask)
+    inv = 1 if 2 * x > k else 0
+    vs = enc_bit(vs, models, off_inv, inv, vout)
+    listed = k - x if inv else x
+    vs, ss = _enc_count(vs, ss, models, off_x, listed, vout, sout)
+    if listed:
+        n = 0
+        prev = -1
+        for t in range(k):
+            d = np.uint64(chg_d[order[s0 + t]])
+            if ((d != one) & (d != mask)) != inv:
+                scratch[n] = t - prev - 1
+                prev = t
+                n += 1
+        rx = _rice_choose(scratch, 0, listed)
+        ss = raw_put(ss, rx, R_BITS, sout)
+        for i in range(listed):
+            ss = rice_put(ss, scratch[i], rx, sout)
+    acc = np.int64(0)
+    nb = 0
+    for t in range(s0, s0 + k):
+        acc |= np.int64((np.uint64(chg_d[order[t]]) >> wm1) & one) << nb
+        nb += 1
+        if nb == 32:
+            ss = raw_put(ss, acc, 32, sout)
+            acc = np.int64(0)
+            nb = 0
+    if nb:
+        ss = raw_put(ss, acc, nb, sout)
+    if x:
+        for t in range(s0, s0 + k):
+            d = np.uint64(chg_d[order[t]])
+            if (d != one) & (d != mask):
+                mag = ((np.uint64(0) - d) & mask) if (d >> wm1) & one else d
+                vs = _enc_mag(vs, models, ci, ti, mag, width, vout)
+    return vs, ss
+
+
 @njit(nogil=True, cache=True)
 def encode_segment(old, new, lo, hi, words, shift, cmask, nctx, width, is_float,
                    models, h0, h1, h2, h3, kcnt, start, rpar, chg, chg_rank, chg_ctx, order,
-                   chg_d, pout, rout, vout):
-    """Code old[lo:hi] -> new[lo:hi] into three buffers (scratch arrays of hi - lo + 1 entries;
-    `words`: 2-byte elements, 8-byte aligned). Returns (changes, table bytes, raw bytes, value
-    bytes, result hash); no changes codes nothing, and a count larger than its buffer means
-    the buffer was too small."""
+                   chg_d, tout, gout, vout, sout):
+    """Code old[lo:hi] -> new[lo:hi] into four buffers (scratch arrays of hi - lo + 1 entries;
+    `words`: 2-byte elements, 8-byte aligned). Returns (changes, then the table, gap, magnitude
+    and sign stream lengths, result hash); no changes codes nothing, and a length larger than
+    its buffer means the buffer was too small."""
     sh = np.uint64(shift)
     cm = np.uint64(cmask)
     for e in range(nctx):
@@ -262,7 +311,7 @@ def encode_segment(old, new, lo, hi, words, shift, cmask, nctx, width, is_float,
     else:
         m = _find_rank(old, new, lo, hi, sh, cm, h0, h1, h2, h3, chg, chg_rank, chg_ctx)
     if m == 0:
-        return 0, 0, 0, 0, np.uint64(0)
+        return 0, 0, 0, 0, 0, np.uint64(0)
 
     mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - width)
     half = mask >> np.uint64(1)
@@ -288,41 +337,45 @@ def encode_segment(old, new, lo, hi, words, shift, cmask, nctx, width, is_float,
         e = chg_ctx[j]
         order[start[e]] = j
         start[e] += 1
+    # from here on chg_ctx holds each change's gap and chg (offsets) is scratch
+    gap = chg_ctx
     for e in range(nctx):
-        start[e] -= kcnt[e]
-        if kcnt[e]:
-            rpar[e] = _rice_param(chg_rank, order, start[e], kcnt[e])
+        k = kcnt[e]
+        start[e] -= k
+        prev = -1
+        for t in range(start[e], start[e] + k):
+            rk = chg_rank[order[t]]
+            gap[t] = rk - prev - 1
+            prev = rk
+        if k:
+            rpar[e] = _rice_choose(gap, start[e], k)
 
-    off_k, off_cls, off_top, total = _layout(nctx, width)
+    off_k, off_x, off_inv, off_cls, off_top, total = _layout(nctx, width)
     models[:total] = INIT
-    st = enc_start()
-    vs = enc_start()
-    rs = (np.int64(0), np.int64(0), np.int64(0))
+    ts = enc_start()
+    gs = (np.int64(0), np.int64(0), np.int64(0))
     prev = 0
     for e in range(nctx):
         act = 1 if kcnt[e] > 0 else 0
-        st = enc_bit(st, models, prev, act, pout)
+        ts = enc_bit(ts, models, prev, act, tout)
         prev = act
         if act:
-            st, rs = _enc_count(st, rs, models, off_k, kcnt[e] - 1, pout, rout)
-            rs = raw_put(rs, rpar[e], R_BITS, rout)
+            ts, gs = _enc_count(ts, gs, models, off_k, kcnt[e] - 1, tout, gout)
+            gs = raw_put(gs, rpar[e], R_BITS, gout)
+    vs = enc_start()
+    ss = (np.int64(0), np.int64(0), np.int64(0))
     for e in range(nctx):
+        k = kcnt[e]
+        if k == 0:
+            continue
         r = rpar[e]
-        ci = off_cls + width * e
-        ti = off_top + width * e
-        prev = -1
-        for t in range(start[e], start[e] + kcnt[e]):
-            j = order[t]
-            rk = chg_rank[j]
-            rs = rice_put(rs, rk - prev - 1, r, rout)
-            prev = rk
-            d = np.uint64(chg_d[j])
-            if d == 1 or d == mask:
-                vs = enc_bit(vs, models, ci, 0, vout)
-                vs = enc_direct(vs, np.int64(d != 1), vout)
-            else:
-                vs = _enc_step(vs, models, ci, ti, d, width, vout)
-    return m, enc_finish(st, pout), raw_finish(rs, rout), enc_finish(vs, vout), hsh
+        for t in range(start[e], start[e] + k):
+            gs = rice_put(gs, gap[t], r, gout)
+        vs, ss = _enc_values(vs, ss, models, off_x, off_inv, off_cls + width * e,
+                             off_top + width * e, chg_d, order, start[e], k, width, chg,
+                             vout, sout)
+    return (m, enc_finish(ts, tout), raw_finish(gs, gout), enc_finish(vs, vout),
+            raw_finish(ss, sout), hsh)
 
 
 # ---------------------------------------------------------------- decoding
@@ -350,8 +403,7 @@ def _dec_count(st, rs, models, off_k, buf, pend, rend):
 
 
 @njit
-def _dec_step(vs, models, ci, ti, width, buf, vend):
-    """The key difference after a 1 at ci + 0, and whether it was coded canonically."""
+def _dec_mag(vs, models, ci, ti, width, buf, vend):
     n = 1
     while n < width - 1:
         b, vs = dec_bit(vs, models, ci + n, buf, vend)
@@ -364,12 +416,51 @@ def _dec_step(vs, models, ci, ti, width, buf, vend):
     for k in range(n - 2, -1, -1):
         b, vs = dec_bit(vs, models, REST, buf, vend)
         mag |= np.uint64(b) << np.uint64(k)
-    neg, vs = dec_direct(vs, buf, vend)
+    return mag, vs
+
+
+@njit
+def _dec_values(vs, ss, models, off_x, off_inv, ci, ti, k, width, buf, vend, send, lst, val,
+                o):
+    """One context's k steps into val[o:o+k] (lst[o:o+k]: scratch). Returns (error code, vs,
+    ss)."""
     mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - width)
     top = np.uint64(1) << np.uint64(width - 1)
-    ok = mag < top or (mag == top and neg == 1)
-    d = ((np.uint64(0) - mag) & mask) if neg else mag
-    return d, ok, vs
+    one = np.uint64(1)
+    inv, vs = dec_bit(vs, models, off_inv, buf, vend)
+    listed, vs, ss = _dec_count(vs, ss, models, off_x, buf, vend, send)
+    if listed > k:
+        return ERR_COUNT, vs, ss
+    if listed:
+        rx, ss = raw_get(ss, R_BITS, buf, send)
+        if rx > R_MAX:
+            return ERR_GAP, vs, ss
+        idx = -1
+        for i in range(listed):
+            g, ss = rice_get(ss, rx, buf, send)
+            idx += g + 1
+            if g < 0 or idx >= k:
+                return ERR_GAP, vs, ss
+            lst[o + i] = idx
+    for t in range(0, k, 32):
+        nb = min(32, k - t)
+        bits, ss = raw_get(ss, nb, buf, send)
+        for b in range(nb):
+            val[o + t + b] = mask if (bits >> b) & 1 else one
+    if (k - listed if inv else listed) == 0:
+        return OK, vs, ss
+    li = 0
+    for t in range(k):
+        hit = li < listed and lst[o + li] == t
+        li += hit
+        if hit == (inv == 1):
+            continue
+        mag, vs = _dec_mag(vs, models, ci, ti, width, buf, vend)
+        neg = val[o + t] == mask
+        if mag > top or (mag == top and not neg):
+            return ERR_VALUE, vs, ss
+        val[o + t] = ((np.uint64(0) - mag) & mask) if neg else mag
+    return OK, vs, ss
 
 
 @njit(inline="always")
@@ -397,51 +488,50 @@ def _hit(i, x, e, lo, slack, ptr, gp, gaps, out_pos, out_val, width, is_float):
 
 
 @njit(nogil=True, cache=True)
-def decode_segment(target, lo, hi, words, buf, pstart, rstart, vstart, vend, kseg, shift, cmask,
-                   nctx, width, is_float, models, slack, kk, rpar, ptr, gp, gaps,
+def decode_segment(target, lo, hi, words, buf, tstart, gstart, vstart, sstart, send, kseg,
+                   shift, cmask, nctx, width, is_float, models, slack, kk, rpar, ptr, gp, gaps,
                    out_pos, out_val, obase):
-    """Decode one segment's streams (table buf[pstart:rstart], raw bits [rstart:vstart],
-    values [vstart:vend]) against target[lo:hi] (read only; `words`: as for encoding) into
-    out_pos/out_val[obase:obase+kseg] (`gaps`: scratch of kseg + nctx entries). Returns (error
-    code, OK = 0; result hash)."""
+    """Decode one segment's streams (table buf[tstart:gstart], gaps [gstart:vstart],
+    magnitudes [vstart:sstart], signs [sstart:send]) against target[lo:hi] (read only;
+    `words`: as for encoding) into out_pos/out_val[obase:obase+kseg] (`gaps`: scratch of
+    kseg + nctx entries). Returns (error code, OK = 0; result hash)."""
     sh = np.uint64(shift)
     cm = np.uint64(cmask)
     seglen = hi - lo
     none = np.uint64(0)
-    off_k, off_cls, off_top, total = _layout(nctx, width)
+    off_k, off_x, off_inv, off_cls, off_top, total = _layout(nctx, width)
     models[:total] = INIT
-    st = dec_start(buf, pstart, rstart)
-    vs = dec_start(buf, vstart, vend)
-    rs = (np.int64(0), np.int64(0), rstart)
-    if st[1] >= st[0] or vs[1] >= vs[0]:
+    ts = dec_start(buf, tstart, gstart)
+    vs = dec_start(buf, vstart, sstart)
+    gs = (np.int64(0), np.int64(0), gstart)
+    ss = (np.int64(0), np.int64(0), sstart)
+    if ts[1] >= ts[0] or vs[1] >= vs[0]:
         return ERR_STREAM, none
     found = 0
     prev = 0
     for e in range(nctx):
         kk[e] = 0
-        act, st = dec_bit(st, models, prev, buf, rstart)
+        act, ts = dec_bit(ts, models, prev, buf, gstart)
         prev = act
         if act:
-            k, st, rs = _dec_count(st, rs, models, off_k, buf, rstart, vstart)
+            k, ts, gs = _dec_count(ts, gs, models, off_k, buf, gstart, vstart)
             k += 1
             found += k
             if k > seglen or found > kseg:
                 return ERR_COUNT, none
-            r, rs = raw_get(rs, R_BITS, buf, vstart)
+            r, gs = raw_get(gs, R_BITS, buf, vstart)
             if r > R_MAX:
                 return ERR_GAP, none
             kk[e] = k
             rpar[e] = r
     if found != kseg:
         return ERR_COUNT, none
-    if st[2] != rstart:
+    if ts[2] != gstart:
         return ERR_STREAM, none
 
-    # gaps and step sizes, context by context; each context's gaps end with a sentinel
-    mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - width)
+    # gaps and steps, context by context; each context's gaps end with a sentinel
     o = obase
     at = 0
-    canonical = True
     for e in range(nctx):
         k = kk[e]
         if k == 0:
@@ -450,7 +540,7 @@ def decode_segment(target, lo, hi, words, buf, pstart, rstart, vstart, vend, kse
         r = rpar[e]
         used = 0
         for t in range(k):
-            g, rs = rice_get(rs, r, buf, vstart)
+            g, gs = rice_get(gs, r, buf, vstart)
             used += g + 1
             if g < 0 or used > seglen:
                 return ERR_GAP, none
@@ -460,23 +550,18 @@ def decode_segment(target, lo, hi, words, buf, pstart, rstart, vstart, vend, kse
         gp[e] = at + 1
         ptr[e] = o
         at += k + 1
-        ci = off_cls + width * e
-        ti = off_top + width * e
-        for t in range(o, o + k):
-            b, vs = dec_bit(vs, models, ci, buf, vend)
-            if b == 0:
-                neg, vs = dec_direct(vs, buf, vend)
-                out_val[t] = mask if neg else np.uint64(1)
-            else:
-                d, ok, vs = _dec_step(vs, models, ci, ti, width, buf, vend)
-                canonical &= ok
-                out_val[t] = d
+        err, vs, ss = _dec_values(vs, ss, models, off_x, off_inv, off_cls + width * e,
+                                  off_top + width * e, k, width, buf, sstart, send, out_pos,
+                                  out_val, o)
+        if err:
+            return err, none
         o += k
-    consumed = 8 * rs[2] - rs[1]
-    if consumed > 8 * vstart or consumed <= 8 * vstart - 8 or vs[2] != vend:
+    for state, end in ((gs, vstart), (ss, send)):
+        consumed = 8 * state[2] - state[1]
+        if consumed > 8 * end or consumed <= 8 * end - 8:
+            return ERR_STREAM, none
+    if vs[2] != sstart:
         return ERR_STREAM, none
-    if not canonical:
-        return ERR_VALUE, none
 
     # one pass over the old elements finds every change and finishes its new value
     hsh = np.uint64(0)

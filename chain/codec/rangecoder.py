@@ -1,5 +1,5 @@
-"""A binary adaptive range coder (LZMA-style carry handling) written for numba, with direct
-(equiprobable) bits, plus a raw bit stream and Rice codes on it.
+"""A binary adaptive range coder (LZMA-style carry handling) written for numba, plus a raw bit
+stream and Rice codes on it.
 
 Each adaptive context is one int32: the 12-bit probability of a 0 in the low 16 bits and an
 update count in the high bits, so a context learns at rate 1/(count+2) (the KT estimator) until
@@ -121,34 +121,6 @@ def dec_bit(st, models, i, buf, end):
     rng = bound + ((rng - 2 * bound) & mb)
     adapt(models, i, bit)
     while rng < TOP:
-        rng <<= 8
-        code = (code << 8) | _byte(buf, pos, end)
-        pos += 1
-    return bit, (rng, code, pos)
-
-
-# ---------------------------------------------------------------- direct bits
-# An equiprobable bit (a sign) inside a coded stream: halve the range, no model to update.
-
-
-@njit(inline="always")
-def enc_direct(st, bit, out):
-    low, rng, cache, csize, pos = st
-    rng >>= 1
-    low += rng & -np.int64(bit)
-    while rng < TOP:
-        rng <<= 8
-        low, cache, csize, pos = _shift_low(low, cache, csize, out, pos)
-    return low, rng, cache, csize, pos
-
-
-@njit(inline="always")
-def dec_direct(st, buf, end):
-    rng, code, pos = st
-    rng >>= 1
-    bit = np.int64(code >= rng)
-    code -= rng & -bit
-    if rng < TOP:
         rng <<= 8
         code = (code << 8) | _byte(buf, pos, end)
         pos += 1
