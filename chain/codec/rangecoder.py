@@ -135,32 +135,37 @@ def dec_bit(st, models, i, buf, end):
 
 @njit(inline="always")
 def raw_put(rs, value, nbits, rbuf):
-    """Append the low `nbits` (<= 48) of `value`."""
+    """Append the low `nbits` (<= 32) of `value`; whole 32-bit words go out at once."""
     acc, nacc, rpos = rs
     acc |= (value & ((np.int64(1) << nbits) - 1)) << nacc
     nacc += nbits
-    while nacc >= 8:
-        if rpos < rbuf.size:
+    if nacc >= 32:
+        if rpos + 4 <= rbuf.size:
             rbuf[rpos] = np.uint8(acc & 0xFF)
-        rpos += 1
-        acc >>= 8
-        nacc -= 8
+            rbuf[rpos + 1] = np.uint8((acc >> 8) & 0xFF)
+            rbuf[rpos + 2] = np.uint8((acc >> 16) & 0xFF)
+            rbuf[rpos + 3] = np.uint8((acc >> 24) & 0xFF)
+        rpos += 4
+        acc >>= 32
+        nacc -= 32
     return acc, nacc, rpos
 
 
 @njit
 def raw_finish(rs, rbuf):
     acc, nacc, rpos = rs
-    if nacc > 0:
+    while nacc > 0:
         if rpos < rbuf.size:
             rbuf[rpos] = np.uint8(acc & 0xFF)
         rpos += 1
+        acc >>= 8
+        nacc -= 8
     return rpos
 
 
 @njit(inline="always")
 def raw_get(rs, nbits, buf, end):
-    """Read `nbits` (<= 48)."""
+    """Read `nbits` (<= 32)."""
     acc, nacc, rpos = rs
     while nacc < nbits:
         acc |= _byte(buf, rpos, end) << nacc
@@ -175,12 +180,15 @@ def raw_get(rs, nbits, buf, end):
 # Unary runs of QESC or more escape to an Elias-gamma code of q - QESC + 1. The reader keeps at
 # least 49 bits buffered so a unary run is found with one count of trailing zeros.
 
-QESC = 32
+QESC = 31
 
 
 @njit(inline="always")
 def rice_put(rs, g, r, rbuf):
     q = g >> r
+    if q < QESC and q + 1 + r <= 32:
+        return raw_put(rs, (np.int64(1) << q) | ((g & ((np.int64(1) << r) - 1)) << (q + 1)),
+                       q + 1 + r, rbuf)
     if q < QESC:
         rs = raw_put(rs, np.int64(1) << q, q + 1, rbuf)
     else:
@@ -198,6 +206,7 @@ def rice_put(rs, g, r, rbuf):
 
 @njit(inline="always")
 def _refill(rs, buf, end):
+    """Top the buffer up to at least 49 bits, a byte at a time."""
     acc, nacc, rpos = rs
     while nacc <= 48:
         acc |= _byte(buf, rpos, end) << nacc
@@ -228,7 +237,8 @@ def rice_get(rs, r, buf, end):
         nacc -= 5 + n
         q = QESC - 1 + v
     if r:
-        acc, nacc, rpos = _refill((acc, nacc, rpos), buf, end)
+        if nacc < r:
+            acc, nacc, rpos = _refill((acc, nacc, rpos), buf, end)
         low = acc & ((np.int64(1) << r) - 1)
         return (q << r) | low, (acc >> r, nacc - r, rpos)
     return q, (acc, nacc, rpos)
