@@ -179,13 +179,17 @@ def entropy_estimate(old, new) -> tuple[float, float]:
 # ---------------------------------------------------------------- timing
 
 
-def best_of(fn, repeats: int, setup=None) -> float:
-    best = math.inf
-    for _ in range(repeats):
-        arg = setup() if setup else None
-        t = time.perf_counter()
-        fn(arg)
-        best = min(best, time.perf_counter() - t)
+def fastest(candidates: dict, rounds: int) -> dict[str, float]:
+    """Best time of each candidate (name -> (fn, setup)) over `rounds` interleaved rounds: every
+    round runs every candidate once, so a slow spell of this shared machine hits all of them
+    alike instead of skewing one ratio."""
+    best = dict.fromkeys(candidates, math.inf)
+    for _ in range(rounds):
+        for name, (fn, setup) in candidates.items():
+            arg = setup() if setup else None
+            t = time.perf_counter()
+            fn(arg)
+            best[name] = min(best[name], time.perf_counter() - t)
     return best
 
 
@@ -209,23 +213,24 @@ def measure_pair(old, new, shapes, repeats: int, threads: int = 2) -> dict:
     def copies():
         return [old[k].copy() for k in names]
 
-    def decode(tg):
-        apply_many([(t, p, "bfloat16") for t, p in zip(tg, payloads, strict=True)],
-                   threads=threads)
+    def decoder(n):
+        def decode(tg):
+            apply_many([(t, p, "bfloat16") for t, p in zip(tg, payloads, strict=True)],
+                       threads=n)
+        return decode
 
-    t_scan = best_of(scan, repeats)
-    t_enc = best_of(lambda _: encode_many(items, threads=threads), repeats)
-    t_dec = best_of(decode, repeats, copies)
-    t_enc1 = best_of(lambda _: encode_many(items, threads=1), max(2, repeats // 2))
-    t_dec1 = best_of(lambda tg: apply_many([(t, p, "bfloat16") for t, p in
-                                            zip(tg, payloads, strict=True)], threads=1),
-                     max(2, repeats // 2), copies)
+    t = fastest({
+        "scan": (scan, None),
+        "enc": (lambda _: encode_many(items, threads=threads), None),
+        "dec": (decoder(threads), copies),
+        "enc1": (lambda _: encode_many(items, threads=1), None),
+        "dec1": (decoder(1), copies),
+    }, repeats)
     return {
         "numel": numel, "changed": changed, "exact": exact,
         "ds": 8 * ds_bytes, "pulse": 8 * pulse_bytes(old, new, shapes),
         "coo6": 48 * changed, "xor": 8 * xor_zstd_bytes(old, new),
-        "est_pos": pos_bits, "est_val": val_bits,
-        "scan": t_scan, "enc": t_enc, "dec": t_dec, "enc1": t_enc1, "dec1": t_dec1,
+        "est_pos": pos_bits, "est_val": val_bits, **t,
     }
 
 
@@ -251,7 +256,8 @@ def report(rows: list[dict]) -> None:
           "+ empirical entropy of new-old bit differences; split per pair (pos + val bits):")
     print("  " + ", ".join(f"{r['est_pos'] / r['changed']:.2f} + {r['est_val'] / r['changed']:.2f}"
                            for r in rows))
-    print("\nspeed: ratio to one full comparison scan (np.flatnonzero(a != b) over every tensor)")
+    print("\nspeed: ratio to one full comparison scan (np.flatnonzero(a != b) over every tensor); "
+          "best of interleaved rounds")
     print(f"{'pair':>5} {'scan ms':>8} {'enc ms':>8} {'dec ms':>8} {'enc/scan':>9} "
           f"{'dec/scan':>9} {'enc/scan 1thr':>14} {'dec/scan 1thr':>14}")
     for i, r in enumerate(rows):
@@ -266,7 +272,8 @@ def main() -> None:
     ap.add_argument("--pretrain-steps", type=int, default=150)
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--steps", type=int, default=5, help="bf16 checkpoints kept")
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=9,
+                    help="interleaved timing rounds; each time is the best of them")
     args = ap.parse_args()
     torch.set_num_threads(2)
     t0 = time.perf_counter()
