@@ -263,7 +263,7 @@ def _decode_job(target, lo, hi, buf, bounds, ks, c: hdr.Coding, pos, val, base, 
         ws = _ws()
         err, hsh = decode_segment(target, lo, hi, _words(target), buf, *bounds, ks, c.shift,
                                   c.cmask, c.nctx, c.dtype.bits, c.is_float, ws.models,
-                                  *ws.ctx[:5], ws.changes(ks + c.nctx)[0], pos, val, base)
+                                  *ws.ctx[:5], *ws.changes(ks + c.nctx)[:2], pos, val, base)
         errs[s] = (int(err), int(hsh))
     return job
 

@@ -455,7 +455,7 @@ def _dec_values(vs, ss, models, off_x, off_inv, ci, ti, k, width, buf, vend, sen
         if hit == (inv == 1):
             continue
         mag, vs = _dec_mag(vs, models, ci, ti, width, buf, vend)
-        neg = val[o + t] == mask
+        neg = np.uint64(val[o + t]) == mask
         if mag > top or (mag == top and not neg):
             return ERR_VALUE, vs, ss
         val[o + t] = ((np.uint64(0) - mag) & mask) if neg else mag
@@ -463,9 +463,10 @@ def _dec_values(vs, ss, models, off_x, off_inv, ci, ti, k, width, buf, vend, sen
 
 
 @njit(inline="always")
-def _hit(i, x, e, lo, slack, ptr, gp, gaps, out_pos, out_val, width, is_float):
-    """Element i (old pattern x, context e) is its context's next change: finish its new
-    value, arm the context's next gap, and return the change's share of the result hash."""
+def _hit(i, x, e, lo, slack, ptr, gp, gaps, steps, out_pos, out_val, m, width, is_float):
+    """Element i (old pattern x, context e) is its context's next change and the m-th change
+    in position order: finish its new value, arm the context's next gap, and return the
+    change's share of the result hash."""
     j = ptr[e]
     ptr[e] = j + 1
     g = gp[e]
@@ -478,22 +479,23 @@ def _hit(i, x, e, lo, slack, ptr, gp, gaps, out_pos, out_val, width, is_float):
     ko = np.uint64(x)
     if is_float:
         ko ^= (zero - (ko >> wm1)) & half
-    kn = (ko + np.uint64(out_val[j])) & mask
+    kn = (ko + np.uint64(steps[j])) & mask
     if is_float:
         kn ^= (zero - (kn >> wm1)) & half
-    out_val[j] = kn
-    out_pos[j] = i - lo
+    out_val[m] = kn
+    out_pos[m] = i - lo
     return _mix(np.uint64(i), kn)
 
 
 @njit(nogil=True, cache=True)
 def decode_segment(target, lo, hi, words, buf, tstart, gstart, vstart, sstart, send, kseg,
                    shift, cmask, nctx, width, is_float, models, slack, kk, rpar, ptr, gp, gaps,
-                   out_pos, out_val, obase):
+                   steps, out_pos, out_val, obase):
     """Decode one segment's streams (table buf[tstart:gstart], gaps [gstart:vstart],
     magnitudes [vstart:sstart], signs [sstart:send]) against target[lo:hi] (read only;
-    `words`: as for encoding) into out_pos/out_val[obase:obase+kseg] (`gaps`: scratch of
-    kseg + nctx entries). Returns (error code, OK = 0; result hash)."""
+    `words`: as for encoding) into out_pos/out_val[obase:obase+kseg], in position order
+    (`gaps`, `steps`: scratch of kseg + nctx entries). Returns (error code, OK = 0; result
+    hash)."""
     sh = np.uint64(shift)
     cm = np.uint64(cmask)
     seglen = hi - lo
@@ -529,8 +531,9 @@ def decode_segment(target, lo, hi, words, buf, tstart, gstart, vstart, sstart, s
         return ERR_STREAM, none
 
     # gaps and steps, context by context; each context's gaps end with a sentinel
-    o = obase
+    o = 0
     at = 0
+    lst = out_pos[obase:obase + kseg]  # scratch for the exception lists until the pass
     for e in range(nctx):
         k = kk[e]
         if k == 0:
@@ -550,8 +553,8 @@ def decode_segment(target, lo, hi, words, buf, tstart, gstart, vstart, sstart, s
         ptr[e] = o
         at += k + 1
         err, vs, ss = _dec_values(vs, ss, models, off_x, off_inv, off_cls + width * e,
-                                  off_top + width * e, k, width, buf, sstart, send, out_pos,
-                                  out_val, o)
+                                  off_top + width * e, k, width, buf, sstart, send, lst,
+                                  steps, o)
         if err:
             return err, none
         o += k
@@ -564,6 +567,7 @@ def decode_segment(target, lo, hi, words, buf, tstart, gstart, vstart, sstart, s
 
     # one pass over the old elements finds every change and finishes its new value
     hsh = np.uint64(0)
+    m = obase
     tail = lo
     if words:
         n4 = seglen // 4
@@ -577,7 +581,9 @@ def decode_segment(target, lo, hi, words, buf, tstart, gstart, vstart, sstart, s
                 slack[e] = s - 1
                 if s == 0:
                     hsh += _hit(lo + 4 * u + lane, (v >> np.uint64(16 * lane)) & ff, e, lo,
-                                slack, ptr, gp, gaps, out_pos, out_val, width, is_float)
+                                slack, ptr, gp, gaps, steps, out_pos, out_val, m, width,
+                                is_float)
+                    m += 1
         tail = lo + 4 * n4
     for i in range(tail, hi):
         x = target[i]
@@ -585,8 +591,10 @@ def decode_segment(target, lo, hi, words, buf, tstart, gstart, vstart, sstart, s
         s = slack[e]
         slack[e] = s - 1
         if s == 0:
-            hsh += _hit(i, x, e, lo, slack, ptr, gp, gaps, out_pos, out_val, width, is_float)
-    o = obase
+            hsh += _hit(i, x, e, lo, slack, ptr, gp, gaps, steps, out_pos, out_val, m, width,
+                        is_float)
+            m += 1
+    o = 0
     for e in range(nctx):
         o += kk[e]
         if kk[e] and ptr[e] != o:
