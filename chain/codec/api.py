@@ -70,29 +70,26 @@ def _ws() -> _Workspace:
 
 
 def _run(jobs: list[tuple[int, Callable[[], None]]], threads: int) -> None:
-    """Run (weight, job) pairs, split into `threads` balanced lists when worth it."""
+    """Run (weight, job) pairs, heaviest first, on `threads` workers that each take the next
+    job when done with one: the weights only order the work, so a segment that turns out
+    cheaper or dearer than its weight says does not leave a thread idle."""
     global _pool
     total = sum(w for w, _ in jobs)
+    ordered = [job for _, job in sorted(jobs, key=lambda j: -j[0])]
     if threads < 2 or len(jobs) < 2 or total < _PARALLEL_MIN:
-        for _, job in jobs:
-            job()
+        _run_all(iter(ordered))
         return
-    bins: list[list[Callable[[], None]]] = [[] for _ in range(threads)]
-    load = [0] * threads
-    for w, job in sorted(jobs, key=lambda j: -j[0]):
-        b = load.index(min(load))
-        bins[b].append(job)
-        load[b] += w
     with _pool_lock:
         if _pool is None:
             _pool = ThreadPoolExecutor(max_workers=THREADS - 1, thread_name_prefix="codec")
-    futures = [_pool.submit(_run_all, b) for b in bins[1:]]
-    _run_all(bins[0])
+    shared = iter(ordered)  # next() on a list iterator is atomic under the GIL
+    futures = [_pool.submit(_run_all, shared) for _ in range(min(threads, THREADS) - 1)]
+    _run_all(shared)
     for f in futures:
         f.result()
 
 
-def _run_all(jobs: list[Callable[[], None]]) -> None:
+def _run_all(jobs) -> None:
     for job in jobs:
         job()
 
