@@ -242,15 +242,15 @@ def _rice_choose(vals, a, k):
 
 
 @njit
-def _enc_values(vs, ss, models, off_x, off_inv, ci, ti, chg_d, order, s0, k, width, scratch,
-                vout, sout):
-    """One context's k steps (chg_d[order[s0:s0+k]]): exception list, signs, magnitudes."""
+def _enc_values(vs, ss, models, off_x, off_inv, ci, ti, steps, width, scratch, vout, sout):
+    """One context's steps: exception list, signs, magnitudes."""
     mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - width)
     one = np.uint64(1)
     wm1 = np.uint64(width - 1)
+    k = steps.size
     x = 0
-    for t in range(s0, s0 + k):
-        d = np.uint64(chg_d[order[t]])
+    for t in range(k):
+        d = np.uint64(steps[t])
         x += (d != one) & (d != mask)
     inv = 1 if 2 * x > k else 0
     vs = enc_bit(vs, models, off_inv, inv, vout)
@@ -260,7 +260,7 @@ def _enc_values(vs, ss, models, off_x, off_inv, ci, ti, chg_d, order, s0, k, wid
         n = 0
         prev = -1
         for t in range(k):
-            d = np.uint64(chg_d[order[s0 + t]])
+            d = np.uint64(steps[t])
             if ((d != one) & (d != mask)) != inv:
                 scratch[n] = t - prev - 1
                 prev = t
@@ -271,8 +271,8 @@ def _enc_values(vs, ss, models, off_x, off_inv, ci, ti, chg_d, order, s0, k, wid
             ss = rice_put(ss, scratch[i], rx, sout)
     acc = np.int64(0)
     nb = 0
-    for t in range(s0, s0 + k):
-        acc |= np.int64((np.uint64(chg_d[order[t]]) >> wm1) & one) << nb
+    for t in range(k):
+        acc |= np.int64((np.uint64(steps[t]) >> wm1) & one) << nb
         nb += 1
         if nb == 32:
             ss = raw_put(ss, acc, 32, sout)
@@ -281,8 +281,8 @@ def _enc_values(vs, ss, models, off_x, off_inv, ci, ti, chg_d, order, s0, k, wid
     if nb:
         ss = raw_put(ss, acc, nb, sout)
     if x:
-        for t in range(s0, s0 + k):
-            d = np.uint64(chg_d[order[t]])
+        for t in range(k):
+            d = np.uint64(steps[t])
             if (d != one) & (d != mask):
                 mag = ((np.uint64(0) - d) & mask) if (d >> wm1) & one else d
                 vs = _enc_mag(vs, models, ci, ti, mag, width, vout)
@@ -291,8 +291,8 @@ def _enc_values(vs, ss, models, off_x, off_inv, ci, ti, chg_d, order, s0, k, wid
 
 @njit(nogil=True, cache=True)
 def encode_segment(old, new, lo, hi, words, shift, cmask, nctx, width, is_float,
-                   models, h0, h1, h2, h3, kcnt, start, rpar, chg, chg_rank, chg_ctx, order,
-                   chg_d, tout, gout, vout, sout):
+                   models, h0, h1, h2, h3, kcnt, start, rpar, chg, chg_rank, chg_ctx, grank,
+                   gstep, tout, gout, vout, sout):
     """Code old[lo:hi] -> new[lo:hi] into four buffers (scratch arrays of hi - lo + 1 entries;
     `words`: 2-byte elements, 8-byte aligned). Returns (changes, then the table, gap, magnitude
     and sign stream lengths, result hash); no changes codes nothing, and a length larger than
@@ -312,13 +312,20 @@ def encode_segment(old, new, lo, hi, words, shift, cmask, nctx, width, is_float,
     if m == 0:
         return 0, 0, 0, 0, 0, np.uint64(0)
 
+    # group the changes by context (stable: position order within a context) while taking
+    # their steps and the result hash; grank/gstep are the ranks and steps in grouped order
+    for j in range(m):
+        kcnt[chg_ctx[j]] += 1
+    total = 0
+    for e in range(nctx):
+        start[e] = total
+        total += kcnt[e]
     mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - width)
     half = mask >> np.uint64(1)
     wm1 = np.uint64(width - 1)
     zero = np.uint64(0)
     hsh = np.uint64(0)
     for j in range(m):
-        kcnt[chg_ctx[j]] += 1
         i = lo + chg[j]
         ko = np.uint64(old[i])
         kn = np.uint64(new[i])
@@ -326,28 +333,21 @@ def encode_segment(old, new, lo, hi, words, shift, cmask, nctx, width, is_float,
         if is_float:
             ko ^= (zero - (ko >> wm1)) & half
             kn ^= (zero - (kn >> wm1)) & half
-        chg_d[j] = (kn - ko) & mask
-    # group the changes by context (stable, so position order within a context)
-    total = 0
-    for e in range(nctx):
-        start[e] = total
-        total += kcnt[e]
-    for j in range(m):
         e = chg_ctx[j]
-        order[start[e]] = j
-        start[e] += 1
-    # from here on chg_ctx holds each change's gap and chg (offsets) is scratch
-    gap = chg_ctx
-    for e in range(nctx):
+        t = start[e]
+        start[e] = t + 1
+        grank[t] = chg_rank[j]
+        gstep[t] = (kn - ko) & mask
+    for e in range(nctx):  # ranks become gaps, in place
         k = kcnt[e]
         start[e] -= k
         prev = -1
         for t in range(start[e], start[e] + k):
-            rk = chg_rank[order[t]]
-            gap[t] = rk - prev - 1
+            rk = grank[t]
+            grank[t] = rk - prev - 1
             prev = rk
         if k:
-            rpar[e] = _rice_choose(gap, start[e], k)
+            rpar[e] = _rice_choose(grank, start[e], k)
 
     off_k, off_x, off_inv, off_cls, off_top, total = _layout(nctx, width)
     models[:total] = INIT
@@ -369,9 +369,10 @@ def encode_segment(old, new, lo, hi, words, shift, cmask, nctx, width, is_float,
             continue
         r = rpar[e]
         for t in range(start[e], start[e] + k):
-            gs = rice_put(gs, gap[t], r, gout)
+            gs = rice_put(gs, grank[t], r, gout)
+        # the offsets in chg are no longer needed: it serves as scratch
         vs, ss = _enc_values(vs, ss, models, off_x, off_inv, off_cls + width * e,
-                             off_top + width * e, chg_d, order, start[e], k, width, chg,
+                             off_top + width * e, gstep[start[e]:start[e] + k], width, chg,
                              vout, sout)
     return (m, enc_finish(ts, tout), raw_finish(gs, gout), enc_finish(vs, vout),
             raw_finish(ss, sout), hsh)
