@@ -284,6 +284,8 @@ def main() -> None:
     numel = sum(v.numel() for v in state.values())
     print(f"model: Qwen2, {numel / 1e6:.1f}M parameters in {len(shapes)} tensors; "
           f"RL lr {args.lr:g}; data ready in {time.perf_counter() - t0:.0f} s")
+    torch.set_num_threads(1)  # torch's idle worker threads must not compete with the codec's
+    time.sleep(1.0)
     rows = [measure_pair(ckpts[i], ckpts[i + 1], shapes, args.repeats)
             for i in range(len(ckpts) - 1)]
     report(rows)

@@ -158,3 +158,48 @@ def test_batches_round_trip_like_single_calls():
     apply_many([(t, p, d) for t, p, (_, _, d) in zip(targets, payloads, items, strict=True)])
     for t, (_, n, _) in zip(targets, items, strict=True):
         assert np.array_equal(t, n)
+
+
+def test_word_and_element_kernels_agree_on_unaligned_views():
+    """2-byte tensors on 8-byte boundaries take the 4-elements-per-load kernels; any other
+    start takes the per-element ones. Both must write and read the same format."""
+    rng = np.random.default_rng(5)
+    n = 300_001
+    base_old = (rng.standard_normal(n + 3) * 0.02).astype(np.float32)
+    old_all = (base_old.view(np.uint32) >> 16).astype(np.uint16)
+    new_all = old_all.copy()
+    idx = rng.choice(n + 3, (n + 3) // 60, replace=False)
+    new_all[idx] += rng.choice(np.array([1, 0xFFFF, 7], np.uint16), idx.size)
+    for off in (1, 2, 3):
+        old, new = old_all[off:off + n], new_all[off:off + n]
+        assert old.__array_interface__["data"][0] % 8 != 0
+        payload = encode_tensor_delta(old, new, "bfloat16")
+        assert payload == encode_tensor_delta(old.copy(), new.copy(), "bfloat16")
+        target = old_all.copy()[off:off + n]
+        apply_tensor_delta(target, payload, "bfloat16")
+        assert np.array_equal(target, new)
+
+
+def test_long_gaps_after_dense_runs_round_trip():
+    """A context whose changes are dense at first and then far apart: the Rice parameter fits
+    the short gaps, so the long one takes the escape code."""
+    old = np.full(1 << 20, 0x3C00, np.uint16)  # one exponent: a single context
+    new = old.copy()
+    new[:2000] += np.uint16(1)
+    new[-1] += np.uint16(1)
+    new[700_000] -= np.uint16(1)
+    _roundtrip(old, new, "bfloat16")
+
+
+@pytest.mark.parametrize("share", [0.0, 0.1, 0.5, 0.9, 1.0])
+def test_any_share_of_large_steps_round_trips(share):
+    """Steps other than +-1 are listed per context (inverted when they are the majority)."""
+    rng = np.random.default_rng(6)
+    w = (rng.standard_normal(200_000) * 0.02).astype(np.float32)
+    old = (w.view(np.uint32) >> 16).astype(np.uint16)
+    new = old.copy()
+    idx = rng.choice(old.size, 5000, replace=False)
+    big = rng.random(idx.size) < share
+    step = np.where(big, rng.integers(2, 300, idx.size), 1).astype(np.uint16)
+    new[idx] = np.where(rng.random(idx.size) < 0.5, old[idx] + step, old[idx] - step)
+    _roundtrip(old, new, "bfloat16")
