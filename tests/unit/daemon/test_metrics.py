@@ -9,26 +9,45 @@ from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
 from daemon.metrics import build_registry, metrics_handler, render
-from daemon.status import NodeStatus, StatusBoard
+from daemon.status import (
+    Ban,
+    EngineStatus,
+    NodeStatus,
+    Peer,
+    RefusedManifest,
+    SpoolStatus,
+    Totals,
+    Transfer,
+    Verification,
+)
 
 
-def board(node: str = "eu-1") -> StatusBoard:
-    b = StatusBoard(node, "eu")
-    b.set_current(6, "ab" * 16)
-    b.set_head(8)
-    b.transfer("v00000007.delta", version=7, total_bytes=4000, done_bytes=1000, peers=3)
-    b.peer("10.0.0.2:6881", node="us-1", bytes_down=700, bytes_up=300)
-    b.add_bytes(up=300, down=700)
-    b.applied(6, payload_bytes=3000, full_bytes=100_000)
-    b.verification_failed("piece", "bad")
-    b.verification_failed("piece", "bad")
-    b.verification_failed("block", "bad")
-    b.ban("10.0.0.9", "bad piece")
-    b.refuse_manifest("no signature", kind="unsigned")
-    b.engine_notified(6)
-    b.spool_state(4, 4096)
-    b.spool_forwarded(10)
-    return b
+class Node:
+    """Stands in for daemon.report: a status the test can change between scrapes."""
+
+    def __init__(self, node: str = "eu-1"):
+        self.status = NodeStatus(
+            node=node, region="eu", current_version=6, head_version=8, state_digest="ab" * 16,
+            versions=[Transfer(artifact="v00000007.delta", version=7, total_bytes=4000,
+                               done_bytes=1000, peers=3)],
+            peers=[Peer(bt_endpoint="10.0.0.2:6881", node="us-1", bytes_down=700,
+                        bytes_up=300)],
+            totals=Totals(bytes_up=300, bytes_down=700, payload_bytes=3000, full_bytes=100_000,
+                          versions_applied=1),
+            verification=Verification(failures_by_kind={"piece": 2, "block": 1}),
+            bans=[Ban(peer="10.0.0.9", reason="bad piece", at=1.0)],
+            refused_manifests=[RefusedManifest(kind="unsigned", reason="no signature", at=1.0)],
+            refused_by_kind={"unsigned": 1},
+            engine=EngineStatus(notifications=1, last_version=6),
+            spool=SpoolStatus(depth=4, bytes=4096, forwarded=10),
+        )
+
+    def snapshot(self) -> NodeStatus:
+        return self.status.model_copy(deep=True)
+
+
+def board(node: str = "eu-1") -> Node:
+    return Node(node)
 
 
 def families(text: str) -> dict:
@@ -96,8 +115,8 @@ def test_each_scrape_reads_a_fresh_snapshot():
     b = board()
     reg = build_registry(b.snapshot)
     before = families(render(reg)[0].decode())
-    b.set_current(8, "cd" * 16)
-    b.add_bytes(down=300)
+    b.status.current_version = 8
+    b.status.totals.bytes_down += 300
     after = families(render(reg)[0].decode())
     assert value(before, "deltaswarm_lag_versions") == 2
     assert value(after, "deltaswarm_lag_versions") == 0
@@ -106,7 +125,7 @@ def test_each_scrape_reads_a_fresh_snapshot():
 
 def test_two_nodes_in_one_process_have_separate_registries():
     a, b = board("eu-1"), board("us-1")
-    b.set_current(8, "cd" * 16)
+    b.status.current_version = 8
     ra, rb = build_registry(a.snapshot), build_registry(b.snapshot)
     fa, fb = families(render(ra)[0].decode()), families(render(rb)[0].decode())
     assert value(fa, "deltaswarm_current_version") == 6

@@ -1,5 +1,5 @@
-"""NodeStatus and StatusBoard: derived fields, bounded history, snapshots, JSON round trip, the
-status CLI against a real aiohttp server, and its error messages."""
+"""NodeStatus: derived fields, validation, JSON round trip, the status CLI against a real
+aiohttp server, and its error messages."""
 
 import asyncio
 import json
@@ -17,43 +17,47 @@ from pydantic import ValidationError
 from rich.console import Console
 
 from daemon import status_cli
-from daemon.status import NodeStatus, RateMeter, StatusBoard
+from daemon.status import (
+    Ban,
+    EngineStatus,
+    NodeStatus,
+    Peer,
+    RefusedManifest,
+    SpoolStatus,
+    Totals,
+    Transfer,
+    Verification,
+)
 
 ROOT = Path(__file__).resolve().parents[3]
 
 
-class FakeClock:
-    def __init__(self, t: float = 1000.0):
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def busy_board() -> StatusBoard:
-    clock = FakeClock()
-    b = StatusBoard("eu-1", "eu", clock=clock, monotonic=clock)
-    b.update(http_url="http://10.0.0.1:8700", bt_endpoint="10.0.0.1:6881")
-    b.set_head(7)
-    b.set_current(6, "ab" * 16)
-    b.transfer("v00000007.delta", version=7, total_bytes=4000, done_bytes=1000, peers=3,
-               download_rate=512.0)
-    b.transfer("v00000006.delta", version=6, state="seeding", total_bytes=3000,
-               done_bytes=3000, bytes_up=9000)
-    b.peer("10.0.0.2:6881", node="us-1", bytes_down=700, http_url="http://10.0.0.2:8700")
-    b.peer("http://10.0.0.3:8700")
-    b.add_bytes(up=9000, down=7000)
-    b.applied(6, payload_bytes=3000, full_bytes=100_000)
-    b.verification_failed("piece", "hash mismatch from 10.0.0.9")
-    b.ban("10.0.0.9", "sent a piece failing its v2 hash")
-    b.refuse_manifest("no signature", kind="unsigned", artifact="v00000008.delta",
-                      source="http://10.0.0.9:8700")
-    b.engine_notified(6)
-    b.spool_state(5, 12_000)
-    b.spool_received(20)
-    b.spool_forwarded(15)
-    clock.t += 42
-    return b
+def busy_status() -> NodeStatus:
+    """A region node mid-download, the way daemon.report fills one in."""
+    return NodeStatus(
+        node="eu-1", region="eu", http_url="http://10.0.0.1:8700", bt_endpoint="10.0.0.1:6881",
+        time=1042.0, uptime_s=42.0, current_version=6, head_version=7, state_digest="ab" * 16,
+        versions=[
+            Transfer(artifact="v00000006.delta", version=6, state="seeding", total_bytes=3000,
+                     done_bytes=3000, bytes_up=9000),
+            Transfer(artifact="v00000007.delta", version=7, total_bytes=4000, done_bytes=1000,
+                     peers=3, download_rate=512.0),
+        ],
+        peers=[Peer(bt_endpoint="10.0.0.2:6881", node="us-1", bytes_down=700,
+                    http_url="http://10.0.0.2:8700", last_seen=1000.0),
+               Peer(http_url="http://10.0.0.3:8700", last_seen=1000.0)],
+        totals=Totals(bytes_up=9000, bytes_down=7000, payload_bytes=3000, full_bytes=100_000,
+                      versions_applied=1),
+        verification=Verification(failures_by_kind={"piece": 1},
+                                  last_error="piece: hash mismatch from 10.0.0.9", last_at=1000),
+        bans=[Ban(peer="10.0.0.9", reason="sent a piece failing its v2 hash", at=1000.0)],
+        refused_manifests=[RefusedManifest(artifact="v00000008.delta",
+                                           source="http://10.0.0.9:8700", kind="unsigned",
+                                           reason="no signature", at=1000.0)],
+        refused_by_kind={"unsigned": 1},
+        engine=EngineStatus(notifications=1, last_version=6, last_ok_at=1000.0),
+        spool=SpoolStatus(depth=5, bytes=12_000, received=20, forwarded=15),
+    )
 
 
 def test_lag_is_head_minus_current_and_none_without_a_version():
@@ -63,184 +67,58 @@ def test_lag_is_head_minus_current_and_none_without_a_version():
     assert NodeStatus(head_version=3, current_version=5).lag == 0
 
 
-def test_set_current_raises_head_but_head_never_goes_back():
-    b = StatusBoard("n", "r")
-    b.set_current(4, "d")
-    assert b.snapshot().head_version == 4
-    b.set_head(9)
-    b.set_head(2)
-    s = b.snapshot()
-    assert (s.current_version, s.head_version, s.lag, s.state_digest) == (4, 9, 5, "d")
-
-
-def test_snapshot_is_independent_of_later_updates():
-    b = busy_board()
-    s = b.snapshot()
-    b.transfer("v00000007.delta", done_bytes=4000, state="current")
-    b.peer("10.0.0.2:6881", bytes_down=9999)
-    assert s.versions[1].done_bytes == 1000 and s.versions[1].state == "fetching"
-    assert s.peers[0].bytes_down == 700
-
-
-def test_snapshot_reports_uptime_and_time_from_the_clocks():
-    s = busy_board().snapshot()
-    assert s.uptime_s == 42
-    assert s.time == 1042
-
-
-def test_transfers_are_updated_in_place_and_kept_sorted():
-    b = busy_board()
-    b.transfer("v00000007.delta", done_bytes=2000)
-    s = b.snapshot()
-    assert [t.artifact for t in s.versions] == ["v00000006.delta", "v00000007.delta"]
-    assert s.versions[1].progress == 0.5
-    b.drop_transfer("v00000006.delta")
-    assert [t.artifact for t in b.snapshot().versions] == ["v00000007.delta"]
+def test_transfer_progress_is_done_over_total():
+    s = busy_status()
+    assert [t.progress for t in s.versions] == [1.0, 0.25]
+    assert Transfer(artifact="v00000001.delta").progress == 0.0
 
 
 def test_transfer_rejects_an_unknown_state_and_negative_bytes():
-    b = StatusBoard("n", "r")
     with pytest.raises(ValidationError):
-        b.transfer("v00000001.delta", state="downloading")
+        Transfer(artifact="v00000001.delta", state="downloading")
     with pytest.raises(ValidationError):
-        b.transfer("v00000001.delta", done_bytes=-1)
+        Transfer(artifact="v00000001.delta", done_bytes=-1)
+    t = Transfer(artifact="v00000001.delta")
+    with pytest.raises(ValidationError):
+        t.state = "downloading"  # assignments are validated too
 
 
-def test_peer_is_found_by_any_of_its_keys_and_stamped_seen():
-    clock = FakeClock(50.0)
-    b = StatusBoard("n", "r", clock=clock)
-    b.peer("10.0.0.2:6881", node="us-1", http_url="http://10.0.0.2:8700")
-    clock.t = 60.0
-    b.peer("http://10.0.0.2:8700", bytes_up=5)
-    b.peer("us-1", bytes_down=6)
-    s = b.snapshot()
-    assert len(s.peers) == 1
-    p = s.peers[0]
-    assert (p.bytes_up, p.bytes_down, p.last_seen, p.bt_endpoint) == (5, 6, 60.0, "10.0.0.2:6881")
-    b.drop_peer("us-1")
-    assert b.snapshot().peers == []
+def test_bytes_saved_is_full_minus_payload_and_never_negative():
+    assert busy_status().totals.bytes_saved == 97_000
+    assert Totals(payload_bytes=10, full_bytes=4).bytes_saved == 0
 
 
-def test_bytes_saved_is_full_minus_payload():
-    s = busy_board().snapshot()
-    assert s.totals.bytes_saved == 97_000
-    assert s.totals.versions_applied == 1
-
-
-def test_verification_failures_count_by_kind():
-    b = StatusBoard("n", "r")
-    for kind in ("piece", "piece", "block", "state"):
-        b.verification_failed(kind, "x")
-    v = b.snapshot().verification
-    assert v.failures_by_kind == {"piece": 2, "block": 1, "state": 1}
+def test_failure_and_refusal_totals_add_up_the_kinds():
+    v = Verification(failures_by_kind={"piece": 2, "block": 1, "state": 1})
     assert v.failures == 4
-    assert v.last_error == "state: x"
-
-
-def test_a_peer_is_banned_once_and_can_be_unbanned():
-    b = StatusBoard("n", "r")
-    b.ban("10.0.0.9", "bad piece")
-    b.ban("10.0.0.9", "bad block")
-    bans = b.snapshot().bans
-    assert len(bans) == 1 and bans[0].reason == "bad block"
-    b.unban("10.0.0.9")
-    assert b.snapshot().bans == []
-
-
-def test_refused_manifests_keep_the_last_n_but_count_all():
-    b = StatusBoard("n", "r", keep=3)
-    for i in range(5):
-        b.refuse_manifest(f"reason {i}", kind="replay" if i % 2 else "unsigned",
-                          artifact=f"v{i:08d}.delta")
-    s = b.snapshot()
-    assert [r.reason for r in s.refused_manifests] == ["reason 2", "reason 3", "reason 4"]
-    assert s.refused_by_kind == {"unsigned": 3, "replay": 2}
+    s = NodeStatus(refused_by_kind={"unsigned": 3, "replay": 2})
     assert s.refused_total == 5
 
 
-def test_engine_notifications_and_failures():
-    b = StatusBoard("n", "r")
-    b.engine_notified(3)
-    b.engine_failed(4, "connection refused")
-    e = b.snapshot().engine
-    assert (e.notifications, e.failures, e.last_version) == (1, 1, 3)
-    assert e.last_error == "v4: connection refused"
-
-
-def test_spool_counters_and_forward_rate():
-    clock = FakeClock(0.0)
-    b = StatusBoard("n", "r", monotonic=clock)
-    for _ in range(200):
-        clock.t += 0.1
-        b.spool_forwarded(2)
-    b.spool_rejected()
-    b.spool_error("upstream 503")
-    s = b.snapshot().spool
-    assert s.forwarded == 400 and s.rejected_full == 1 and s.errors == 1
-    assert s.forward_rate == pytest.approx(20.0, rel=0.05)
-    assert s.last_error == "upstream 503"
-
-
-def test_rate_meter_decays_after_silence():
-    clock = FakeClock(0.0)
-    m = RateMeter(tau=5.0, clock=clock)
-    for _ in range(100):
-        clock.t += 0.5
-        m.add(50)
-    assert m.value() == pytest.approx(100.0, rel=0.05)
-    clock.t += 50
-    assert m.value() < 0.01
-
-
-def test_rate_meter_reads_a_steady_rate_from_the_start():
-    clock = FakeClock(0.0)
-    m = RateMeter(tau=10.0, clock=clock)
-    for _ in range(4):
-        clock.t += 0.5
-        m.add(10)
-    assert m.value() == pytest.approx(20.0, rel=0.01)
-
-
 def test_json_round_trip_keeps_every_field():
-    s = busy_board().snapshot()
+    s = busy_status()
     again = NodeStatus.model_validate_json(s.model_dump_json())
     assert again == s
     raw = json.loads(s.model_dump_json())
     assert raw["lag"] == 1 and raw["totals"]["bytes_saved"] == 97_000
     assert raw["versions"][1]["progress"] == 0.25
-
-
-def test_board_is_safe_under_concurrent_updates():
-    b = StatusBoard("n", "r")
-
-    def work() -> None:
-        for _ in range(2000):
-            b.add_bytes(up=1, down=2)
-            b.verification_failed("piece", "x")
-
-    threads = [threading.Thread(target=work) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    s = b.snapshot()
-    assert (s.totals.bytes_up, s.totals.bytes_down, s.verification.failures) == (8000, 16000, 8000)
+    assert raw["verification"]["failures"] == 1 and raw["refused_total"] == 1
 
 
 # -- the status CLI, against a real aiohttp server on loopback -------------------------------
 
 
 @pytest.fixture
-def server() -> Iterator[tuple[str, StatusBoard]]:
-    """A real control plane serving /v1/status from a board; requires token 'secret-token'."""
-    board = busy_board()
+def server() -> Iterator[tuple[str, NodeStatus]]:
+    """A real control plane serving /v1/status; requires token 'secret-token'."""
+    board = busy_status()
     started = threading.Event()
     holder: dict = {}
 
     async def status(request: web.Request) -> web.Response:
         if request.headers.get("Authorization") != "Bearer secret-token":
             return web.json_response({"error": "bad token"}, status=401)
-        return web.Response(body=board.snapshot().model_dump_json(),
+        return web.Response(body=board.model_dump_json(),
                             content_type="application/json")
 
     async def serve() -> None:
