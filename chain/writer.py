@@ -42,12 +42,15 @@ so memory stays bounded while both cores work."""
 
 
 def encode_stream(
-    writer: BlockWriter, new: TensorSource, parent: TensorSource | None, kind: str
+    writer: BlockWriter, new: TensorSource, parent: TensorSource | None, kind: str,
+    digests: Mapping[str, str] | None = None,
 ) -> tuple[list[TensorEntry], EncodeStats]:
     """Write the record stream for `new` against `parent` (None or kind=snapshot: all raw).
 
     Tensors whose dtype and shape are unchanged get a codec payload (no record at all when
-    nothing changed); new, reshaped or retyped tensors get their raw bytes."""
+    nothing changed); new, reshaped or retyped tensors get their raw bytes. `digests`: the
+    tensor digests of this same `new`, when already computed (a snapshot written right after
+    the delta of the same version), so a large model is not hashed twice."""
     stats = EncodeStats()
     t0 = time.perf_counter()
     entries = []
@@ -79,8 +82,8 @@ def encode_stream(
     for name in new.names():
         dtype, shape = new.meta(name)
         bits = new.bits(name)
-        entries.append(TensorEntry(name=name, dtype=dtype, shape=shape,
-                                   digest=tensor_digest(dtype, shape, bits)))
+        digest = digests[name] if digests is not None else tensor_digest(dtype, shape, bits)
+        entries.append(TensorEntry(name=name, dtype=dtype, shape=shape, digest=digest))
         stats.tensors += 1
         stats.elements += bits.size
         stats.dense_bytes += bits.nbytes
@@ -109,12 +112,23 @@ def write_artifact(
     parent_manifest: Manifest | None = None,
     files: Mapping[str, bytes] | None = None,
     block_size: int = DEFAULT_BLOCK,
+    same_tensors_as: Manifest | None = None,
 ) -> tuple[Manifest, EncodeStats]:
-    """Encode, store blocks, and return the signed manifest (not yet added to a chain)."""
+    """Encode, store blocks, and return the signed manifest (not yet added to a chain).
+    `same_tensors_as`: a manifest already written for this very `new` (the delta of the same
+    version); its tensor digests are reused instead of hashing every tensor again."""
     if kind == "delta" and (parent is None or parent_manifest is None):
         raise ValueError("a delta needs the parent's tensors and manifest")
+    digests = None
+    if same_tensors_as is not None:
+        if same_tensors_as.version != version or \
+                [t.name for t in same_tensors_as.tensors] != list(new.names()):
+            raise ValueError(f"same_tensors_as is v{same_tensors_as.version} with other tensors; "
+                             f"it must describe the v{version} being written")
+        digests = {t.name: t.digest for t in same_tensors_as.tensors}
     writer = BlockWriter(blocks, block_size)
-    tensors, stats = encode_stream(writer, new, parent if kind == "delta" else None, kind)
+    tensors, stats = encode_stream(writer, new, parent if kind == "delta" else None, kind,
+                                   digests)
     stream = writer.close()
     file_entries, file_blocks = [], []
     for fname, data in sorted((files or {}).items()):

@@ -120,7 +120,7 @@ class Publisher:
             self.store.add(delta)
         if head is None or self.snapshots.due(version, self.store.manifests()):
             snapshot, snap_stats = write_artifact(self.store.blocks, self.key, kind="snapshot",
-                                                  **common)
+                                                  same_tensors_as=delta, **common)
             self.store.add(snapshot)
             if delta is None:
                 stats = snap_stats

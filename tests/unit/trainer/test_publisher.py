@@ -1,0 +1,79 @@
+"""The publisher on a real chain directory (no daemon): versions, snapshot cadence, resume, and
+one hashing pass per published state even when a version gets both a delta and a snapshot."""
+
+import pytest
+import torch
+
+import chain.writer
+from chain import keys
+from chain.errors import ChainError
+from chain.policy import SnapshotPolicy
+from chain.sources import StateDictSource, source_digest
+from trainer.publisher import Publisher
+
+
+def _state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"a.weight": torch.randn(64, 32, generator=g).to(torch.bfloat16),
+            "b.bias": torch.randn(32, generator=g).to(torch.bfloat16)}
+
+
+def _step(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {k: (v.float() + 0.05 * torch.randn(v.shape, generator=g)).to(torch.bfloat16)
+            for k, v in state.items()}
+
+
+@pytest.fixture
+def publisher(tmp_path) -> Publisher:
+    keys.generate(tmp_path / "trainer.key")
+    return Publisher(tmp_path / "chain", tmp_path / "trainer.key", run="r",
+                     snapshots=SnapshotPolicy(every=2, max_delta_ratio=100.0))
+
+
+def test_versions_get_deltas_and_snapshots_on_the_policy_cadence(publisher):
+    s0 = _state(0)
+    s1 = _step(s0, 1)
+    s2 = _step(s1, 2)
+    p0, p1, p2 = (publisher.publish(v, s) for v, s in enumerate((s0, s1, s2)))
+    assert (p0.delta, p0.snapshot is not None) == (None, True)
+    assert (p1.delta is not None, p1.snapshot) == (True, None)
+    assert p2.delta is not None and p2.snapshot is not None
+    assert p2.delta.state_digest == p2.snapshot.state_digest == source_digest(StateDictSource(s2))
+    assert p2.delta.tensors == p2.snapshot.tensors
+    assert publisher.head == 2
+
+
+def test_a_version_with_delta_and_snapshot_hashes_each_tensor_once(publisher, monkeypatch):
+    s0 = _state(0)
+    publisher.publish(0, s0)
+    calls = []
+    real = chain.writer.tensor_digest
+
+    def counting(dtype, shape, bits):
+        calls.append(tuple(shape))
+        return real(dtype, shape, bits)
+
+    monkeypatch.setattr(chain.writer, "tensor_digest", counting)
+    publisher.snapshots = SnapshotPolicy(every=1)
+    out = publisher.publish(1, _step(s0, 1))
+    assert out.delta is not None and out.snapshot is not None
+    assert len(calls) == len(s0)
+
+
+def test_resume_accepts_the_head_weights_only(publisher, tmp_path):
+    s0 = _state(0)
+    publisher.publish(0, s0)
+    again = Publisher(tmp_path / "chain", tmp_path / "trainer.key", run="r")
+    with pytest.raises(ChainError, match="call resume"):
+        again.publish(1, _step(s0, 1))
+    with pytest.raises(ChainError, match="not v0 as published"):
+        again.resume(_step(s0, 9))
+    assert again.resume(s0) == 0
+    assert again.publish(1, _step(s0, 1)).delta is not None
+
+
+def test_versions_must_follow_the_head(publisher):
+    publisher.publish(0, _state(0))
+    with pytest.raises(ChainError, match="does not follow the head"):
+        publisher.publish(2, _state(1))
