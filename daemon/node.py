@@ -34,6 +34,8 @@ from daemon.spool import Forwarder, Spool
 from daemon.status import NodeStatus
 from daemon.swarm import Swarm, SwarmConfig, SwarmError
 from daemon.sync import Syncer
+from daemon.tasks import stop as stop_task
+from daemon.tasks import watched
 
 log = logging.getLogger("deltaswarm.node")
 
@@ -63,6 +65,8 @@ class Node:
         self.weights = WeightsDir(self.paths.weights, keep=cfg.retention.weight_dirs)
         self.board = Board()
         self.stopping = False
+        self.stop_requested = asyncio.Event()
+        self.failure: str | None = None
         self.swarm: Swarm | None = None
         self.swarm_exec = ThreadPoolExecutor(1, thread_name_prefix="swarm")
         self.book: PeerBook = PeerBook(self.url, (cfg.bt_advertise(), cfg.bittorrent.port),
@@ -182,6 +186,15 @@ class Node:
             if self.syncer is not None and self.syncer.downloads:
                 await self.save_resume()
 
+    def fail(self, why: str) -> None:
+        """A part of the node died: stop, and exit non-zero so the service is restarted."""
+        if self.failure is None:
+            self.failure = why
+        self.stop_requested.set()
+
+    def spawn(self, coro, name: str) -> asyncio.Task:
+        return watched(coro, name, self.fail)
+
     # --- config reload --------------------------------------------------------------------
     def reload(self) -> None:
         try:
@@ -223,13 +236,11 @@ async def _swarm(app: web.Application) -> AsyncIterator[None]:
         upload_rate=cfg.limits.upload_bytes_per_s, download_rate=cfg.limits.download_bytes_per_s,
         seed_mode=cfg.seed_mode))
     node.book.self_bt = (cfg.bt_advertise(), node.swarm.listen_port)
-    pump = asyncio.create_task(node.pump(), name="swarm-pump")
-    saver = asyncio.create_task(node.resume_saver(), name="resume-saver")
+    pump = node.spawn(node.pump(), "swarm-pump")
+    saver = node.spawn(node.resume_saver(), "resume-saver")
     yield
     for task in (saver, pump):
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await stop_task(task)
     await node.save_resume()
     node.swarm.close()
     node.swarm_exec.shutdown(wait=True)
@@ -269,11 +280,9 @@ async def _spool(app: web.Application) -> AsyncIterator[None]:
                                          node.cfg.trajectories.spool_max_bytes)
     node.forwarder = Forwarder(node.spool, node.cfg.trajectories, node.token, node.session,
                                {HEADER: node.book.header()})
-    task = asyncio.create_task(node.forwarder.run(), name="forwarder")
+    task = node.spawn(node.forwarder.run(), "forwarder")
     yield
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+    await stop_task(task)
     node.spool.close()
 
 
@@ -290,15 +299,14 @@ async def _sync(app: web.Application) -> AsyncIterator[None]:
 
     watcher = HeadWatcher(node.book, node.session, node.headers(), syncer.on_head, known,
                           node.cfg.max_peers, node.cfg.long_poll_timeout_s)
-    tasks = [asyncio.create_task(watcher.run(), name="heads"),
-             asyncio.create_task(syncer.notify_loop(), name="notify")]
-    loop_task = asyncio.create_task(syncer.run(), name="sync")
+    tasks = [node.spawn(watcher.run(), "heads"), node.spawn(syncer.notify_loop(), "notify")]
+    loop_task = node.spawn(syncer.run(), "sync")
     yield
     node.stopping = True
     syncer.wake.set()
     for task in tasks:
         task.cancel()
-    with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+    with contextlib.suppress(asyncio.CancelledError, TimeoutError, Exception):
         await asyncio.wait_for(asyncio.shield(loop_task), node.cfg.shutdown_timeout_s / 2)
     loop_task.cancel()
     for task in [*tasks, loop_task, *syncer.downloads.values()]:
@@ -317,14 +325,12 @@ async def _systemd(app: web.Application) -> AsyncIterator[None]:
                             f"v{node.store.head()}, {len(node.book.peers)} peers")
             await asyncio.sleep(5.0)
 
-    tasks = [asyncio.create_task(sdnotify.watchdog_loop(lambda: not node.stopping)),
-             asyncio.create_task(report())]
+    tasks = [node.spawn(sdnotify.watchdog_loop(lambda: not node.stopping), "watchdog"),
+             node.spawn(report(), "systemd-status")]
     yield
     sdnotify.stopping(f"{node.cfg.node}: stopping")
     for task in tasks:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await stop_task(task)
 
 
 async def serve(cfg: Config, config_path: Path) -> int:
@@ -333,7 +339,6 @@ async def serve(cfg: Config, config_path: Path) -> int:
     app.cleanup_ctx.extend([_http_client, _swarm, _seeding, _spool, _sync, _systemd])
     runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=3.0, access_log=None)
     loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
     signals = {"n": 0}
 
     def on_stop() -> None:
@@ -341,7 +346,7 @@ async def serve(cfg: Config, config_path: Path) -> int:
         if signals["n"] > 1:
             log.error("second stop signal: exiting now")
             os._exit(1)
-        stop.set()
+        node.stop_requested.set()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_stop)
@@ -357,14 +362,21 @@ async def serve(cfg: Config, config_path: Path) -> int:
     log.info("%s (%s, %s) serving on %s, BitTorrent on %s", cfg.node, cfg.role, cfg.region,
              node.url, node.bt_advertised())
     sdnotify.ready(f"{cfg.node}: serving on {node.url}")
-    await stop.wait()
-    log.info("stopping (bounded by %.0fs)", cfg.shutdown_timeout_s)
+    await node.stop_requested.wait()
+    if node.failure:
+        log.error("stopping after a failure (%s), bounded by %.0fs", node.failure,
+                  cfg.shutdown_timeout_s)
+    else:
+        log.info("stopping (bounded by %.0fs)", cfg.shutdown_timeout_s)
     node.stopping = True
     await node.board.bump()
     try:
         await asyncio.wait_for(runner.cleanup(), cfg.shutdown_timeout_s)
     except TimeoutError:
         log.error("shutdown took longer than %.0fs; exiting anyway", cfg.shutdown_timeout_s)
+        return 1
+    if node.failure:
+        log.error("stopped after a failure: %s", node.failure)
         return 1
     log.info("stopped cleanly")
     return 0

@@ -1,0 +1,42 @@
+"""Background tasks that must not die quietly.
+
+asyncio keeps a task's exception until someone awaits the task, which for a daemon's forever
+loops (swarm pump, sync, forwarder, ...) is only at shutdown: the node would limp on with a part
+missing and systemd would see nothing wrong. `watched()` logs the traceback the moment a task
+dies and calls `on_failure`, which stops the daemon with a failing exit status so the service
+manager restarts it. A task that returns normally (a part with nothing to do) is not a failure.
+"""
+
+import asyncio
+import logging
+from collections.abc import Callable, Coroutine
+
+log = logging.getLogger("deltaswarm.tasks")
+
+
+def watched(coro: Coroutine, name: str, on_failure: Callable[[str], None]) -> asyncio.Task:
+    """Start `coro` as a task named `name`; a crash is logged and reported at once."""
+    task = asyncio.create_task(coro, name=name)
+
+    def done(t: asyncio.Task) -> None:
+        if t.cancelled():
+            return
+        exc = t.exception()
+        if exc is not None:
+            log.error("background task %r died; stopping the daemon so it is restarted",
+                      name, exc_info=exc)
+            on_failure(f"{name}: {type(exc).__name__}: {exc}")
+
+    task.add_done_callback(done)
+    return task
+
+
+async def stop(task: asyncio.Task) -> None:
+    """Cancel `task` and wait for it; a failure it already reported is not raised again."""
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    except Exception:  # reported by watched() when it happened
+        pass
