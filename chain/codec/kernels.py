@@ -39,6 +39,11 @@ from chain.codec.rangecoder import (
     rice_put,
 )
 
+# sha256 of rangecoder.py (first 16 hex digits). numba caches these kernels keyed on this file
+# only; the primitives from rangecoder.py are compiled into them. Editing rangecoder.py without
+# updating this digest would leave stale machine code in every numba cache (a test checks it).
+RANGECODER_DIGEST = "54cae00278c68691"
+
 KMAX_CLASS = 40
 R_BITS = 5
 R_MAX = 26

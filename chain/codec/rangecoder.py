@@ -6,8 +6,9 @@ update count in the high bits, so a context learns at rate 1/(count+2) (the KT e
 it settles at 1/LIMIT. Coder state travels as tuples of int64 so LLVM keeps it in registers.
 Decoding never reads past `end` (it feeds zeros instead; the caller rejects a stream whose
 position ran past its end) and keeps code < range, so corrupted input cannot overflow.
-numba's on-disk cache keys kernels on their own file only: after editing this file, delete
-chain/codec/__pycache__ (or the stale kernels keep the old primitives).
+numba's on-disk cache keys the kernels on kernels.py alone, so kernels.py carries a digest of
+this file (RANGECODER_DIGEST): after editing this file, update it (a test says to), which
+invalidates the cached kernels everywhere, including installs that upgrade in place.
 """
 
 import numpy as np

@@ -203,3 +203,16 @@ def test_any_share_of_large_steps_round_trips(share):
     step = np.where(big, rng.integers(2, 300, idx.size), 1).astype(np.uint16)
     new[idx] = np.where(rng.random(idx.size) < 0.5, old[idx] + step, old[idx] - step)
     _roundtrip(old, new, "bfloat16")
+
+
+def test_kernels_carry_the_digest_of_the_range_coder_they_compile_in():
+    """numba's cache is keyed on kernels.py alone; its RANGECODER_DIGEST line is what makes an
+    edit of rangecoder.py invalidate the cached kernels."""
+    import hashlib
+    from pathlib import Path
+
+    from chain.codec import kernels, rangecoder
+
+    digest = hashlib.sha256(Path(rangecoder.__file__).read_bytes()).hexdigest()[:16]
+    assert digest == kernels.RANGECODER_DIGEST, (
+        f"rangecoder.py changed: set RANGECODER_DIGEST = {digest!r} in chain/codec/kernels.py")
