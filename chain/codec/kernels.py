@@ -223,12 +223,9 @@ def _enc_mag(vs, models, ci, ti, mag, width, vout):
 
 
 @njit
-def _rice_choose(vals, a, k):
-    """The Rice parameter with the fewest bits for vals[a:a+k] (k >= 1): the best of three
-    around the one the mean suggests."""
-    total = 0
-    for t in range(a, a + k):
-        total += vals[t]
+def _rice_choose(vals, a, k, total):
+    """The Rice parameter with the fewest bits for vals[a:a+k] (k >= 1, summing to `total`):
+    the best of three around the one the mean suggests."""
     mean = total // k
     r0 = 0
     while r0 < R_MAX - 2 and (np.int64(4) << r0) <= mean:
@@ -253,10 +250,20 @@ def _enc_values(vs, ss, models, off_x, off_inv, ci, ti, steps, width, scratch, v
     one = np.uint64(1)
     wm1 = np.uint64(width - 1)
     k = steps.size
-    x = 0
+    x = 0  # steps other than +-1; their signs go out with every other sign, 32 at a time
+    acc = np.int64(0)
+    nb = 0
     for t in range(k):
         d = np.uint64(steps[t])
         x += (d != one) & (d != mask)
+        acc |= np.int64((d >> wm1) & one) << nb
+        nb += 1
+        if nb == 32:
+            ss = raw_put(ss, acc, 32, sout)
+            acc = np.int64(0)
+            nb = 0
+    if nb:
+        ss = raw_put(ss, acc, nb, sout)
     inv = 1 if 2 * x > k else 0
     vs = enc_bit(vs, models, off_inv, inv, vout)
     listed = k - x if inv else x
@@ -270,21 +277,10 @@ def _enc_values(vs, ss, models, off_x, off_inv, ci, ti, steps, width, scratch, v
                 scratch[n] = t - prev - 1
                 prev = t
                 n += 1
-        rx = _rice_choose(scratch, 0, listed)
+        rx = _rice_choose(scratch, 0, listed, prev + 1 - listed)
         ss = raw_put(ss, rx, R_BITS, sout)
         for i in range(listed):
             ss = rice_put(ss, scratch[i], rx, sout)
-    acc = np.int64(0)
-    nb = 0
-    for t in range(k):
-        acc |= np.int64((np.uint64(steps[t]) >> wm1) & one) << nb
-        nb += 1
-        if nb == 32:
-            ss = raw_put(ss, acc, 32, sout)
-            acc = np.int64(0)
-            nb = 0
-    if nb:
-        ss = raw_put(ss, acc, nb, sout)
     if x:
         for t in range(k):
             d = np.uint64(steps[t])
@@ -352,7 +348,7 @@ def encode_segment(old, new, lo, hi, words, shift, cmask, nctx, width, is_float,
             grank[t] = rk - prev - 1
             prev = rk
         if k:
-            rpar[e] = _rice_choose(grank, start[e], k)
+            rpar[e] = _rice_choose(grank, start[e], k, prev + 1 - k)
 
     off_k, off_x, off_inv, off_cls, off_top, total = _layout(nctx, width)
     models[:total] = INIT
@@ -432,6 +428,11 @@ def _dec_values(vs, ss, models, off_x, off_inv, ci, ti, k, width, buf, vend, sen
     mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - width)
     top = np.uint64(1) << np.uint64(width - 1)
     one = np.uint64(1)
+    for t in range(0, k, 32):
+        nb = min(32, k - t)
+        bits, ss = raw_get(ss, nb, buf, send)
+        for b in range(nb):
+            val[o + t + b] = mask if (bits >> b) & 1 else one
     inv, vs = dec_bit(vs, models, off_inv, buf, vend)
     listed, vs, ss = _dec_count(vs, ss, models, off_x, buf, vend, send)
     if listed > k:
@@ -447,11 +448,6 @@ def _dec_values(vs, ss, models, off_x, off_inv, ci, ti, k, width, buf, vend, sen
             if g < 0 or idx >= k:
                 return ERR_GAP, vs, ss
             lst[o + i] = idx
-    for t in range(0, k, 32):
-        nb = min(32, k - t)
-        bits, ss = raw_get(ss, nb, buf, send)
-        for b in range(nb):
-            val[o + t + b] = mask if (bits >> b) & 1 else one
     if (k - listed if inv else listed) == 0:
         return OK, vs, ss
     li = 0
