@@ -41,7 +41,8 @@ class _Workspace:
 
     def __init__(self) -> None:
         self.models = np.empty(model_size(256, 64), np.int32)
-        self.ctx = [np.empty(256, np.int64) for _ in range(7)]
+        self.hist = np.empty(4 * 256, np.int64)  # one quarter per lane of a 64-bit word
+        self.ctx = [np.empty(256, np.int64) for _ in range(5)]
         self.chg = [np.empty(0, np.int64) for _ in range(5)]
         self.out = [np.empty(0, np.uint8) for _ in range(hdr.STREAMS)]
 
@@ -139,7 +140,7 @@ def _encode_job(old, new, lo, hi, words: bool, c: hdr.Coding, parts: list,
         raw = (hi - lo) * c.dtype.itemsize + 64
         k, *lens, hsh = encode_segment(
             old, new, lo, hi, words, c.shift, c.cmask, c.nctx, c.dtype.bits, c.is_float,
-            ws.models, *ws.ctx, *ws.changes(hi - lo + 1), *ws.outbufs(raw))
+            ws.models, ws.hist, *ws.ctx[:3], *ws.changes(hi - lo + 1), *ws.outbufs(raw))
         if k == 0:
             parts[s] = (0, [b""] * hdr.STREAMS, 0)
         elif max(lens) <= raw:

@@ -96,9 +96,10 @@ def _mix(h, v):
 @njit
 def _find_rank_words(old, new, lo, hi, sh, cm, h, chg, chg_rank, chg_ctx):
     """2-byte elements whose arrays are 8-byte aligned: offsets (from lo) of the changes, their
-    contexts and ranks (elements of the same context before them) in one pass. The lanes of a
-    word that changed are recorded branch-free before the word is counted. (One histogram beats
-    four per-lane ones here: their cheaper counting loses to the four-way sums at changes.)"""
+    contexts and ranks (elements of the same context before them) in one pass. Each lane of a
+    word counts into its own quarter of `h` (4 * 256 entries, one array so the compiler sees the
+    quarters cannot alias): equal contexts in neighbouring lanes then form no store-to-load
+    chain. The lanes of a word that changed are recorded branch-free before it is counted."""
     n4 = (hi - lo) // 4
     wo = old[lo:lo + 4 * n4].view(np.uint64)
     wn = new[lo:lo + 4 * n4].view(np.uint64)
@@ -107,6 +108,9 @@ def _find_rank_words(old, new, lo, hi, sh, cm, h, chg, chg_rank, chg_ctx):
     s1 = sh + np.uint64(16)
     s2 = sh + np.uint64(32)
     s3 = sh + np.uint64(48)
+    q1 = np.uint64(256)
+    q2 = np.uint64(512)
+    q3 = np.uint64(768)
     m = 0
     for u in range(n4):
         v = wo[u]
@@ -119,64 +123,62 @@ def _find_rank_words(old, new, lo, hi, sh, cm, h, chg, chg_rank, chg_ctx):
             b = 4 * u
             chg[m] = b
             chg_ctx[m] = e0
-            chg_rank[m] = h[e0]
+            chg_rank[m] = h[e0] + h[q1 + e0] + h[q2 + e0] + h[q3 + e0]
             m += (y & ff) != z
             chg[m] = b + 1
             chg_ctx[m] = e1
-            chg_rank[m] = h[e1] + (e0 == e1)
+            chg_rank[m] = h[e1] + h[q1 + e1] + h[q2 + e1] + h[q3 + e1] + (e0 == e1)
             m += ((y >> np.uint64(16)) & ff) != z
             chg[m] = b + 2
             chg_ctx[m] = e2
-            chg_rank[m] = h[e2] + (e0 == e2) + (e1 == e2)
+            chg_rank[m] = h[e2] + h[q1 + e2] + h[q2 + e2] + h[q3 + e2] + (e0 == e2) + (e1 == e2)
             m += ((y >> np.uint64(32)) & ff) != z
             chg[m] = b + 3
             chg_ctx[m] = e3
-            chg_rank[m] = h[e3] + (e0 == e3) + (e1 == e3) + (e2 == e3)
+            chg_rank[m] = h[e3] + h[q1 + e3] + h[q2 + e3] + h[q3 + e3] + (e0 == e3) + (e1 == e3) \
+                + (e2 == e3)
             m += (y >> np.uint64(48)) != z
         h[e0] += 1
-        h[e1] += 1
-        h[e2] += 1
-        h[e3] += 1
+        h[q1 + e1] += 1
+        h[q2 + e2] += 1
+        h[q3 + e3] += 1
     for i in range(lo + 4 * n4, hi):
         e = _ctx(old[i], sh, cm)
         chg[m] = i - lo
         chg_ctx[m] = e
-        chg_rank[m] = h[e]
+        chg_rank[m] = h[e] + h[q1 + e] + h[q2 + e] + h[q3 + e]
         m += old[i] != new[i]
         h[e] += 1
     return m
 
 
 @njit
-def _hist4(old, a, b, sh, cm, h0, h1, h2, h3):
-    i = a
-    while i + 4 <= b:
-        h0[_ctx(old[i], sh, cm)] += 1
-        h1[_ctx(old[i + 1], sh, cm)] += 1
-        h2[_ctx(old[i + 2], sh, cm)] += 1
-        h3[_ctx(old[i + 3], sh, cm)] += 1
-        i += 4
-    while i < b:
-        h0[_ctx(old[i], sh, cm)] += 1
-        i += 1
-
-
-@njit
-def _find_rank(old, new, lo, hi, sh, cm, h0, h1, h2, h3, chg, chg_rank, chg_ctx):
-    """Any width: the same as _find_rank_words, by a change scan and then counting the
-    elements between consecutive changes."""
+def _find_rank(old, new, lo, hi, sh, cm, h, chg, chg_rank, chg_ctx):
+    """Any width: offsets, contexts and ranks as _find_rank_words finds them (`h`: 4 * 256
+    entries), by a change scan and then counting the elements between consecutive changes."""
     m = 0
     for i in range(lo, hi):
         chg[m] = i - lo
         m += old[i] != new[i]
+    q1 = np.uint64(256)
+    q2 = np.uint64(512)
+    q3 = np.uint64(768)
     a = lo
     for j in range(m):
         i = lo + chg[j]
-        _hist4(old, a, i, sh, cm, h0, h1, h2, h3)
+        while a + 4 <= i:
+            h[_ctx(old[a], sh, cm)] += 1
+            h[q1 + _ctx(old[a + 1], sh, cm)] += 1
+            h[q2 + _ctx(old[a + 2], sh, cm)] += 1
+            h[q3 + _ctx(old[a + 3], sh, cm)] += 1
+            a += 4
+        while a < i:
+            h[_ctx(old[a], sh, cm)] += 1
+            a += 1
         e = _ctx(old[i], sh, cm)
         chg_ctx[j] = e
-        chg_rank[j] = h0[e] + h1[e] + h2[e] + h3[e]
-        h0[e] += 1
+        chg_rank[j] = h[e] + h[q1 + e] + h[q2 + e] + h[q3 + e]
+        h[e] += 1
         a = i + 1
     return m
 
@@ -292,7 +294,7 @@ def _enc_values(vs, ss, models, off_x, off_inv, ci, ti, steps, width, scratch, v
 
 @njit(nogil=True, cache=True)
 def encode_segment(old, new, lo, hi, words, shift, cmask, nctx, width, is_float,
-                   models, h0, h1, h2, h3, kcnt, start, rpar, chg, chg_rank, chg_ctx, grank,
+                   models, hist, kcnt, start, rpar, chg, chg_rank, chg_ctx, grank,
                    gstep, tout, gout, vout, sout):
     """Code old[lo:hi] -> new[lo:hi] into four buffers (scratch arrays of hi - lo + 1 entries;
     `words`: 2-byte elements, 8-byte aligned). Returns (changes, then the table, gap, magnitude
@@ -300,16 +302,12 @@ def encode_segment(old, new, lo, hi, words, shift, cmask, nctx, width, is_float,
     its buffer means the buffer was too small."""
     sh = np.uint64(shift)
     cm = np.uint64(cmask)
-    for e in range(nctx):
-        h0[e] = 0
-        h1[e] = 0
-        h2[e] = 0
-        h3[e] = 0
-        kcnt[e] = 0
+    hist[:] = 0
+    kcnt[:nctx] = 0
     if words:
-        m = _find_rank_words(old, new, lo, hi, sh, cm, h0, chg, chg_rank, chg_ctx)
+        m = _find_rank_words(old, new, lo, hi, sh, cm, hist, chg, chg_rank, chg_ctx)
     else:
-        m = _find_rank(old, new, lo, hi, sh, cm, h0, h1, h2, h3, chg, chg_rank, chg_ctx)
+        m = _find_rank(old, new, lo, hi, sh, cm, hist, chg, chg_rank, chg_ctx)
     if m == 0:
         return 0, 0, 0, 0, 0, np.uint64(0)
 
