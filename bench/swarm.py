@@ -138,7 +138,8 @@ def run_mode(mode: str, topo: netns.Topology, trainer: netns.Node, nodes: list[n
 def print_table(results: dict, size: int, ideal: float, args: argparse.Namespace) -> None:
     print(f"\nartifact {size / 1e6:.1f} MB in {args.block_mib} MiB blocks, "
           f"{args.piece_kib} KiB pieces; trainer uplink {args.seed_mbit} Mbit/s, "
-          f"{args.nodes} nodes in {min(args.nodes, 3)} regions at {args.node_mbit} Mbit/s")
+          f"{args.nodes} nodes in {min(args.nodes, 3)} regions at {args.node_mbit} Mbit/s"
+          + (f" (the first at {args.slow_node_mbit})" if args.slow_node_mbit else ""))
     print(f"ideal max(F/u_seed, F/d_min, N*F/(u_seed+sum u)) = {ideal:.2f} s\n")
     head = f"{'mode':<6} {'time s':>8} {'x ideal':>8} {'trainer payload':>16} {'x F':>6} " \
            f"{'trainer wire':>13} {'x F':>6} {'peer upload':>12} {'verified':>9}"
@@ -173,6 +174,9 @@ def main() -> int:
     p.add_argument("--piece-kib", type=int, default=256)
     p.add_argument("--seed-mbit", type=float, default=50)
     p.add_argument("--node-mbit", type=float, default=200)
+    p.add_argument("--slow-node-mbit", type=float, default=0,
+                   help="give the first node this rate up and down (a slow region); the other "
+                        "nodes' finish times then show whether it holds them back")
     p.add_argument("--nodes", type=int, default=6)
     p.add_argument("--modes", default="swarm,star", help="comma list of swarm, star")
     p.add_argument("--timeout", type=float, default=300, help="seconds per mode")
@@ -197,11 +201,13 @@ def main() -> int:
         seed_dir, torrent, size = make_artifact(workdir, int(args.size_mb * 1e6),
                                                 args.block_mib << 20, args.piece_kib << 10)
         trainer = topo.add_node("trainer", args.seed_mbit, args.node_mbit)
-        nodes = [topo.add_node(f"{REGIONS[i % 3]}-{i // 3 + 1}", args.node_mbit, args.node_mbit)
+        rates = [args.slow_node_mbit if i == 0 and args.slow_node_mbit else args.node_mbit
                  for i in range(args.nodes)]
+        nodes = [topo.add_node(f"{REGIONS[i % 3]}-{i // 3 + 1}", r, r)
+                 for i, r in enumerate(rates)]
         bits = size * 8 / 1e6
-        ideal = max(bits / args.seed_mbit, bits / args.node_mbit,
-                    args.nodes * bits / (args.seed_mbit + args.nodes * args.node_mbit))
+        ideal = max(bits / args.seed_mbit, bits / min(rates),
+                    args.nodes * bits / (args.seed_mbit + sum(rates)))
         results = {m: run_mode(m, topo, trainer, nodes, workdir, seed_dir, torrent, procs,
                                args.timeout) for m in modes}
         print_table(results, size, ideal, args)

@@ -22,27 +22,22 @@ from daemon import torrents
 
 Peer = tuple[str, int]
 
-# Trainer-side choking (seed_mode): one peer per artifact downloads from the trainer, the others
-# fetch from it and from each other, so each piece leaves the trainer once. libtorrent's choker
-# keeps unchoke_slots_limit - 1 regular unchokes (one slot is held for an optimistic unchoke that
-# the hour-long interval never grants) but unchokes up to the full limit as peers connect. Without
-# SEED_MAX_UPLOADS the second peer was therefore choked at the first round with seconds of requests
-# queued at the trainer: they came back rejected, its other connections had nothing queued, and
-# libtorrent picks blocks for a connection only on events (a block arrives, an unchoke, a change
-# of interest), so it stalled until the trainer unchoked it again and then took its backlog from
-# the trainer (3 nodes, 20 MB: egress 1.04-1.50x). With the cap nobody is choked while it still
-# wants data; the slot moves on when that peer finishes or disconnects (a hung one holds it until
-# peer_timeout, 120 s). Keeping two peers unchoked throughout was worse (1.05-1.62x, mostly
-# >1.4x): both queue seconds of requests at the trainer and pick the same rare pieces. Measured
-# with the cap (bench/swarm.py): 3 nodes, 20 MB: egress 1.000x, time 1.15-1.21x the ideal;
-# 6 nodes, 96 MB: egress 1.000-1.003x, time 1.12-1.14x.
+# Trainer-side choking (seed_mode): few, fast-rotating unchokes so each piece leaves the trainer
+# about once while the regions serve each other. libtorrent keeps unchoke_slots_limit - 1 regular
+# unchokes (the other slot waits for an optimistic unchoke the hour-long interval never grants)
+# and rotates them every second. A peer choked mid-download has its queued requests rejected and
+# may fetch that backlog from the trainer again later, so egress runs a little above 1x:
+# bench/swarm.py, 6 nodes, 96 MB: egress 1.04-1.17x, time 1.16-1.23x the ideal; 3 nodes, 20 MB:
+# egress 1.01-1.32x. Serving one peer per artifact without rotation (max_uploads 1) measured
+# 1.000x egress and 1.12-1.14x time on uniform links, but one slow region that got the slot first
+# then paced every other region: with one node at 20 Mbit/s (--slow-node-mbit 20, 48 MB), the
+# fast nodes finished at 35 s instead of 8.6 s in half the runs. Rotation keeps them at 8.6-9.1 s.
 SEED_SETTINGS = {
     "unchoke_slots_limit": 2,
     "unchoke_interval": 1,
     "allowed_fast_set_size": 0,
     "optimistic_unchoke_interval": 3600,
 }
-SEED_MAX_UPLOADS = 1
 
 
 class SwarmError(RuntimeError):
@@ -58,8 +53,8 @@ class SwarmConfig:
     download_rate: int = 0
     """Session download cap in bytes/s; 0 means unlimited."""
     seed_mode: bool = False
-    """Trainer-side choking (SEED_SETTINGS, SEED_MAX_UPLOADS): one peer per artifact at a time
-    downloads from this seed, so each piece leaves it about once."""
+    """Trainer-side choking (SEED_SETTINGS): few, fast-rotating unchokes so each piece leaves
+    this seed about once."""
     max_connections: int = 200
     extra_settings: dict = field(default_factory=dict)
     """Raw libtorrent settings applied last (for experiments)."""
@@ -320,8 +315,6 @@ class Swarm:
                             else params.flags & ~lt.torrent_flags.seed_mode)
             params.flags &= ~(lt.torrent_flags.paused | lt.torrent_flags.auto_managed)
             params.flags |= lt.torrent_flags.apply_ip_filter
-            if self.config.seed_mode:
-                params.max_uploads = SEED_MAX_UPLOADS  # the handle API refuses values below 2
             handle = self._ses().add_torrent(params)
             self._torrents[artifact] = _Torrent(handle, str(save_path), seeding, complete=seeding)
             self._by_hash[str(ti.info_hashes().v2)] = artifact

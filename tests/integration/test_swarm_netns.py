@@ -44,10 +44,10 @@ def test_swarm_in_namespaces_reaches_every_node_with_trainer_sending_about_once(
     size, ideal, swarm = summary["size"], summary["ideal"], summary["results"]["swarm"]
     assert swarm["verified"]
     assert len(swarm["per_node"]) == 3
-    # one peer at a time downloads from the trainer (daemon.swarm SEED_MAX_UPLOADS): 10 runs on a
-    # 2-core VM sent exactly 1.000x F (before the cap: 1.04-1.50x); 0.1 leaves room for an
-    # end-game piece or two. A star (every node fetching from the trainer) sends 3x.
-    assert size <= swarm["seed_payload"] <= 1.1 * size
+    # the trainer's rotating unchokes (daemon.swarm SEED_SETTINGS) sent 1.01-1.32x F in 8 runs of
+    # this setup on a 2-core VM (earlier builds up to 1.50x); a star, every node fetching from
+    # the trainer, sends 3x F.
+    assert size <= swarm["seed_payload"] <= 1.6 * size
     assert swarm["peer_upload"] > 0.5 * size
     assert swarm["time"] < 4 * ideal
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
