@@ -130,9 +130,13 @@ def parse(payload: bytes | memoryview, verify: bool = True) -> Header:
     if r.byte() != MAGIC:
         raise BadDelta("not a deltaswarm tensor delta (bad magic byte)")
     fm = r.byte()
+    if fm >> 4 > FORMAT:
+        raise BadDelta(f"tensor delta format {fm >> 4} is newer than this build reads "
+                       f"({FORMAT}); upgrade deltaswarm")
     if fm >> 4 != FORMAT:
-        raise BadDelta(f"tensor delta format {fm >> 4} is not supported (this build reads "
-                       f"{FORMAT}); upgrade deltaswarm")
+        raise BadDelta(f"tensor delta format {fm >> 4} was written by an older deltaswarm; this "
+                       f"build reads format {FORMAT} only: bootstrap from a snapshot (they hold "
+                       "raw tensors) or re-publish the chain")
     mode, code = fm & 0xF, r.byte()
     if mode not in (NONE, CODED, RAW) or code >= len(DTYPE_CODES):
         raise BadDelta(f"tensor delta has unknown mode {mode} or dtype code {code}")

@@ -119,3 +119,11 @@ def test_read_only_target_is_refused():
     target.flags.writeable = False
     with pytest.raises(BadDelta):
         apply_tensor_delta(target, PAYLOAD, "bfloat16")
+
+
+@pytest.mark.parametrize(("fmt", "says"), [(1, "older deltaswarm"), (3, "upgrade deltaswarm")])
+def test_other_format_versions_are_refused_saying_which_way_to_go(fmt, says):
+    bad = bytearray(PAYLOAD[:-CHECK])
+    bad[1] = (fmt << 4) | (bad[1] & 0xF)
+    with pytest.raises(BadDelta, match=says):
+        apply_tensor_delta(OLD.copy(), _reseal(bytes(bad)), "bfloat16")
