@@ -81,6 +81,21 @@ def _ctx(x, shift, cmask):
     return (np.uint64(x) >> shift) & cmask
 
 
+@njit(inline="always")
+def _mask(width):
+    return np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - width)
+
+
+@njit(inline="always")
+def _flip(x, width, is_float):
+    """The monotone key of a pattern, and back (it is its own inverse): negative floats get their
+    magnitude bits flipped so that key order is value order and -0.0 sits next to +0.0."""
+    if is_float:
+        wm1 = np.uint64(width - 1)
+        return x ^ ((np.uint64(0) - (x >> wm1)) & (_mask(width) >> np.uint64(1)))
+    return x
+
+
 @njit
 def _mix(h, v):
     z = h ^ v
@@ -248,7 +263,7 @@ def _rice_choose(vals, a, k, total):
 @njit
 def _enc_values(vs, ss, models, off_x, off_inv, ci, ti, steps, width, scratch, vout, sout):
     """One context's steps: exception list, signs, magnitudes."""
-    mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - width)
+    mask = _mask(width)
     one = np.uint64(1)
     wm1 = np.uint64(width - 1)
     k = steps.size
@@ -319,19 +334,14 @@ def encode_segment(old, new, lo, hi, words, shift, cmask, nctx, width, is_float,
     for e in range(nctx):
         start[e] = total
         total += kcnt[e]
-    mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - width)
-    half = mask >> np.uint64(1)
-    wm1 = np.uint64(width - 1)
-    zero = np.uint64(0)
+    mask = _mask(width)
     hsh = np.uint64(0)
     for j in range(m):
         i = lo + chg[j]
-        ko = np.uint64(old[i])
         kn = np.uint64(new[i])
         hsh += _mix(np.uint64(i), kn)
-        if is_float:
-            ko ^= (zero - (ko >> wm1)) & half
-            kn ^= (zero - (kn >> wm1)) & half
+        ko = _flip(np.uint64(old[i]), width, is_float)
+        kn = _flip(kn, width, is_float)
         e = chg_ctx[j]
         t = start[e]
         start[e] = t + 1
@@ -423,7 +433,7 @@ def _dec_values(vs, ss, models, off_x, off_inv, ci, ti, k, width, buf, vend, sen
                 o):
     """One context's k steps into val[o:o+k] (lst[o:o+k]: scratch). Returns (error code, vs,
     ss)."""
-    mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - width)
+    mask = _mask(width)
     top = np.uint64(1) << np.uint64(width - 1)
     one = np.uint64(1)
     for t in range(0, k, 32):
@@ -472,16 +482,8 @@ def _hit(i, x, e, lo, slack, ptr, gp, gaps, steps, out_pos, out_val, m, width, i
     g = gp[e]
     slack[e] = gaps[g]
     gp[e] = g + 1
-    mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - width)
-    half = mask >> np.uint64(1)
-    wm1 = np.uint64(width - 1)
-    zero = np.uint64(0)
-    ko = np.uint64(x)
-    if is_float:
-        ko ^= (zero - (ko >> wm1)) & half
-    kn = (ko + np.uint64(steps[j])) & mask
-    if is_float:
-        kn ^= (zero - (kn >> wm1)) & half
+    kn = _flip((_flip(np.uint64(x), width, is_float) + np.uint64(steps[j])) & _mask(width),
+               width, is_float)
     out_val[m] = kn
     out_pos[m] = i - lo
     return _mix(np.uint64(i), kn)
