@@ -306,13 +306,10 @@ async def _sync(app: web.Application) -> AsyncIterator[None]:
     syncer.wake.set()
     for task in tasks:
         task.cancel()
-    with contextlib.suppress(asyncio.CancelledError, TimeoutError, Exception):
+    with contextlib.suppress(asyncio.CancelledError, Exception):  # timeout or a reported crash
         await asyncio.wait_for(asyncio.shield(loop_task), node.cfg.shutdown_timeout_s / 2)
-    loop_task.cancel()
     for task in [*tasks, loop_task, *syncer.downloads.values()]:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
+        await stop_task(task)
 
 
 async def _systemd(app: web.Application) -> AsyncIterator[None]:

@@ -8,6 +8,7 @@ manager restarts it. A task that returns normally (a part with nothing to do) is
 """
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Coroutine
 
@@ -34,9 +35,5 @@ def watched(coro: Coroutine, name: str, on_failure: Callable[[str], None]) -> as
 async def stop(task: asyncio.Task) -> None:
     """Cancel `task` and wait for it; a failure it already reported is not raised again."""
     task.cancel()
-    try:
+    with contextlib.suppress(asyncio.CancelledError, Exception):  # Exception: reported already
         await task
-    except asyncio.CancelledError:
-        pass
-    except Exception:  # reported by watched() when it happened
-        pass
