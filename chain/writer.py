@@ -121,10 +121,12 @@ def write_artifact(
         raise ValueError("a delta needs the parent's tensors and manifest")
     digests = None
     if same_tensors_as is not None:
-        if same_tensors_as.version != version or \
-                [t.name for t in same_tensors_as.tensors] != list(new.names()):
-            raise ValueError(f"same_tensors_as is v{same_tensors_as.version} with other tensors; "
-                             f"it must describe the v{version} being written")
+        names = [t.name for t in same_tensors_as.tensors]
+        if same_tensors_as.version != version or names != list(new.names()):
+            raise ValueError(f"same_tensors_as describes v{same_tensors_as.version} with "
+                             f"{len(names)} tensors, but this is v{version} with "
+                             f"{len(new.names())}: pass the manifest just written for these "
+                             "same weights, or None to hash them")
         digests = {t.name: t.digest for t in same_tensors_as.tensors}
     writer = BlockWriter(blocks, block_size)
     tensors, stats = encode_stream(writer, new, parent if kind == "delta" else None, kind,
