@@ -77,3 +77,12 @@ def test_versions_must_follow_the_head(publisher):
     publisher.publish(0, _state(0))
     with pytest.raises(ChainError, match="does not follow the head"):
         publisher.publish(2, _state(1))
+
+
+def test_digests_are_reused_only_from_a_manifest_of_the_same_weights(publisher):
+    s0 = _state(0)
+    p0 = publisher.publish(0, s0)
+    with pytest.raises(ValueError, match="describes v0 with 2 tensors, but this is v1"):
+        chain.writer.write_artifact(publisher.store.blocks, publisher.key, run="r", version=1,
+                                    kind="snapshot", new=StateDictSource(_step(s0, 1)),
+                                    same_tensors_as=p0.snapshot)
