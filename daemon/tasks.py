@@ -8,7 +8,6 @@ manager restarts it. A task that returns normally (a part with nothing to do) is
 """
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable, Coroutine
 
@@ -33,7 +32,11 @@ def watched(coro: Coroutine, name: str, on_failure: Callable[[str], None]) -> as
 
 
 async def stop(task: asyncio.Task) -> None:
-    """Cancel `task` and wait for it; a failure it already reported is not raised again."""
+    """Cancel `task` and wait until it has finished; a failure it already reported is not raised
+    again. The caller's own cancellation (a shutdown deadline running out) is never swallowed: it
+    is raised at once, even while `task` is still winding down, so a bounded stop stays bounded.
+    """
     task.cancel()
-    with contextlib.suppress(asyncio.CancelledError, Exception):  # Exception: reported already
-        await task
+    await asyncio.wait({task})  # unlike `await task`, a cancel of the caller does not wait
+    if not task.cancelled():
+        task.exception()  # reported by `watched` (or deliberately ignored); marks it retrieved

@@ -1,6 +1,8 @@
-"""Background tasks report a crash when it happens, not when shutdown finally awaits them."""
+"""Background tasks report a crash when it happens, not when shutdown finally awaits them, and
+stopping one never swallows the stopper's own cancellation."""
 
 import asyncio
+import contextlib
 import logging
 
 import pytest
@@ -8,28 +10,25 @@ import pytest
 from daemon.tasks import stop, watched
 
 
-def test_a_crash_is_reported_at_once_with_its_name_and_traceback(caplog):
+async def test_a_crash_is_reported_at_once_with_its_name_and_traceback(caplog):
     failures: list[str] = []
 
     async def dies() -> None:
         await asyncio.sleep(0)
         raise RuntimeError("libtorrent went away")
 
-    async def main() -> None:
+    with caplog.at_level(logging.ERROR, logger="deltaswarm.tasks"):
         task = watched(dies(), "swarm-pump", failures.append)
         for _ in range(5):
             await asyncio.sleep(0)
         assert failures == ["swarm-pump: RuntimeError: libtorrent went away"]
         await stop(task)  # the failure was reported; stopping does not raise it again
-
-    with caplog.at_level(logging.ERROR, logger="deltaswarm.tasks"):
-        asyncio.run(main())
     assert "swarm-pump" in caplog.text and "libtorrent went away" in caplog.text
     assert "Traceback" in caplog.text
 
 
 @pytest.mark.parametrize("how", ["returns", "cancelled"])
-def test_a_normal_return_or_a_cancel_is_not_a_failure(how):
+async def test_a_normal_return_or_a_cancel_is_not_a_failure(how):
     failures: list[str] = []
 
     async def part() -> None:
@@ -37,10 +36,43 @@ def test_a_normal_return_or_a_cancel_is_not_a_failure(how):
             return
         await asyncio.sleep(3600)
 
-    async def main() -> None:
-        task = watched(part(), "forwarder", failures.append)
-        await asyncio.sleep(0.01)
-        await stop(task)
+    task = watched(part(), "forwarder", failures.append)
+    await asyncio.sleep(0.01)
+    await stop(task)
+    assert task.done() and failures == []
 
-    asyncio.run(main())
-    assert failures == []
+
+async def test_stop_waits_for_the_task_to_finish_its_cleanup():
+    cleaned: list[str] = []
+
+    async def part() -> None:
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            await asyncio.sleep(0.05)
+            cleaned.append("saved resume data")
+
+    task = asyncio.create_task(part())
+    await asyncio.sleep(0)
+    await stop(task)
+    assert cleaned == ["saved resume data"] and task.cancelled()
+
+
+async def test_a_stop_cut_short_by_a_deadline_raises_at_the_deadline():
+    """serve() bounds shutdown with a timeout around cleanups that call stop(); a part slow to
+    wind down must not make stop() eat the timeout's cancellation and report a clean stop."""
+    loop = asyncio.get_running_loop()
+    release = loop.time() + 1.0
+
+    async def stubborn() -> None:
+        while loop.time() < release:  # ignores cancellation until `release`
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(release - loop.time())
+
+    task = asyncio.create_task(stubborn())
+    await asyncio.sleep(0)
+    started = loop.time()
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(stop(task), 0.1)
+    assert loop.time() - started < 0.6
+    await asyncio.wait({task})  # let it end before the loop closes
