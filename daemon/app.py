@@ -8,7 +8,6 @@ All inputs are validated here; errors are JSON `{"error": "..."}` with a 4xx sta
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -16,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from chain.auth import bearer_matches
 from chain.errors import BadManifest
 from chain.manifest import parse_artifact
 from daemon.peers import HEADER, BadPeer, check_url, parse_endpoint
@@ -94,9 +94,7 @@ async def auth(request: web.Request, handler: Callable[[web.Request], Awaitable[
                ) -> web.StreamResponse:
     node = request.app[NODE]
     if request.path not in OPEN_ROUTES:
-        given = request.headers.get("Authorization", "")
-        want = f"Bearer {node.token}"
-        if not hmac.compare_digest(given.encode(), want.encode()):
+        if not bearer_matches(request.headers.get("Authorization"), node.token):
             raise web.HTTPUnauthorized(
                 text=json.dumps({"error": "missing or wrong bearer token (Authorization: Bearer "
                                           "<token> from the swarm config)"}),

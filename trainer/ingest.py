@@ -9,7 +9,6 @@ dedupe and not-yet-trained trajectories survive a trainer restart.
 
 import asyncio
 import contextlib
-import hmac
 import json
 import math
 import os
@@ -22,6 +21,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from chain.atomic import fsync_dir, write_atomic
+from chain.auth import bearer_matches
 
 SEGMENT_BYTES = 64 * 1024 * 1024
 MAX_BODY = 64 * 1024 * 1024
@@ -241,14 +241,12 @@ def make_ingest_app(store: IngestStore, token: str, max_body: int = MAX_BODY) ->
     """The ingest endpoints; every /v1 route needs `Authorization: Bearer <token>`."""
     if not token:
         raise ValueError("ingest needs a non-empty bearer token")
-    expected = f"Bearer {token}".encode()
 
     @web.middleware
     async def auth(request: web.Request, handler: Any) -> web.StreamResponse:
-        if request.path.startswith("/v1/"):
-            got = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(got, expected):
-                return web.json_response({"error": "missing or wrong bearer token"}, status=401)
+        if request.path.startswith("/v1/") and not bearer_matches(
+                request.headers.get("Authorization"), token):
+            return web.json_response({"error": "missing or wrong bearer token"}, status=401)
         return await handler(request)
 
     async def ingest(request: web.Request) -> web.Response:
