@@ -63,6 +63,12 @@ def _v(v: int | None) -> str:
     return "—" if v is None else str(v)
 
 
+def _plain(text: str, style: str = "") -> Text:
+    """A cell shown literally: names, addresses and reasons come from peers and must never be
+    read as rich markup (a node named `[/oops]` would otherwise crash the render)."""
+    return Text(text, style=style)
+
+
 def summary(s: NodeStatus) -> Table:
     t = s.totals
     lag = "no version yet" if s.lag is None else str(s.lag)
@@ -86,7 +92,7 @@ def summary(s: NodeStatus) -> Table:
     if p.last_error:
         spool += f" (last error: {p.last_error})"
 
-    table = Table(title=f"deltaswarm {s.node} · {s.region} · {s.role}", show_header=False,
+    table = Table(title=_plain(f"deltaswarm {s.node} · {s.region} · {s.role}"), show_header=False,
                   title_justify="left", expand=False)
     table.add_column(style="bold")
     table.add_column(overflow="fold")
@@ -98,11 +104,11 @@ def summary(s: NodeStatus) -> Table:
     table.add_row("transferred", f"↓ {_human(t.bytes_down)}  ↑ {_human(t.bytes_up)}")
     table.add_row("saved", saved)
     table.add_row("peers", str(len(s.peers)))
-    table.add_row("verify failures", Text(fails, style="red" if v.failures else ""))
+    table.add_row("verify failures", _plain(fails, style="red" if v.failures else ""))
     table.add_row("bans", Text(str(len(s.bans)), style="red" if s.bans else ""))
-    table.add_row("refused manifests", refused)
-    table.add_row("engine", engine)
-    table.add_row("spool", spool)
+    table.add_row("refused manifests", _plain(refused))
+    table.add_row("engine", _plain(engine))
+    table.add_row("spool", _plain(spool))
     return table
 
 
@@ -114,12 +120,13 @@ def peers_table(s: NodeStatus) -> Table:
     for p in sorted(s.peers, key=lambda p: (p.node or "", p.key)):
         host = (p.bt_endpoint or "").rsplit(":", 1)[0]
         style = "red" if p.bt_endpoint in banned or host in banned else ""
-        table.add_row(p.node or "?", p.bt_endpoint or "—", p.http_url or "—",
+        table.add_row(_plain(p.node or "?"), _plain(p.bt_endpoint or "—"),
+                      _plain(p.http_url or "—"),
                       _human(p.bytes_down), _human(p.bytes_up), _rate(p.download_rate),
                       _rate(p.upload_rate), _ago(p.last_seen, s.time), style=style)
     for b in s.bans:
-        table.add_row(b.node or "?", b.peer, "", "", "", "", "", f"banned: {b.reason}",
-                      style="red")
+        table.add_row(_plain(b.node or "?"), _plain(b.peer), "", "", "", "", "",
+                      _plain(f"banned: {b.reason}"), style="red")
     if not table.row_count:
         table.caption = "no peers known yet"
     return table
@@ -133,11 +140,13 @@ def versions_table(s: NodeStatus) -> Table:
               "failed": "red"}
     for t in s.versions:
         state = t.state + (f": {t.error}" if t.error else "")
-        table.add_row(t.artifact, Text(state, style=styles[t.state]), f"{100 * t.progress:.1f}%",
+        table.add_row(_plain(t.artifact), _plain(state, style=styles[t.state]),
+                      f"{100 * t.progress:.1f}%",
                       _human(t.total_bytes), _rate(t.download_rate), _rate(t.upload_rate),
                       _human(t.bytes_up), str(t.peers))
     for r in s.refused_manifests:
-        table.add_row(r.artifact or "?", Text(f"refused {r.kind}: {r.reason}", style="red"),
+        table.add_row(_plain(r.artifact or "?"),
+                      _plain(f"refused {r.kind}: {r.reason}", style="red"),
                       "", "", "", "", "", "")
     if not table.row_count:
         table.caption = "no transfers"

@@ -254,3 +254,22 @@ def test_render_of_an_empty_node_says_so():
                                     peers=True, versions=True))
     out = console.export_text()
     assert "no version yet" in out and "no peers known yet" in out and "no transfers" in out
+
+
+def test_names_and_reasons_from_peers_are_shown_literally_not_as_markup():
+    hostile = "[/oops]"
+    s = NodeStatus(
+        node="[bold]me", region="eu", current_version=1, head_version=1,
+        peers=[Peer(node=hostile, bt_endpoint="10.0.0.2:6881", http_url="http://[::1]:1")],
+        bans=[Ban(peer="10.0.0.9", node="[red]x[/]", reason="[/] bad piece", at=1.0)],
+        versions=[Transfer(artifact="v00000001.delta", version=1, state="failed",
+                           error="peer said [/link]")],
+        refused_manifests=[RefusedManifest(kind="unsigned", reason="[/", at=1.0)],
+        verification=Verification(failures=1, last_error="[/i]"),
+    )
+    console = wide_console()
+    console.print(status_cli.render(s, peers=True, versions=True))
+    out = console.export_text()
+    for literal in (hostile, "[bold]me", "[red]x[/]", "banned: [/] bad piece",
+                    "failed: peer said [/link]", "refused unsigned: [/", "(last: [/i])"):
+        assert literal in out, literal
