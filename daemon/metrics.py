@@ -2,6 +2,10 @@
 at each scrape, registered in a private `CollectorRegistry` per node (never the global one, so
 several nodes can live in one process), and an aiohttp handler for `GET /metrics` that honours
 the scraper's Accept header (text format or OpenMetrics).
+
+`/metrics` is open (no token), so by default it shows only this node's own identity and
+aggregates: no peer addresses or peer node names (THREAT_MODEL.md). Per-peer series are added
+only for a scrape that presents the swarm's bearer token (Prometheus `authorization:`).
 """
 
 from collections.abc import Awaitable, Callable, Iterator
@@ -17,6 +21,7 @@ from prometheus_client.core import (
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
+from chain.auth import bearer_matches
 from daemon.status import TRANSFER_STATES, NodeStatus
 
 StatusSource = Callable[[], NodeStatus]
@@ -32,10 +37,12 @@ def _counter(name: str, doc: str, value: float) -> Metric:
 
 
 class StatusCollector(Collector):
-    """Turns `source()` into metric families on every collect()."""
+    """Turns `source()` into metric families on every collect(); `peers` adds the per-peer
+    series (labelled by peer address and node name), for authenticated scrapes only."""
 
-    def __init__(self, source: StatusSource):
+    def __init__(self, source: StatusSource, peers: bool = False):
         self.source = source
+        self.peers = peers
 
     def collect(self) -> Iterator[Metric]:
         s = self.source()
@@ -87,6 +94,8 @@ class StatusCollector(Collector):
 
     def _peers(self, s: NodeStatus) -> Iterator[Metric]:
         yield from _gauge("peers", "Peers this node knows", len(s.peers))
+        if not self.peers:
+            return
         lab = ["peer", "peer_node"]
         sent = CounterMetricFamily("deltaswarm_peer_sent_bytes", "Bytes sent to peer", labels=lab)
         recv = CounterMetricFamily(
@@ -149,10 +158,10 @@ class StatusCollector(Collector):
         )
 
 
-def build_registry(source: StatusSource) -> CollectorRegistry:
-    """A private registry holding only this node's collector."""
+def build_registry(source: StatusSource, peers: bool = False) -> CollectorRegistry:
+    """A private registry holding only this node's collector; `peers` only behind the token."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(StatusCollector(source))
+    registry.register(StatusCollector(source, peers=peers))
     return registry
 
 
@@ -163,13 +172,21 @@ def render(registry: CollectorRegistry, accept: str = "") -> tuple[bytes, str]:
 
 
 def metrics_handler(
-    source: StatusSource | CollectorRegistry,
+    source: StatusSource | CollectorRegistry, token: Callable[[], str] | str | None = None,
 ) -> Callable[[web.Request], Awaitable[web.Response]]:
-    """An aiohttp handler for `GET /metrics` over a status source (or a ready registry)."""
-    registry = source if isinstance(source, CollectorRegistry) else build_registry(source)
+    """An aiohttp handler for `GET /metrics` over a status source (or a ready registry). With
+    `token` (the swarm token, or a function returning the current one), a scrape carrying
+    `Authorization: Bearer <token>` also gets the per-peer series; any other scrape does not."""
+    if isinstance(source, CollectorRegistry):
+        public = detailed = source
+    else:
+        public, detailed = build_registry(source), build_registry(source, peers=True)
 
     async def handle(request: web.Request) -> web.Response:
-        body, content_type = render(registry, request.headers.get("Accept", ""))
+        want = token() if callable(token) else token
+        authed = want is not None and bearer_matches(request.headers.get("Authorization"), want)
+        body, content_type = render(detailed if authed else public,
+                                    request.headers.get("Accept", ""))
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     return handle

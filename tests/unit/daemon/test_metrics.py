@@ -1,7 +1,6 @@
-"""Prometheus exposition of NodeStatus: names, types, labels, private registries, and a real
-aiohttp /metrics endpoint scraped over loopback in both exposition formats."""
-
-import asyncio
+"""Prometheus exposition of NodeStatus: names, types, labels, private registries, no peer
+addresses or names without the token, and a real aiohttp /metrics endpoint scraped over loopback
+in both exposition formats."""
 
 import aiohttp
 from aiohttp import web
@@ -79,7 +78,7 @@ def test_counters_and_gauges_have_the_right_types():
     counters = {"deltaswarm_sent_bytes", "deltaswarm_received_bytes",
                 "deltaswarm_verification_failures", "deltaswarm_refused_manifests",
                 "deltaswarm_engine_notifications", "deltaswarm_spool_forwarded",
-                "deltaswarm_peer_received_bytes", "deltaswarm_transfer_sent_bytes"}
+                "deltaswarm_transfer_sent_bytes"}
     gauges = {"deltaswarm_current_version", "deltaswarm_lag_versions", "deltaswarm_spool_depth",
               "deltaswarm_transfer_done_bytes", "deltaswarm_banned_peers",
               "deltaswarm_download_bytes_per_second", "deltaswarm_uptime_seconds"}
@@ -91,7 +90,7 @@ def test_counters_and_gauges_have_the_right_types():
 
 
 def test_labels_per_artifact_peer_and_kind():
-    fams = families(render(build_registry(board().snapshot))[0].decode())
+    fams = families(render(build_registry(board().snapshot, peers=True))[0].decode())
     art = "v00000007.delta"
     assert value(fams, "deltaswarm_transfer_done_bytes", artifact=art) == 1000
     assert value(fams, "deltaswarm_transfer_size_bytes", artifact=art) == 4000
@@ -133,32 +132,53 @@ def test_two_nodes_in_one_process_have_separate_registries():
     assert REGISTRY.get_sample_value("deltaswarm_current_version") is None
 
 
-def test_metrics_endpoint_serves_text_and_openmetrics():
-    b = board()
+def test_open_exposition_names_no_peer_address_or_peer_node():
+    text = render(build_registry(board().snapshot))[0].decode()
+    for secret in ("10.0.0.2", "us-1", "10.0.0.9"):
+        assert secret not in text, secret
+    fams = families(text)
+    assert value(fams, "deltaswarm_peers") == 1 and value(fams, "deltaswarm_banned_peers") == 1
+    assert value(fams, "deltaswarm_received_bytes_total") == 700
 
-    async def run() -> tuple[str, str, str, str]:
-        app = web.Application()
-        app.router.add_get("/metrics", metrics_handler(b.snapshot))
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        url = f"http://127.0.0.1:{runner.addresses[0][1]}/metrics"
-        try:
-            async with aiohttp.ClientSession() as s:
-                async with s.get(url) as r:
-                    assert r.status == 200
-                    text, ctype = await r.text(), r.headers["Content-Type"]
-                om_accept = "application/openmetrics-text; version=1.0.0"
-                async with s.get(url, headers={"Accept": om_accept}) as r:
-                    om, om_type = await r.text(), r.headers["Content-Type"]
-        finally:
-            await runner.cleanup()
-        return text, ctype, om, om_type
 
-    text, ctype, om, om_type = asyncio.run(run())
+async def scrape(url: str, **headers: str) -> tuple[str, str]:
+    async with aiohttp.ClientSession() as s, s.get(url, headers=headers) as r:
+        assert r.status == 200
+        return await r.text(), r.headers["Content-Type"]
+
+
+async def serve_metrics(handler) -> tuple[web.AppRunner, str]:
+    app = web.Application()
+    app.router.add_get("/metrics", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}/metrics"
+
+
+async def test_metrics_endpoint_serves_text_and_openmetrics():
+    runner, url = await serve_metrics(metrics_handler(board().snapshot))
+    try:
+        text, ctype = await scrape(url)
+        om, om_type = await scrape(url, Accept="application/openmetrics-text; version=1.0.0")
+    finally:
+        await runner.cleanup()
     assert ctype.startswith("text/plain; version=0.0.4")
     assert value(families(text), "deltaswarm_current_version") == 6
     assert om_type.startswith("application/openmetrics-text")
     assert om.rstrip().endswith("# EOF")
     assert "deltaswarm_verification_failures_total{kind=\"piece\"} 2.0" in om
+
+
+async def test_per_peer_series_only_for_a_scrape_with_the_token():
+    runner, url = await serve_metrics(metrics_handler(board().snapshot, token="secret-token"))
+    try:
+        anonymous, _ = await scrape(url)
+        wrong, _ = await scrape(url, Authorization="Bearer nope")
+        authed, _ = await scrape(url, Authorization="Bearer secret-token")
+    finally:
+        await runner.cleanup()
+    assert "10.0.0.2" not in anonymous and "us-1" not in anonymous
+    assert "10.0.0.2" not in wrong
+    assert value(families(authed), "deltaswarm_peer_received_bytes_total",
+                 peer="10.0.0.2:6881", peer_node="us-1") == 700
