@@ -107,53 +107,55 @@ def test_watchdog_interval_reads_usec_and_checks_pid():
     assert sdnotify.watchdog_interval({"WATCHDOG_USEC": "soon"}) is None
 
 
-def test_watchdog_loop_pings_at_half_the_interval(listener, monkeypatch):
+def drain(sock: socket.socket) -> list[str]:
+    """Every datagram waiting on the non-blocking `sock`."""
+    out = []
+    while True:
+        try:
+            out.append(sock.recv(64).decode())
+        except BlockingIOError:
+            return out
+
+
+async def run_for(seconds: float, loop_coro) -> None:
+    """Run a watchdog loop for `seconds`; it must still be running (not returned) when cancelled."""
+    task = asyncio.create_task(loop_coro)
+    await asyncio.sleep(seconds)
+    assert not task.done(), "the watchdog loop returned on its own"
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_watchdog_loop_pings_at_half_the_interval(listener, monkeypatch):
     monkeypatch.setenv("WATCHDOG_USEC", "400000")
     monkeypatch.delenv("WATCHDOG_PID", raising=False)
     listener.setblocking(False)
-
-    async def run() -> None:
-        task = asyncio.create_task(sdnotify.watchdog_loop())
-        await asyncio.sleep(0.9)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-
-    asyncio.run(run())
-    pings = []
-    while True:
-        try:
-            pings.append(listener.recv(64).decode())
-        except BlockingIOError:
-            break
+    await run_for(0.9, sdnotify.watchdog_loop())
+    pings = drain(listener)
     # every 0.2 s: t = 0, 0.2, ..., 0.8 (pinging only every full 0.4 s would give 3)
     assert set(pings) == {"WATCHDOG=1"}
     assert 4 <= len(pings) <= 6
 
 
-def test_watchdog_loop_withholds_pings_while_unhealthy(listener):
+async def test_watchdog_loop_withholds_pings_while_unhealthy(listener, caplog):
     listener.setblocking(False)
     healthy = [True]
-
-    async def run() -> None:
-        task = asyncio.create_task(sdnotify.watchdog_loop(lambda: healthy[0], interval=0.1))
-        await asyncio.sleep(0.12)
-        healthy[0] = False
-        while True:
-            try:
-                listener.recv(64)
-            except BlockingIOError:
-                break
-        await asyncio.sleep(0.2)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-
-    asyncio.run(run())
-    with pytest.raises(BlockingIOError):
-        listener.recv(64)
+    task = asyncio.create_task(sdnotify.watchdog_loop(lambda: healthy[0], interval=0.1))
+    await asyncio.sleep(0.12)
+    healthy[0] = False
+    while_healthy = drain(listener)
+    await asyncio.sleep(0.2)
+    assert not task.done()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    # pinged while healthy (t = 0, 0.05, 0.1), so the silence afterwards is the check's doing
+    assert while_healthy and set(while_healthy) == {"WATCHDOG=1"}
+    assert drain(listener) == []
+    assert "withholding the systemd watchdog ping" in caplog.text
 
 
-def test_watchdog_loop_returns_when_systemd_set_no_watchdog(monkeypatch):
+async def test_watchdog_loop_returns_when_systemd_set_no_watchdog(monkeypatch):
     monkeypatch.delenv("WATCHDOG_USEC", raising=False)
-    asyncio.run(asyncio.wait_for(sdnotify.watchdog_loop(), timeout=1.0))
+    assert await asyncio.wait_for(sdnotify.watchdog_loop(), timeout=1.0) is None
