@@ -19,7 +19,7 @@ COMMANDS = {
     "keygen": ("chain.keygen", "create the trainer's Ed25519 signing key"),
     "train": ("trainer.main", "run the reference async GRPO trainer"),
     "rollout": ("rollout.worker", "run a rollout worker next to a daemon"),
-    "demo": ("trainer.demo", "trainer + three regions on loopback, live view"),
+    "demo": ("demo.main", "trainer + three regions on loopback, live view"),
 }
 
 

@@ -2,7 +2,7 @@
 
 `load_config(path)` is the only entry: it reads the YAML, resolves relative paths against the
 config file's directory, validates, and turns any problem into a `ConfigError` whose message
-names the file, the field and what is wrong.
+names the file and every bad field (the style of chain/config_base.py, shared by every process).
 """
 
 import os
@@ -10,20 +10,16 @@ import re
 from pathlib import Path
 from typing import Annotated, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
+
+from chain.config_base import NAME_PATTERN, ConfigError, load_yaml
+from chain.config_base import Section as _Section
+
+__all__ = ["Config", "ConfigError", "check_state_dir", "load_config"]
 
 _HOST = r"^[A-Za-z0-9.\-:\[\]]{1,253}$"
 _URL = r"^https?://[A-Za-z0-9.\-\[\]:]+(:\d{1,5})?(/[^\s]*)?$"
 Url = Annotated[str, Field(pattern=_URL, max_length=2048)]
-
-
-class ConfigError(ValueError):
-    """The config file is missing, malformed, or names a field with an invalid value."""
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class HttpListen(_Section):
@@ -82,6 +78,7 @@ class NoHook(_Section):
 
 class HttpHook(_Section):
     type: Literal["http"]
+    """POST each verified version to an HTTP endpoint."""
     url: Url
     """POSTed {"version", "state_digest", "path"} after each verified version."""
     timeout_s: float = Field(30.0, gt=0, le=3600)
@@ -90,6 +87,7 @@ class HttpHook(_Section):
 
 class CommandHook(_Section):
     type: Literal["command"]
+    """Run a program after each verified version."""
     argv: list[str] = Field(min_length=1, max_length=256)
     """Program and arguments; `{version}`, `{path}`, `{state_digest}` are substituted, and the
     same values are in DELTASWARM_VERSION / _PATH / _STATE_DIGEST."""
@@ -110,6 +108,7 @@ class CommandHook(_Section):
 
 class VllmHook(_Section):
     type: Literal["vllm"]
+    """Reload a vLLM server's weights in place (pause, reload, reset cache, resume)."""
     url: Url
     """Base URL of a vLLM server started with VLLM_SERVER_DEV_MODE=1."""
     timeout_s: float = Field(600.0, gt=0, le=86400)
@@ -146,9 +145,9 @@ class Trajectories(_Section):
 
 
 class Config(_Section):
-    node: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    node: str = Field(pattern=NAME_PATTERN)
     """This daemon's name (unique in the swarm; shown in status and logs)."""
-    region: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    region: str = Field(pattern=NAME_PATTERN)
     """Region this daemon serves (trajectories are tagged by workers; shown in status)."""
     role: Literal["trainer", "region"]
     """`trainer`: seeds what the local publisher writes; `region`: follows the swarm."""
@@ -168,10 +167,13 @@ class Config(_Section):
     token_file: Path | None = None
     """File holding the token (first line); use instead of `token`."""
     limits: Limits = Limits()
+    """Swarm bandwidth caps."""
     retention: RetentionConfig = RetentionConfig()
+    """How many versions' artifacts and weight directories are kept."""
     engine: EngineHook = NoHook()
     """The inference engine to notify after each verified version."""
     trajectories: Trajectories = Trajectories()
+    """Where the spool forwards the trajectories workers post here."""
     long_poll_timeout_s: float = Field(30.0, gt=0, le=600)
     """Default and largest wait of a long-poll (head, weights) before it answers anyway."""
     seed_mode: bool = False
@@ -214,47 +216,11 @@ class Config(_Section):
         return self.bittorrent.advertise_host or self.bittorrent.host
 
 
-def _resolve(doc: dict, base: Path) -> None:
-    for key in ("state_dir", "token_file"):
-        if isinstance(doc.get(key), str):
-            p = Path(os.path.expanduser(doc[key]))
-            doc[key] = str(p if p.is_absolute() else base / p)
-
-
-def _where(loc: tuple) -> str:
-    parts = [str(p) for p in loc]
-    if len(parts) > 1 and parts[0] == "engine" and parts[1] in ("none", "http", "command", "vllm"):
-        del parts[1]
-    return ".".join(parts) or "(top level)"
-
-
 def load_config(path: str | os.PathLike, check_paths: bool = True) -> Config:
     """Parse and validate a daemon config; with `check_paths`, also require a writable
     state_dir and a readable token_file."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise ConfigError(f"config {path}: cannot read it ({e.strerror or e})") from None
-    try:
-        doc = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"config {path}: not valid YAML: {e}") from None
-    if not isinstance(doc, dict):
-        raise ConfigError(f"config {path}: expected a mapping of fields at the top level")
-    _resolve(doc, path.parent.resolve())
-    try:
-        cfg = Config.model_validate(doc)
-    except ValidationError as e:
-        lines = []
-        for err in e.errors():
-            msg = re.sub(r"^Value error, ", "", err["msg"])
-            where = _where(err["loc"])
-            got = err.get("input")
-            shown = "" if isinstance(got, dict | list) or got is None else f" (got {got!r:.60})"
-            lines.append(f"  field {where}: {msg}{shown}")
-        raise ConfigError(f"config {path}: {len(lines)} invalid field(s):\n" + "\n".join(lines)
-                          ) from None
+    cfg = load_yaml(Config, path, paths=("state_dir", "token_file"), tagged=("engine",))
     if check_paths:
         check_state_dir(cfg, path)
         try:

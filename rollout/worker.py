@@ -8,47 +8,24 @@ SIGTERM/SIGINT: finish delivering the current batch (bounded by --drain-s), then
 a second signal exits at once.
 """
 
-import argparse
 import asyncio
 import contextlib
 import json
 import logging
-import os
 import random
 import signal
-import socket
 import sys
 import time
 import uuid
 from typing import Any
 
 import aiohttp
-from pydantic import BaseModel, ConfigDict, Field
 
+from rollout.config import WorkerConfig, parse_args
+
+__all__ = ["RejectedError", "RolloutWorker", "WorkerConfig", "build_trajectories", "main",
+           "parse_args"]
 log = logging.getLogger("rollout.worker")
-
-
-class WorkerConfig(BaseModel):
-    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
-
-    daemon: str
-    """Base URL of the local daemon's control plane."""
-    token: str = Field(min_length=1)
-    task: str = "rollout.tasks.arithmetic"
-    """Task plug-in spec (see rollout.tasks)."""
-    region: str = "local"
-    worker: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
-    engine: str = "torch"
-    prompts_per_batch: int = Field(default=16, ge=1, le=4096)
-    group_size: int = Field(default=8, ge=1, le=256)
-    max_tokens: int = Field(default=6, ge=1, le=32768)
-    temperature: float = Field(default=1.0, ge=0.0, le=10.0)
-    seed: int = 0
-    poll_timeout_s: float = Field(default=30.0, gt=0, le=600)
-    retry_max_s: float = Field(default=10.0, gt=0, le=600)
-    drain_s: float = Field(default=10.0, ge=0, le=600)
-    max_batches: int | None = Field(default=None, ge=1)
-    """Stop after this many batches (tests, benchmarks); None runs until signalled."""
 
 
 class RejectedError(RuntimeError):
@@ -224,36 +201,6 @@ def _retry_after(value: str | None, default: float) -> float:
         return default
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[WorkerConfig, int]:
-    p = argparse.ArgumentParser(prog="python -m rollout.worker", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    for name, field in WorkerConfig.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        kind = {int: int, float: float}.get(field.annotation, str)
-        if field.annotation == int | None:
-            kind = int
-        p.add_argument(flag, type=kind, help=field.description)
-    p.add_argument("--config", help="YAML file with any of these fields (flags override it)")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
-    ns = vars(p.parse_args(argv))
-    threads = ns.pop("threads")
-    fields: dict[str, Any] = {}
-    if (path := ns.pop("config")) is not None:
-        import yaml
-
-        try:
-            fields = yaml.safe_load(open(path).read()) or {}  # noqa: SIM115
-        except (OSError, yaml.YAMLError) as e:
-            p.error(f"cannot read --config {path}: {e}")
-        if not isinstance(fields, dict):
-            p.error(f"--config {path}: expected a mapping of worker fields")
-    fields.update({k: v for k, v in ns.items() if v is not None})
-    try:
-        return WorkerConfig(**fields), threads
-    except ValueError as e:
-        p.error(str(e))
-
-
 async def _amain(config: WorkerConfig, threads: int) -> int:
     from rollout.engine import make_engine
     from rollout.tasks import load_task
@@ -285,7 +232,7 @@ async def _amain(config: WorkerConfig, threads: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    config, threads = parse_args(argv)
+    config, threads = parse_args(argv, description=__doc__)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return asyncio.run(_amain(config, threads))
 

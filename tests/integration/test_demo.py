@@ -8,7 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
+
+from chain.config_base import to_yaml
+from demo.config import WarmupConfig, load_demo_config, with_overrides
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -30,16 +32,17 @@ def _processes_mentioning(text: str) -> list[int]:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_short_demo_converges_every_region_and_cleans_up(tmp_path):
-    cfg = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
-    cfg.update(out_dir=str(tmp_path), steps=3, base_port=random.randrange(20000, 40000, 100),
-               batch=32, warmup={"steps": 20, "lr": 0.003, "batch": 32}, timeout_s=600,
-               min_reward_gain=-1.0)
-    cfg["rollout"].update(prompts_per_batch=4, group_size=4)
+    shipped = load_demo_config(REPO / "configs" / "demo.yaml")
+    cfg = with_overrides(
+        shipped, out_dir=tmp_path, steps=3, base_port=random.randrange(20000, 40000, 100),
+        batch=32, warmup=WarmupConfig(steps=20, lr=0.003, batch=32), timeout_s=600,
+        min_reward_gain=-1.0,
+        rollout=shipped.rollout.model_copy(update={"prompts_per_batch": 4, "group_size": 4}))
     config = tmp_path / "demo.yaml"
-    config.write_text(yaml.safe_dump(cfg))
+    config.write_text(to_yaml(cfg))
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "trainer.demo", "--config", str(config), "--out", str(run_dir)],
+        [sys.executable, "-m", "demo.main", "--config", str(config), "--out", str(run_dir)],
         cwd=REPO, capture_output=True, text=True, timeout=800,
     )
     out = proc.stdout + proc.stderr

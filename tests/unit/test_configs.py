@@ -1,36 +1,122 @@
-"""Every shipped config that is not a daemon config parses with its own loader (the daemon's
-are checked in tests/unit/daemon/test_config.py)."""
+"""Every config in configs/ parses with its own process's loader; every config field of every
+process is documented; every loader names the file and all bad fields at once; and the demo's
+per-process configs are built as objects that load back unchanged."""
 
 from pathlib import Path
 
 import pytest
+from pydantic import BaseModel
 
-from rollout.worker import parse_args
-from trainer.demo import load_demo_config
+from chain.config_base import ConfigError, to_yaml, undocumented
+from daemon.config import Config, load_config
+from demo.config import DemoConfig, build_layout, load_demo_config, with_overrides, write_layout
+from rollout.config import WorkerConfig, parse_args
+from trainer.config import TrainerConfig, load_trainer_config
 
 ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = ROOT / "configs"
+KEY = "3d4017c3e843895a92b70aa74d1b7ebc9c982ccf2ec4968cc0cd55f12af4660c"
 
 
-def test_demo_config_parses():
-    cfg = load_demo_config(ROOT / "configs" / "demo.yaml")
-    assert len(cfg.regions) == 3 and cfg.steps >= 10
+def load_worker(path: Path) -> WorkerConfig:
+    return parse_args(["--config", str(path)])[0]
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "configs" / "rollout").glob("*.yaml")),
-                         ids=lambda p: p.name)
-def test_rollout_worker_config_parses(path):
-    cfg, _ = parse_args(["--config", str(path)])
-    assert cfg.region == path.stem
+LOADERS = {  # which process reads which shipped file
+    "trainer.yaml": lambda p: load_config(p, check_paths=False),
+    "regions/*.yaml": lambda p: load_config(p, check_paths=False),
+    "train.yaml": load_trainer_config,
+    "rollout/*.yaml": load_worker,
+    "demo.yaml": load_demo_config,
+}
+
+
+def shipped() -> list[tuple[Path, str]]:
+    return sorted((p, pattern) for pattern in LOADERS for p in CONFIGS.glob(pattern))
+
+
+@pytest.mark.parametrize(("path", "pattern"), shipped(),
+                         ids=lambda v: str(v.relative_to(CONFIGS)) if isinstance(v, Path) else "")
+def test_every_shipped_config_parses_with_its_loader(path, pattern):
+    assert isinstance(LOADERS[pattern](path), BaseModel)
+
+
+def test_every_file_in_configs_has_a_loader_and_every_process_an_example():
+    covered = {p for p, _ in shipped()}
+    assert set(CONFIGS.rglob("*.yaml")) == covered
+    assert {pattern for _, pattern in shipped()} == set(LOADERS)
+
+
+@pytest.mark.parametrize("model", [Config, TrainerConfig, WorkerConfig, DemoConfig],
+                         ids=lambda m: m.__name__)
+def test_every_config_field_is_documented(model):
+    assert undocumented(model) == []
+
+
+@pytest.mark.parametrize(("text", "load"), [
+    ("run: r\nstate_dir: s\nchain_dir: c\nkey: k\ningest: {port: 0, token: short}\n"
+     "steps: 0\nsurprise: 1\n", load_trainer_config),
+    ("daemon: ftp://x\ntoken: t\ngroup_size: 0\nsurprise: 1\nregion: 'a b'\n", load_worker),
+    ("steps: 1\nbase_port: 80\nrollout: {group_size: 1}\nsurprise: 1\n", load_demo_config),
+], ids=["trainer", "worker", "demo"])
+def test_every_bad_field_is_named_at_once_with_the_file(tmp_path, capsys, text, load):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    try:
+        load(path)
+        raise AssertionError("the bad config loaded")
+    except ConfigError as e:
+        message = str(e)
+    except SystemExit:  # the worker's argparse entry prints the same message and exits 2
+        message = capsys.readouterr().err
+    assert str(path) in message
+    assert message.count("field ") >= 4, message
+    assert "surprise" in message
 
 
 def test_worker_flags_override_the_config_file():
-    path = ROOT / "configs" / "rollout" / "eu-west.yaml"
-    cfg, _ = parse_args(["--config", str(path), "--group-size", "4"])
-    assert cfg.group_size == 4
+    cfg, _ = parse_args(["--config", str(CONFIGS / "rollout" / "eu-west.yaml"),
+                         "--group-size", "4"])
+    assert cfg.group_size == 4 and cfg.region == "eu-west"
 
 
-def test_worker_config_with_unknown_field_is_refused(tmp_path):
+def test_worker_config_with_unknown_field_is_refused(tmp_path, capsys):
     bad = tmp_path / "w.yaml"
     bad.write_text("daemon: http://x:1\ntoken: t\nsurprise: 1\n")
     with pytest.raises(SystemExit):
         parse_args(["--config", str(bad)])
+    assert "surprise" in capsys.readouterr().err
+
+
+def test_relative_trainer_paths_resolve_against_the_config_file(tmp_path):
+    path = tmp_path / "t.yaml"
+    path.write_text("run: r\nstate_dir: s\nchain_dir: ../c\nkey: k.key\n"
+                    "ingest: {token: '12345678'}\nmodel: {path: hf}\n")
+    cfg = load_trainer_config(path)
+    assert cfg.state_dir == tmp_path / "s" and cfg.key == tmp_path / "k.key"
+    assert cfg.chain_dir == tmp_path / ".." / "c" and cfg.model.path == tmp_path / "hf"
+
+
+def test_demo_builds_every_process_config_as_objects_that_load_back(tmp_path):
+    cfg = with_overrides(load_demo_config(CONFIGS / "demo.yaml"), steps=3, base_port=30000)
+    layout = build_layout(cfg, tmp_path, KEY, token="demo-token-1234")
+    paths = write_layout(layout, tmp_path)
+    assert set(paths) == {"trainer", "trainer-daemon", *(f"{r}-{kind}" for r in cfg.regions
+                                                          for kind in ("daemon", "worker"))}
+    for name, daemon in layout.daemons.items():
+        assert load_config(paths[f"{name}-daemon"]) == daemon
+    for region, worker in layout.workers.items():
+        assert load_worker(paths[f"{region}-worker"]) == worker
+    assert load_trainer_config(paths["trainer"]) == layout.trainer
+    assert layout.trainer.steps == 3 and layout.trainer.grpo == cfg.grpo
+    # each region bootstraps from the one before it, the first from the trainer
+    urls = layout.urls()
+    assert layout.daemons[cfg.regions[0]].bootstrap == [urls["trainer"]]
+    assert layout.daemons[cfg.regions[1]].bootstrap == [urls[cfg.regions[0]]]
+
+
+def test_demo_overrides_are_validated():
+    cfg = load_demo_config(CONFIGS / "demo.yaml")
+    with pytest.raises(ConfigError, match="steps"):
+        with_overrides(cfg, steps=0)
+    assert to_yaml(with_overrides(cfg, steps=5)).count("steps: 5") == 1

@@ -1,0 +1,78 @@
+"""The rollout worker's configuration, in the style every process shares (chain/config_base.py):
+each field documented and bounded, from a YAML file (`--config`) and/or one flag per field, with
+every bad field named at once.
+
+    deltaswarm rollout --config configs/rollout/eu-west.yaml [--group-size 4 ...]
+"""
+
+import argparse
+import os
+import socket
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field
+
+from chain.config_base import NAME_PATTERN, ConfigError, Section, read_yaml, validate
+
+
+class WorkerConfig(Section):
+    daemon: str = Field(pattern=r"^https?://\S+$", max_length=2048)
+    """Base URL of the local daemon's control plane."""
+    token: str = Field(min_length=1, max_length=4096)
+    """The swarm's bearer token (the daemon's `token`)."""
+    task: str = Field("rollout.tasks.arithmetic", min_length=1, max_length=1024)
+    """Task plug-in spec (see rollout.tasks)."""
+    region: str = Field("local", pattern=NAME_PATTERN)
+    """Region tag stamped on every trajectory."""
+    worker: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",
+                        min_length=1, max_length=256)
+    """Worker name stamped on every trajectory (default host-pid)."""
+    engine: Literal["torch", "vllm"] = "torch"
+    """Inference engine: in-process torch, or a vLLM server (see rollout.engine.ENGINES)."""
+    prompts_per_batch: int = Field(default=16, ge=1, le=4096)
+    """Prompts sampled per batch."""
+    group_size: int = Field(default=8, ge=1, le=256)
+    """Completions per prompt (one GRPO group)."""
+    max_tokens: int = Field(default=6, ge=1, le=32768)
+    """Most tokens generated per completion."""
+    temperature: float = Field(default=1.0, ge=0.0, le=10.0)
+    """Sampling temperature; must equal the trainer's `grpo.temperature`."""
+    seed: int = Field(0, ge=0, le=2**63 - 1)
+    """Seed of prompt sampling and generation."""
+    poll_timeout_s: float = Field(default=30.0, gt=0, le=600)
+    """Long-poll wait for a new verified version."""
+    retry_max_s: float = Field(default=10.0, gt=0, le=600)
+    """Longest delay between retries of a post."""
+    drain_s: float = Field(default=10.0, ge=0, le=600)
+    """After a stop signal, keep delivering the current batch this long."""
+    max_batches: int | None = Field(default=None, ge=1)
+    """Stop after this many batches (tests, benchmarks); None runs until signalled."""
+
+
+def _flag_type(annotation: Any) -> type:
+    for kind in (int, float):
+        if annotation in (kind, kind | None):
+            return kind
+    return str
+
+
+def parse_args(argv: list[str] | None = None, description: str | None = None
+               ) -> tuple[WorkerConfig, int]:
+    """(config, torch threads) from `--config FILE` and per-field flags (flags win)."""
+    p = argparse.ArgumentParser(prog="deltaswarm rollout", description=description,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    for name, field in WorkerConfig.model_fields.items():
+        p.add_argument("--" + name.replace("_", "-"), type=_flag_type(field.annotation),
+                       help=field.description)
+    p.add_argument("--config", type=Path,
+                   help="YAML file with any of these fields (flags override it)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    ns = vars(p.parse_args(argv))
+    threads, path = ns.pop("threads"), ns.pop("config")
+    try:
+        fields = read_yaml(path) if path is not None else {}
+        fields.update({k: v for k, v in ns.items() if v is not None})
+        return validate(WorkerConfig, fields, path or "(flags)"), threads
+    except ConfigError as e:
+        p.error(str(e))
