@@ -11,16 +11,16 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[all,dev]"
 	touch $(STAMP)
 
 install: $(STAMP)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check chain daemon trainer rollout tests bench
+	$(VENV)/bin/ruff check chain daemon trainer rollout demo tests bench
 
 test: $(STAMP)
-	$(VENV)/bin/ruff check chain daemon trainer rollout tests bench
+	$(VENV)/bin/ruff check chain daemon trainer rollout demo tests bench
 	$(PY) -m pytest -q
 
 demo: $(STAMP)
