@@ -99,6 +99,23 @@ def load_yaml(model: type[M], path: str | os.PathLike, paths: Iterable[str] = ()
     return validate(model, doc, path, tagged)
 
 
+def replace(cfg: M, **changes: Any) -> M:
+    """A copy of `cfg` with `changes` applied and re-validated (unlike `model_copy`). A mapping
+    given for a section is merged into it (`http={"port": 1}` keeps `http.host`); a model
+    replaces it whole. Bad values raise `ConfigError` naming every field."""
+    return validate(type(cfg), _merge(cfg.model_dump(), changes))
+
+
+def _merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in changes.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
 def to_yaml(cfg: BaseModel) -> str:
     """`cfg` as YAML that `load_yaml` reads back to an equal model (every field written)."""
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

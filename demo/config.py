@@ -14,7 +14,7 @@ from typing import Annotated
 
 from pydantic import Field, model_validator
 
-from chain.config_base import NAME_PATTERN, Section, load_yaml, to_yaml, validate
+from chain.config_base import NAME_PATTERN, Section, load_yaml, replace, to_yaml
 from daemon.config import BtListen, Config, HttpListen, Limits, Trajectories
 from rollout.config import WorkerConfig
 from trainer.config import (
@@ -85,8 +85,8 @@ def load_demo_config(path: str | os.PathLike) -> DemoConfig:
 
 
 def with_overrides(cfg: DemoConfig, **changes: object) -> DemoConfig:
-    """`cfg` with top-level fields changed (nested sections given as objects), re-validated."""
-    return validate(DemoConfig, {**cfg.model_dump(), **changes})
+    """`cfg` with fields changed and re-validated (see chain.config_base.replace)."""
+    return replace(cfg, **changes)
 
 
 @dataclass(frozen=True)

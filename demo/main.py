@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_demo_config(a.config)
         if a.warmup_steps is not None:
-            changes["warmup"] = {**cfg.warmup.model_dump(), "steps": a.warmup_steps}
+            changes["warmup"] = {"steps": a.warmup_steps}
         cfg = with_overrides(cfg, **changes)
     except ConfigError as e:
         print(f"deltaswarm demo: {e}", file=sys.stderr)

@@ -36,8 +36,7 @@ def test_short_demo_converges_every_region_and_cleans_up(tmp_path):
     cfg = with_overrides(
         shipped, out_dir=tmp_path, steps=3, base_port=random.randrange(20000, 40000, 100),
         batch=32, warmup=WarmupConfig(steps=20, lr=0.003, batch=32), timeout_s=600,
-        min_reward_gain=-1.0,
-        rollout=shipped.rollout.model_copy(update={"prompts_per_batch": 4, "group_size": 4}))
+        min_reward_gain=-1.0, rollout={"prompts_per_batch": 4, "group_size": 4})
     config = tmp_path / "demo.yaml"
     config.write_text(to_yaml(cfg))
     run_dir = tmp_path / "run"
