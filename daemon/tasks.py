@@ -40,3 +40,18 @@ async def stop(task: asyncio.Task) -> None:
     await asyncio.wait({task})  # unlike `await task`, a cancel of the caller does not wait
     if not task.cancelled():
         task.exception()  # reported by `watched` (or deliberately ignored); marks it retrieved
+
+
+async def within(coro: Coroutine, timeout: float, name: str = "shutdown") -> bool:
+    """Run `coro` as a task for at most `timeout` seconds: True if it finished (its exception
+    raised), False if time ran out, in which case it is cancelled but NOT awaited. Unlike
+    `asyncio.wait_for`, which waits for the cancelled work to wind down (aiohttp's cleanup runs
+    every remaining cleanup context first), this returns at the deadline; the caller then exits
+    the process without the event loop's teardown, which would wait again."""
+    task = asyncio.create_task(coro, name=name)
+    done, _ = await asyncio.wait({task}, timeout=timeout)
+    if not done:
+        task.cancel()
+        return False
+    task.result()
+    return True

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from daemon.tasks import stop, watched
+from daemon.tasks import stop, watched, within
 
 
 async def test_a_crash_is_reported_at_once_with_its_name_and_traceback(caplog):
@@ -76,3 +76,27 @@ async def test_a_stop_cut_short_by_a_deadline_raises_at_the_deadline():
         await asyncio.wait_for(stop(task), 0.1)
     assert loop.time() - started < 0.6
     await asyncio.wait({task})  # let it end before the loop closes
+
+
+async def test_within_returns_at_the_deadline_even_if_the_work_ignores_cancellation():
+    loop = asyncio.get_running_loop()
+    release = loop.time() + 1.0
+    finished: list[bool] = []
+
+    async def slow_cleanup() -> None:
+        while loop.time() < release:
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(release - loop.time())
+        finished.append(True)
+
+    started = loop.time()
+    assert await within(slow_cleanup(), 0.1) is False
+    assert loop.time() - started < 0.6 and finished == []
+    assert await within(asyncio.sleep(0.01), 1.0) is True
+    with pytest.raises(RuntimeError, match="disk"):
+        await within(_raises("disk full"), 1.0)
+    await asyncio.sleep(release - loop.time() + 0.05)  # let the abandoned one end
+
+
+async def _raises(message: str) -> None:
+    raise RuntimeError(message)
