@@ -31,7 +31,17 @@ Name = Annotated[str, Field(max_length=256)]
 
 
 class BadTrajectory(ValueError):
-    """A trajectory batch was refused; the message names the line, the trajectory and the field."""
+    """A trajectory batch was refused; the message names the line, the trajectory and the field.
+    `index` (0-based, None when the batch as a whole is refused) says which trajectory, so a
+    forwarder can set exactly that one aside."""
+
+    def __init__(self, message: str, index: int | None = None) -> None:
+        super().__init__(message)
+        self.index = index
+
+    def reply(self) -> dict:
+        """The JSON body of the 400 that refuses the batch."""
+        return {"error": str(self), "trajectory": self.index}
 
 
 class Trajectory(BaseModel):
@@ -97,11 +107,11 @@ def parse_ndjson(body: bytes, max_items: int = MAX_ITEMS, canonical: bool = Fals
         if len(out) >= max_items:
             raise BadTrajectory(f"more than {max_items} trajectories in one request; split it")
         if len(line) > MAX_LINE:
-            raise BadTrajectory(f"{where}: {len(line)} bytes exceeds {MAX_LINE}")
+            raise BadTrajectory(f"{where}: {len(line)} bytes exceeds {MAX_LINE}", len(out))
         try:
             t = parse_line(line)
         except ValidationError as e:
-            raise BadTrajectory(f"{where}: {describe(e)}") from None
+            raise BadTrajectory(f"{where}: {describe(e)}", len(out)) from None
         out.append((t.id, t.model_dump_json().encode() if canonical else line))
     return out
 

@@ -193,7 +193,9 @@ async def trajectories(request: web.Request) -> web.Response:
         # in a worker thread so /healthz, long-polls and the swarm keep their event loop.
         held, fresh = await asyncio.to_thread(spool_batch, node.spool, body)
     except BadTrajectory as e:
-        raise fail(400, f"trajectory batch refused: {e}") from None
+        raise web.HTTPBadRequest(
+            text=json.dumps({**e.reply(), "error": f"trajectory batch refused: {e}"}),
+            content_type="application/json") from None
     except SpoolFull as e:
         node.spool_refusals += 1
         raise fail(429, str(e), **{"Retry-After": str(node.retry_after_s())}) from None

@@ -255,9 +255,11 @@ class Forwarder:
             delay = min(delay * 2, cfg.retry_max_s)
 
     async def _deliver(self, batch: list[tuple[str, bytes]]) -> None:
-        """Send `batch`. A part refused as invalid is halved until each bad trajectory is alone,
-        so the good ones beside it still go through; a lone refused one moves to the rejected
-        store. Raises Retry (after keeping whatever was acknowledged) on anything else."""
+        """Send `batch`. When the upstream refuses a part as invalid, the trajectory its reply
+        names (`"trajectory": index`, as this daemon and the ingest answer) moves to the rejected
+        store and the rest is resent; a refusal naming none halves the part until each bad
+        trajectory is alone. Raises Retry (after keeping whatever was acknowledged) on anything
+        else."""
         parts = [batch]
         while parts:
             part = parts.pop()
@@ -269,19 +271,25 @@ class Forwarder:
                     raise Retry("upstream acknowledged none of the batch")
                 self.forwarded += n
                 self._acks.append((time.monotonic(), n))
+            elif status in INVALID and (k := _named(text, len(part))) is not None:
+                await self._reject(part[k][0], status, text)
+                if len(part) > 1:
+                    parts.append(part[:k] + part[k + 1:])
             elif status in INVALID and len(part) > 1:
                 half = len(part) // 2
                 parts += [part[half:], part[:half]]
             elif status in INVALID:
-                tid = part[0][0]
-                self.last_rejected = f"{tid}: HTTP {status}: {text[:300]}"
-                await asyncio.to_thread(self.spool.reject, [tid], status, text)
-                log.error("upstream refused trajectory %s as invalid (HTTP %d: %s); moved to the "
-                          "rejected store, not resent", tid, status, text[:300])
+                await self._reject(part[0][0], status, text)
             elif status == 429:
                 raise Retry("upstream is full (429)", retry_after)
             else:
                 raise Retry(f"upstream answered HTTP {status}: {text[:200]}")
+
+    async def _reject(self, tid: str, status: int, text: str) -> None:
+        self.last_rejected = f"{tid}: HTTP {status}: {text[:300]}"
+        await asyncio.to_thread(self.spool.reject, [tid], status, text)
+        log.error("upstream refused trajectory %s as invalid (HTTP %d: %s); moved to the "
+                  "rejected store, not resent", tid, status, text[:300])
 
     async def _post(self, part: list[tuple[str, bytes]]
                     ) -> tuple[int, str, list[str], str | None]:
@@ -313,3 +321,12 @@ class Forwarder:
                 "rejected": self.spool.rejected, "last_rejected": self.last_rejected,
                 "errors": self.errors, "last_error": self.last_error,
                 "backoff_s": round(self.backoff_s, 3)}
+
+
+def _named(text: str, n: int) -> int | None:
+    """The index of the trajectory a 400 reply names (`{"trajectory": k}`), if it is one of n."""
+    try:
+        k = json.loads(text).get("trajectory")
+    except (ValueError, AttributeError):
+        return None
+    return k if isinstance(k, int) and not isinstance(k, bool) and 0 <= k < n else None

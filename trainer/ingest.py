@@ -195,7 +195,7 @@ def make_ingest_app(store: IngestStore, token: str, max_body: int = MAX_BODY) ->
             # Validating up to `max_body` bytes of JSON is CPU work: keep it off the event loop.
             records = await asyncio.to_thread(parse_ndjson_records, body)
         except BadIngest as e:
-            return web.json_response({"error": str(e)}, status=400)
+            return web.json_response(e.reply(), status=400)
         try:
             held = await request.app[STORE_KEY].append(records)
         except StoreWriteError as e:

@@ -15,13 +15,16 @@ from aiohttp.test_utils import TestServer
 from daemon.config import Trajectories
 from daemon.spool import Forwarder, Spool, parse_batch
 from tests.trajectories import batch, ids, ndjson
+from trainer.ingest import IngestStore, make_ingest_app
 
 
-async def forward(spool: Spool, handler, until, seconds: float, **cfg: object) -> Forwarder:
-    """Run a Forwarder from `spool` to an upstream app serving `handler` until `until()` holds
-    or `seconds` pass; the forwarder task must still be alive at the end."""
-    app = web.Application()
-    app.router.add_post("/v1/ingest", handler)
+async def forward(spool: Spool, upstream, until, seconds: float, **cfg: object) -> Forwarder:
+    """Run a Forwarder from `spool` to `upstream` (an app, or a handler of /v1/ingest) until
+    `until()` holds or `seconds` pass; the forwarder task must still be alive at the end."""
+    app = upstream
+    if not isinstance(upstream, web.Application):
+        app = web.Application()
+        app.router.add_post("/v1/ingest", upstream)
     server = TestServer(app, host="127.0.0.1")
     await server.start_server()
     try:
@@ -100,3 +103,30 @@ def test_hostile_retry_after_neither_kills_nor_spins_the_forwarder(tmp_path: Pat
     # waits stay within [retry_initial_s, retry_max_s]: 0.8 s holds about 3-9 posts
     assert 2 <= len(posts) <= 10, posts
     assert 0.1 <= f.backoff_s <= 0.3 and spool.depth() == 3
+
+
+def test_a_region_stuck_on_a_bad_trajectory_drains_into_the_real_ingest_after_upgrade(
+        tmp_path: Path) -> None:
+    """Issue 10 item 6 as a region upgraded from the old spool would see it: its segment files
+    hold a `-Infinity` log-prob the old spool took. The real ingest names that trajectory in its
+    400; it alone is set aside, in one extra request, and every other trajectory arrives."""
+    trajs = batch(12)
+    trajs[4]["logprobs"] = [-0.5, float("-inf"), -0.1]
+    (tmp_path / "spool").mkdir()
+    (tmp_path / "spool" / "seg-000000000001.ndjson").write_bytes(ndjson(trajs))
+    spool = Spool(tmp_path / "spool", 1 << 20)
+    store = IngestStore(tmp_path / "ingest")
+    posts: list[int] = []
+
+    @web.middleware
+    async def count(request: web.Request, handler):
+        posts.append(1)
+        return await handler(request)
+
+    ingest = make_ingest_app(store, "token-123456")
+    ingest.middlewares.append(count)
+    f = asyncio.run(forward(spool, ingest, lambda: spool.depth() == 0, 10, batch_size=100))
+    assert spool.depth() == 0 and spool.rejected == 1 and f.forwarded == 11
+    assert store.held_ids() == [t["id"] for i, t in enumerate(trajs) if i != 4]
+    assert [r["id"] for r in spool.rejected_items()] == [trajs[4]["id"]]
+    assert len(posts) == 2
