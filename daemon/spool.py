@@ -308,7 +308,10 @@ class Forwarder:
                 raw += chunk
                 if len(raw) > REPLY_LIMIT + 64 * len(part):
                     raise ValueError("upstream reply is too large for a list of held ids")
-        reply = json.loads(raw)
+        try:
+            reply = json.loads(raw)
+        except RecursionError:
+            raise ValueError("upstream reply is nested too deeply") from None
         held = reply.get("held") if isinstance(reply, dict) else None
         if not isinstance(held, list) or not all(isinstance(t, str) for t in held):
             raise ValueError("upstream reply has no list of held ids")
@@ -327,6 +330,6 @@ def _named(text: str, n: int) -> int | None:
     """The index of the trajectory a 400 reply names (`{"trajectory": k}`), if it is one of n."""
     try:
         k = json.loads(text).get("trajectory")
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         return None
     return k if isinstance(k, int) and not isinstance(k, bool) and 0 <= k < n else None

@@ -130,3 +130,19 @@ def test_a_region_stuck_on_a_bad_trajectory_drains_into_the_real_ingest_after_up
     assert store.held_ids() == [t["id"] for i, t in enumerate(trajs) if i != 4]
     assert [r["id"] for r in spool.rejected_items()] == [trajs[4]["id"]]
     assert len(posts) == 2
+
+
+@pytest.mark.parametrize("status", [200, 400])
+def test_a_hostile_reply_body_is_a_retried_error_not_a_dead_forwarder(tmp_path: Path,
+                                                                     status: int) -> None:
+    spool = Spool(tmp_path, 1 << 20)
+    spool.append(parse_batch(ndjson(batch(3))))
+
+    async def upstream(request: web.Request) -> web.Response:
+        return web.Response(body=b"[" * 4000, status=status, content_type="application/json")
+
+    f = asyncio.run(forward(spool, upstream, lambda: False, 0.4))
+    if status == 200:
+        assert f.errors >= 1 and "nested too deeply" in f.last_error and spool.depth() == 3
+    else:  # a refusal that names no trajectory: each is tried alone, then set aside
+        assert spool.rejected == 3 and spool.depth() == 0
