@@ -84,11 +84,11 @@ def test_a_misconfigured_forwarder_keeps_the_stream_instead_of_rejecting_it(
     assert f.errors >= 2 and "HTTP 401" in f.last_error
 
 
-@pytest.mark.parametrize("retry_after", ["nan", "-1", "inf", "1e400", "0", "soon",
-                                         "Wed, 21 Oct 2015 07:28:00 GMT",
-                                         "Fri, 01 Jan 9999 00:00:00 GMT"])
+@pytest.mark.parametrize("retry_after", ["nan", "-1", "0", "Fri, 01 Jan 9999 00:00:00 GMT"])
 def test_hostile_retry_after_neither_kills_nor_spins_the_forwarder(tmp_path: Path,
                                                                    retry_after: str) -> None:
+    """Issue 10 item 2: `nan` killed the forwarder, `-1` made thousands of resends. (More values:
+    tests/unit/chain/test_trajectory.py.)"""
     spool = Spool(tmp_path, 1 << 20)
     spool.append(parse_batch(ndjson(batch(3))))
     posts: list[float] = []
