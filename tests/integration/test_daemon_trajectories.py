@@ -8,6 +8,7 @@ token, and a big batch parsed without stalling the event loop."""
 import asyncio
 import io
 import json
+import resource
 import threading
 import time
 import urllib.request
@@ -247,3 +248,37 @@ def test_a_64mb_batch_does_not_stall_healthz(tmp_path: Path) -> None:
     print(f"/healthz during a {len(body) >> 20} MiB batch: {len(times)} probes, worst "
           f"{max(times):.3f} s")
     assert len(times) >= 3 and max(times) < 1.0, f"/healthz took {max(times):.2f} s"
+
+
+def test_a_post_the_disk_refuses_is_503_and_nothing_acknowledged_is_lost_after_kill9(
+        tmp_path: Path) -> None:
+    """Issue 10 item 7 on a real daemon: while its file-size limit (prlimit, as `prlimit --fsize`)
+    stops writes half-way, batch B gets 503 (was 500); C, posted once the limit is lifted, is
+    acknowledged and survives a kill -9 (it was lost: appended onto B's partial line); B's
+    resend is stored once."""
+    a, b, c = make_batch(5), make_batch(60, pad=2000), make_batch(5)
+    with Cluster(tmp_path) as cl:
+        r1 = cl.region("r1", bootstrap=[])
+        cl.start_all()
+        assert post(r1.url, ndjson(a))[0] == 200
+        spool_dir = r1.state_dir / "spool"
+        biggest = max(p.stat().st_size for p in spool_dir.iterdir())
+        unlimited = resource.prlimit(r1.proc.pid, resource.RLIMIT_FSIZE)
+        resource.prlimit(r1.proc.pid, resource.RLIMIT_FSIZE, (biggest + 300, unlimited[1]))
+        try:
+            code, reply, headers = post(r1.url, ndjson(b))
+        finally:
+            resource.prlimit(r1.proc.pid, resource.RLIMIT_FSIZE, unlimited)
+        assert code == 503 and "nothing of this batch was stored" in reply["error"], reply
+        assert int(headers["Retry-After"]) >= 1
+        assert post(r1.url, ndjson(c))[0] == 200
+        r1.kill9()
+        r1.start()
+        r1.wait_ready()
+        assert r1.status()["spool"]["depth"] == 10
+        code, reply, _ = post(r1.url, ndjson(b))
+        assert code == 200 and reply["held"] == ids(b)
+        assert r1.status()["spool"]["depth"] == 70
+        assert r1.stop() == 0
+    spool = Spool(r1.state_dir / "spool", 1 << 30)
+    assert [t for t, _ in spool.take(1000, 1 << 30)] == ids(a) + ids(c) + ids(b)
