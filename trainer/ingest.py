@@ -83,7 +83,11 @@ class IngestStore:
         failed append, is skipped and logged). Returns the consumed count."""
         files = sorted((self.root / "segments").glob("*.jsonl"))
         cursor = self.root / "cursor.json"
-        old_consumed = json.loads(cursor.read_text())["consumed"] if cursor.exists() else 0
+        try:
+            old_consumed = int(json.loads(cursor.read_text())["consumed"]) if cursor.exists() else 0
+        except (ValueError, KeyError, TypeError) as e:
+            raise IngestStoreError(f"{cursor} is damaged ({e}); restore it, or delete it to "
+                                   "retrain on everything held") from e
         rows, seen, consumed, skipped = [], set(), 0, 0
         for n, line in enumerate(x for p in files for x in p.read_bytes().splitlines()):
             try:
