@@ -15,7 +15,6 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
 from aiohttp import web
 
 from daemon.spool import Spool
@@ -155,24 +154,27 @@ def test_full_spool_pushes_back_and_bad_input_is_refused(tmp_path: Path) -> None
 NESTED = b'{"extra": ' + b"[" * 5000 + b"]" * 5000 + b"}\n"
 
 
-@pytest.mark.parametrize("bad, message", [
+BAD = [
     (ndjson([trajectory(id="not-hex-" + "a" * 24)]), "field id: String should match pattern"),
     (ndjson([trajectory(logprobs=DROP)]), "field logprobs: Field required"),
     (ndjson([trajectory(logprobs=[-0.5, float("-inf"), -0.1])]),
      "field logprobs.1: Input should be a finite number"),
     (ndjson([trajectory(reward=float("nan"))]), "field reward: Input should be a finite number"),
     (NESTED, "not valid JSON (recursion limit exceeded"),
-])
-def test_what_the_ingest_would_refuse_is_refused_at_the_daemon_with_400(
-        tmp_path: Path, bad: bytes, message: str) -> None:
+]
+
+
+def test_what_the_ingest_would_refuse_is_refused_at_the_daemon_with_400(tmp_path: Path) -> None:
     """Issue 10 item 6: the spool used to take these, then the ingest refused them and the
     forwarder resent them for ever. A nested line gave HTTP 500."""
     with Cluster(tmp_path) as c:
         r1 = c.region("r1", bootstrap=[])
         c.start_all()
-        code, reply, _ = post(r1.url, ndjson(make_batch(2)) + bad)
-        assert code == 400, reply
-        assert "line 3 (trajectory 2): " + message in reply["error"]
+        for bad, message in BAD:
+            code, reply, _ = post(r1.url, ndjson(make_batch(2)) + bad)
+            assert code == 400, reply
+            assert "line 3 (trajectory 2): " + message in reply["error"], reply
+            assert reply["trajectory"] == 2
         assert r1.status()["spool"]["depth"] == 0
 
 
