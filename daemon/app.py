@@ -20,7 +20,7 @@ from chain.errors import BadManifest
 from chain.manifest import parse_artifact
 from daemon.peers import HEADER, BadPeer, check_url, parse_endpoint
 from daemon.publish import PublishError
-from daemon.spool import BadTrajectory, SpoolFull, parse_batch
+from daemon.spool import BadTrajectory, Spool, SpoolFull, SpoolWriteError, parse_batch
 
 if TYPE_CHECKING:
     from daemon.node import Node
@@ -187,21 +187,28 @@ async def trajectories(request: web.Request) -> web.Response:
     node = request.app[NODE]
     body = await request.read()
     try:
-        items = parse_batch(body)
+        # Parsing and storing a batch (up to http.max_body_bytes) is CPU and disk work: it runs
+        # in a worker thread so /healthz, long-polls and the swarm keep their event loop.
+        held, fresh = await asyncio.to_thread(spool_batch, node.spool, body)
     except BadTrajectory as e:
-        raise fail(400, f"trajectory batch refused: {e}") from None
-    try:
-        held, fresh = await asyncio.to_thread(node.spool.append, items)
-    except BadTrajectory as e:
-        raise fail(400, f"trajectory batch refused: {e}") from None
+        raise web.HTTPBadRequest(
+            text=json.dumps({**e.reply(), "error": f"trajectory batch refused: {e}"}),
+            content_type="application/json") from None
     except SpoolFull as e:
         node.spool_refusals += 1
         raise fail(429, str(e), **{"Retry-After": str(node.retry_after_s())}) from None
+    except SpoolWriteError as e:
+        raise fail(503, str(e), **{"Retry-After": str(node.retry_after_s())}) from None
     node.spool_accepted += fresh
-    node.spool_duplicates += len(items) - fresh
+    node.spool_duplicates += len(held) - fresh
     if fresh:
         node.forwarder.kick()
     return web.json_response({"held": held})
+
+
+def spool_batch(spool: Spool, body: bytes) -> tuple[list[str], int]:
+    """Validate an NDJSON batch (chain.trajectory) and store it durably: (ids, newly stored)."""
+    return spool.append(parse_batch(body))
 
 
 async def publish(request: web.Request) -> web.Response:

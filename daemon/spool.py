@@ -1,43 +1,39 @@
-"""The trajectory spool: what rollout workers post is on disk (fsync'd) before it is acknowledged,
-and leaves only when the upstream acknowledged it.
+"""The trajectory spool: what rollout workers post is on disk before it is acknowledged, and
+leaves only when the upstream acknowledged it or refused it as invalid.
 
-Layout: `seg-<n>.ndjson` segment files (appended, fsync'd per batch) and `acked.log` (ids the
-upstream holds, fsync'd per reply). A trajectory is pending while its id is in a live segment and
-not in the ack log; fully acknowledged segments are deleted, then the ack log is compacted
-atomically. A torn last line (kill -9 mid-append) was never acknowledged, so it is dropped.
+Storage is one SQLite database in WAL mode with `synchronous=FULL`: a batch is one transaction,
+so a write that fails half-way (disk full, file-size limit, kill -9) leaves nothing of it behind,
+and recovery at open is SQLite's own. `pending` holds what is owed upstream in arrival order;
+`rejected` holds what the upstream refused as invalid (kept for an operator, never resent).
 """
 
 import asyncio
 import contextlib
 import json
 import logging
-import os
 import random
-import re
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from pathlib import Path
 
 import aiohttp
 
-from chain.atomic import fsync_dir, write_atomic
+from chain.sqlstore import StoreWriteError, connect, transaction
+from chain.trajectory import MAX_ITEMS, BadTrajectory, parse_ndjson, retry_after_s
 from daemon.config import Trajectories
 
 log = logging.getLogger("deltaswarm.spool")
 
-MAX_LINE = 16 << 20
-_ID = re.compile(r"^[A-Za-z0-9_\-]{1,128}$")
-_SEG = re.compile(r"^seg-(\d{12})\.ndjson$")
-_TYPES: dict[str, tuple[type, ...]] = {
-    "group": (str,), "prompt": (str,), "completion": (str,), "prompt_ids": (list,),
-    "completion_ids": (list,), "logprobs": (list,), "reward": (int, float), "region": (str,),
-    "worker": (str,), "created": (int, float),
-}
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS pending (seq INTEGER PRIMARY KEY, id TEXT NOT NULL UNIQUE,
+                                    line BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS rejected (seq INTEGER PRIMARY KEY, id TEXT NOT NULL,
+                                     line BLOB NOT NULL, status INTEGER NOT NULL,
+                                     reason TEXT NOT NULL, at REAL NOT NULL);
+"""
 
-
-class BadTrajectory(ValueError):
-    """A line of a trajectory batch is not a valid trajectory."""
+__all__ = ["BadTrajectory", "Spool", "SpoolFull", "SpoolWriteError", "parse_batch"]
 
 
 class SpoolFull(Exception):
@@ -47,202 +43,160 @@ class SpoolFull(Exception):
         super().__init__(f"trajectory spool holds {size} bytes, the limit is {limit}; retry later")
 
 
-def parse_batch(body: bytes, max_items: int = 100_000) -> list[tuple[str, bytes]]:
-    """NDJSON → [(id, line)], validating each line; the whole batch is refused on any bad line."""
-    out: list[tuple[str, bytes]] = []
-    for n, raw in enumerate(body.split(b"\n"), 1):
-        line = raw.strip()
-        if not line:
-            continue
-        if len(out) >= max_items:
-            raise BadTrajectory(f"more than {max_items} trajectories in one request; split it")
-        if len(line) > MAX_LINE:
-            raise BadTrajectory(f"line {n}: {len(line)} bytes exceeds {MAX_LINE}")
-        try:
-            doc = json.loads(line)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise BadTrajectory(f"line {n}: not valid JSON ({e})") from None
-        if not isinstance(doc, dict):
-            raise BadTrajectory(f"line {n}: a trajectory must be a JSON object")
-        tid, version = doc.get("id"), doc.get("version")
-        if not isinstance(tid, str) or not _ID.match(tid):
-            raise BadTrajectory(f"line {n}: field id must be 1-128 of [A-Za-z0-9_-], "
-                                f"got {tid!r:.60}")
-        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
-            raise BadTrajectory(f"line {n}: field version must be an int >= 0, got {version!r:.40}")
-        for key, types in _TYPES.items():
-            v = doc.get(key)
-            if v is not None and (not isinstance(v, types) or isinstance(v, bool)):
-                raise BadTrajectory(f"line {n}: field {key} has type {type(v).__name__}")
-        out.append((tid, line))
-    return out
+SpoolWriteError = StoreWriteError
+"""The spool could not store a batch (disk full, I/O error); nothing of it was kept."""
+
+
+def parse_batch(body: bytes, max_items: int = MAX_ITEMS) -> list[tuple[str, bytes]]:
+    """NDJSON → [(id, line)], each line a valid `chain.trajectory.Trajectory`; the whole batch is
+    refused with BadTrajectory (naming line, trajectory index and field) on any bad line.
+    CPU-bound: the HTTP handler runs it in a worker thread."""
+    return parse_ndjson(body, max_items)
 
 
 class Spool:
-    def __init__(self, root: Path, max_bytes: int, segment_bytes: int = 4 << 20) -> None:
+    """Durable, deduplicated FIFO of trajectory lines. Methods block on disk: call them from a
+    worker thread; `depth()`, `bytes` and `rejected` are in-memory and safe on the event loop."""
+
+    def __init__(self, root: Path, max_bytes: int) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.max_bytes = max_bytes
-        self.segment_bytes = segment_bytes
-        self.pending: OrderedDict[str, bytes] = OrderedDict()
-        self._seg_of: dict[str, int] = {}
-        self._live: dict[int, set[str]] = {}
-        self._acked_in_log = 0
         self._lock = threading.Lock()
-        self.bytes = 0
-        self._load()
-        self._seg = max(self._live, default=0) + 1
-        self._seg_size = 0
-        self._ack_file = open(self.root / "acked.log", "ab")  # noqa: SIM115 (lives with spool)
+        self._db = connect(self.root / "spool.db", SCHEMA)
+        self._sizes: dict[str, int] = {
+            tid: n + 1 for tid, n in self._db.execute("SELECT id, length(line) FROM pending")}
+        self.bytes = sum(self._sizes.values())
+        self.rejected: int = self._db.execute("SELECT count(*) FROM rejected").fetchone()[0]
+        """Trajectories the upstream refused as invalid, moved to the rejected store."""
+        self._import_segments()
 
-    def _load(self) -> None:
-        acked = set()
-        ack_path = self.root / "acked.log"
-        if ack_path.exists():
-            acked = {line.decode("ascii", "replace").strip() for line in _whole_lines(ack_path)}
-            self._acked_in_log = len(acked)
-        for path in sorted(self.root.glob("seg-*.ndjson")):
-            m = _SEG.match(path.name)
-            if not m:
-                continue
-            seg = int(m.group(1))
-            ids = set()
-            for line in _whole_lines(path):
-                try:
+    def _import_segments(self) -> None:
+        """Move what an older deltaswarm spooled in `seg-*.ndjson` + `acked.log` into the
+        database (one transaction, then the files go); a torn last line was never acknowledged."""
+        segs = sorted(self.root.glob("seg-*.ndjson"))
+        if not segs:
+            return
+        ack_log = self.root / "acked.log"
+        acked = set(ack_log.read_bytes().split()) if ack_log.exists() else set()
+        items = []
+        for path in segs:
+            for line in path.read_bytes().split(b"\n"):
+                with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):
                     tid = json.loads(line)["id"]
-                except (ValueError, KeyError, TypeError):
-                    continue
-                if tid in acked or tid in self.pending:
-                    continue
-                self.pending[tid] = line
-                self._seg_of[tid] = seg
-                self.bytes += len(line) + 1
-                ids.add(tid)
-            self._live[seg] = ids
-        self._drop_empty_segments()
+                    if tid.encode() not in acked:
+                        items.append((tid, line.strip()))
+        fresh = {tid: line for tid, line in items if tid not in self._sizes}
+        self._tx([("INSERT OR IGNORE INTO pending (id, line) VALUES (?, ?)",
+                    list(fresh.items()))])
+        for tid, line in fresh.items():
+            self._sizes[tid] = len(line) + 1
+        self.bytes = sum(self._sizes.values())
+        for path in [*segs, ack_log]:
+            path.unlink(missing_ok=True)
 
     def depth(self) -> int:
-        return len(self.pending)
+        return len(self._sizes)
 
     def append(self, items: list[tuple[str, bytes]]) -> tuple[list[str], int]:
         """Durably add the new ones; returns (every id of the batch, number newly added).
-        Raises SpoolFull (nothing written) when they would push the spool past max_bytes."""
+        Raises SpoolFull (nothing written) when they would push the spool past max_bytes,
+        SpoolWriteError (nothing written) when the disk refuses."""
         with self._lock:
             fresh: dict[str, bytes] = {}
             for tid, line in items:
-                if tid not in self.pending and tid not in fresh:
+                if tid not in self._sizes and tid not in fresh:
                     fresh[tid] = line
             size = sum(len(line) + 1 for line in fresh.values())
             if size > self.max_bytes:
                 raise BadTrajectory(
                     f"a batch of {size} bytes can never fit the {self.max_bytes}-byte spool "
-                    "(trajectories.spool_max_bytes); send smaller batches"
-                )
+                    "(trajectories.spool_max_bytes); send smaller batches")
             if fresh and self.bytes + size > self.max_bytes:
                 raise SpoolFull(self.bytes, self.max_bytes)
             if fresh:
-                self._write(fresh)
+                self._tx([("INSERT INTO pending (id, line) VALUES (?, ?)", list(fresh.items()))])
+                for tid, line in fresh.items():
+                    self._sizes[tid] = len(line) + 1
+                self.bytes += size
             return [tid for tid, _ in items], len(fresh)
 
-    def _write(self, fresh: dict[str, bytes]) -> None:
-        if self._seg_size >= self.segment_bytes:
-            self._seg += 1
-            self._seg_size = 0
-        path = self.root / f"seg-{self._seg:012d}.ndjson"
-        new_file = not path.exists()
-        data = b"".join(line + b"\n" for line in fresh.values())
-        with open(path, "ab") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        if new_file:
-            fsync_dir(self.root)
-        self._seg_size += len(data)
-        live = self._live.setdefault(self._seg, set())
-        for tid, line in fresh.items():
-            self.pending[tid] = line
-            self._seg_of[tid] = self._seg
-            live.add(tid)
-            self.bytes += len(line) + 1
-
     def take(self, max_items: int, max_bytes: int) -> list[tuple[str, bytes]]:
-        """The oldest pending trajectories (they stay pending until acknowledged)."""
+        """The oldest pending trajectories (they stay pending until acknowledged or rejected);
+        at least one if any is pending."""
         with self._lock:
             out, size = [], 0
-            for tid, line in self.pending.items():
-                if out and (len(out) >= max_items or size + len(line) + 1 > max_bytes):
+            for tid, line in self._db.execute(
+                    "SELECT id, line FROM pending ORDER BY seq LIMIT ?", (max_items,)):
+                if out and size + len(line) + 1 > max_bytes:
                     break
-                out.append((tid, line))
+                out.append((tid, bytes(line)))
                 size += len(line) + 1
             return out
 
     def ack(self, ids: list[str]) -> int:
-        """Record that the upstream holds these ids (fsync), then forget them."""
+        """The upstream holds these ids: forget them (durably). Returns how many were pending."""
         with self._lock:
-            ids = [tid for tid in dict.fromkeys(ids) if tid in self.pending]
-            if not ids:
-                return 0
-            self._ack_file.write(b"".join(tid.encode() + b"\n" for tid in ids))
-            self._ack_file.flush()
-            os.fsync(self._ack_file.fileno())
-            self._acked_in_log += len(ids)
-            for tid in ids:
-                line = self.pending.pop(tid)
-                self.bytes -= len(line) + 1
-                self._live[self._seg_of.pop(tid)].discard(tid)
-            self._drop_empty_segments()
+            ids = [tid for tid in dict.fromkeys(ids) if tid in self._sizes]
+            if ids:
+                self._tx([("DELETE FROM pending WHERE id = ?", [(t,) for t in ids])])
+                self._forget(ids)
             return len(ids)
 
-    def _drop_empty_segments(self) -> None:
-        dropped = False
-        for seg in [s for s, ids in self._live.items() if not ids]:
-            if seg == getattr(self, "_seg", None) and self._seg_size < self.segment_bytes:
-                continue
-            (self.root / f"seg-{seg:012d}.ndjson").unlink(missing_ok=True)
-            del self._live[seg]
-            dropped = True
-        if dropped and self._acked_in_log > 4 * len(self.pending) + 10_000:
-            self._compact_acks()
+    def reject(self, ids: list[str], status: int, reason: str) -> int:
+        """The upstream refused these as invalid: move them to the rejected store in one
+        transaction (never resent). Returns how many moved."""
+        with self._lock:
+            ids = [tid for tid in dict.fromkeys(ids) if tid in self._sizes]
+            if ids:
+                now, reason = time.time(), reason[:2000]
+                self._tx([
+                    ("INSERT INTO rejected (id, line, status, reason, at) SELECT id, line, ?, ?, ? "
+                     "FROM pending WHERE id = ?", [(status, reason, now, t) for t in ids]),
+                    ("DELETE FROM pending WHERE id = ?", [(t,) for t in ids])])
+                self._forget(ids)
+                self.rejected += len(ids)
+            return len(ids)
 
-    def _compact_acks(self) -> None:
-        """Keep only ack entries for ids still sitting in live segment files."""
-        ack_path = self.root / "acked.log"
-        keep = []
-        for seg in self._live:
-            path = self.root / f"seg-{seg:012d}.ndjson"
-            if path.exists():
-                for line in _whole_lines(path):
-                    try:
-                        tid = json.loads(line)["id"]
-                    except (ValueError, KeyError, TypeError):
-                        continue
-                    if tid not in self.pending:
-                        keep.append(tid)
-        if hasattr(self, "_ack_file"):
-            self._ack_file.close()
-        write_atomic(ack_path, b"".join(t.encode() + b"\n" for t in dict.fromkeys(keep)))
-        self._acked_in_log = len(keep)
-        self._ack_file = open(ack_path, "ab")  # noqa: SIM115
+    def rejected_items(self, limit: int = 100) -> list[dict]:
+        """The most recent rejected trajectories, newest first: id, status, reason, at, line."""
+        with self._lock:
+            rows = self._db.execute("SELECT id, status, reason, at, line FROM rejected "
+                                    "ORDER BY seq DESC LIMIT ?", (limit,)).fetchall()
+        return [{"id": r[0], "status": r[1], "reason": r[2], "at": r[3], "line": bytes(r[4])}
+                for r in rows]
+
+    def _tx(self, statements: list[tuple[str, list]]) -> None:
+        transaction(self._db, "trajectory spool", statements)
+
+    def _forget(self, ids: list[str]) -> None:
+        for tid in ids:
+            self.bytes -= self._sizes.pop(tid)
 
     def close(self) -> None:
         with self._lock:
-            self._ack_file.close()
+            self._db.close()
 
 
-def _whole_lines(path: Path) -> list[bytes]:
-    """Complete lines of a file; a torn last line (no newline) is cut off the file."""
-    data = path.read_bytes()
-    end = data.rfind(b"\n") + 1
-    if end != len(data):
-        with open(path, "r+b") as f:
-            f.truncate(end)
-            os.fsync(f.fileno())
-    return [line for line in data[:end].split(b"\n") if line.strip()]
+INVALID = frozenset({400, 413, 422})
+"""Upstream statuses that refuse the data itself: resending the same bytes cannot succeed.
+Other 4xx (401, 403, 404, ...) mean this forwarder is misconfigured (token, URL) and are retried,
+so fixing the config (SIGHUP) resumes the stream instead of discarding it."""
+REPLY_LIMIT = 1 << 20
+
+
+class Retry(Exception):
+    """Forwarding stopped on something a later resend may fix."""
+
+    def __init__(self, reason: str, retry_after: str | None = None) -> None:
+        super().__init__(reason)
+        self.retry_after = retry_after
 
 
 class Forwarder:
     """Posts pending trajectories upstream in batches; acknowledges only what the upstream says it
-    holds; retries every failure with exponential backoff and jitter."""
+    holds; moves what it refuses as invalid to the rejected store (the stream moves on); retries
+    everything else with exponential backoff and jitter, honouring a sane Retry-After."""
 
     def __init__(self, spool: Spool, cfg: Trajectories, token: str,
                  session: aiohttp.ClientSession, headers: dict[str, str]) -> None:
@@ -255,6 +209,7 @@ class Forwarder:
         self.forwarded = 0
         self.errors = 0
         self.last_error = ""
+        self.last_rejected = ""
         self.backoff_s = 0.0
         self._acks: deque[tuple[float, int]] = deque(maxlen=4096)
 
@@ -271,62 +226,110 @@ class Forwarder:
             return
         delay = self.cfg.retry_initial_s
         while True:
-            batch = self.spool.take(self.cfg.batch_size, self.cfg.batch_max_bytes)
+            cfg = self.cfg
+            batch = await asyncio.to_thread(self.spool.take, cfg.batch_size, cfg.batch_max_bytes)
             if not batch:
                 self.wake.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.wake.wait(), 5.0)
                 continue
-            n = 0
+            retry_after = None
             try:
-                held, retry_after = await self._post(batch)
-                if held is not None:
-                    sent = {tid for tid, _ in batch}
-                    n = await asyncio.to_thread(self.spool.ack, [t for t in held if t in sent])
+                await self._deliver(batch)
+                self.backoff_s, delay = 0.0, cfg.retry_initial_s
+                continue
+            except Retry as e:
+                self.last_error, retry_after = str(e), e.retry_after
             except (aiohttp.ClientError, TimeoutError, ValueError, OSError) as e:
-                # OSError: the ack log could not be written (disk full…); the batch stays
+                # OSError: the spool could not record the reply (disk full…); the batch stays
                 # spooled and is resent later, which the upstream's dedupe makes harmless.
-                held, retry_after = None, None
                 self.last_error = f"{type(e).__name__}: {e}"[:300]
-            if held is not None:
-                self.forwarded += n
-                self._acks.append((time.monotonic(), n))
-                if n:
-                    self.backoff_s, delay = 0.0, self.cfg.retry_initial_s
-                    continue
-                self.last_error = "upstream acknowledged none of the batch"
             self.errors += 1
-            wait = retry_after if retry_after is not None else delay * random.uniform(0.5, 1.0)
+            jittered = delay * random.uniform(0.5, 1.0)
+            wait = jittered if retry_after is None else retry_after_s(
+                retry_after, jittered, cfg.retry_initial_s, cfg.retry_max_s)
             self.backoff_s = wait
             log.warning("forwarding %d trajectories to %s failed (%s); retrying in %.1fs",
-                        len(batch), self.cfg.upstream, self.last_error, wait)
+                        len(batch), cfg.upstream, self.last_error, wait)
             await asyncio.sleep(wait)
-            delay = min(delay * 2, self.cfg.retry_max_s)
+            delay = min(delay * 2, cfg.retry_max_s)
 
-    async def _post(self, batch: list[tuple[str, bytes]]) -> tuple[list[str] | None, float | None]:
-        body = b"".join(line + b"\n" for _, line in batch)
+    async def _deliver(self, batch: list[tuple[str, bytes]]) -> None:
+        """Send `batch`. When the upstream refuses a part as invalid, the trajectory its reply
+        names (`"trajectory": index`, as this daemon and the ingest answer) moves to the rejected
+        store and the rest is resent; a refusal naming none halves the part until each bad
+        trajectory is alone. Raises Retry (after keeping whatever was acknowledged) on anything
+        else."""
+        parts = [batch]
+        while parts:
+            part = parts.pop()
+            status, text, held, retry_after = await self._post(part)
+            if status == 200:
+                sent = {tid for tid, _ in part}
+                n = await asyncio.to_thread(self.spool.ack, [t for t in held if t in sent])
+                if not n:
+                    raise Retry("upstream acknowledged none of the batch")
+                self.forwarded += n
+                self._acks.append((time.monotonic(), n))
+            elif status in INVALID and (k := _named(text, len(part))) is not None:
+                await self._reject(part[k][0], status, text)
+                if len(part) > 1:
+                    parts.append(part[:k] + part[k + 1:])
+            elif status in INVALID and len(part) > 1:
+                half = len(part) // 2
+                parts += [part[half:], part[:half]]
+            elif status in INVALID:
+                await self._reject(part[0][0], status, text)
+            elif status == 429:
+                raise Retry("upstream is full (429)", retry_after)
+            else:
+                raise Retry(f"upstream answered HTTP {status}: {text[:200]}")
+
+    async def _reject(self, tid: str, status: int, text: str) -> None:
+        self.last_rejected = f"{tid}: HTTP {status}: {text[:300]}"
+        await asyncio.to_thread(self.spool.reject, [tid], status, text)
+        log.error("upstream refused trajectory %s as invalid (HTTP %d: %s); moved to the "
+                  "rejected store, not resent", tid, status, text[:300])
+
+    async def _post(self, part: list[tuple[str, bytes]]
+                    ) -> tuple[int, str, list[str], str | None]:
+        """One request: (status, reply text, held ids if 200, Retry-After header). Replies are
+        read up to a bound, so an upstream cannot make this daemon buffer without limit."""
+        body = b"".join(line + b"\n" for _, line in part)
         async with self.session.post(
             self.cfg.upstream, data=body, headers=self.headers,
             timeout=aiohttp.ClientTimeout(total=self.cfg.request_timeout_s),
         ) as r:
-            text = await r.text()
-            if r.status == 429:
-                self.last_error = "upstream is full (429)"
-                try:
-                    return None, min(float(r.headers.get("Retry-After", "1")), self.cfg.retry_max_s)
-                except ValueError:
-                    return None, None
             if r.status != 200:
-                raise ValueError(f"upstream answered HTTP {r.status}: {text[:200]}")
-        reply = json.loads(text)
+                text = (await r.content.read(4096)).decode("utf-8", "replace")
+                return r.status, text, [], r.headers.get("Retry-After")
+            raw = bytearray()
+            async for chunk in r.content.iter_chunked(1 << 16):
+                raw += chunk
+                if len(raw) > REPLY_LIMIT + 64 * len(part):
+                    raise ValueError("upstream reply is too large for a list of held ids")
+        try:
+            reply = json.loads(raw)
+        except RecursionError:
+            raise ValueError("upstream reply is nested too deeply") from None
         held = reply.get("held") if isinstance(reply, dict) else None
         if not isinstance(held, list) or not all(isinstance(t, str) for t in held):
             raise ValueError("upstream reply has no list of held ids")
-        return held, None
+        return 200, "", held, None
 
     def status(self) -> dict:
         return {"upstream": self.cfg.upstream, "depth": self.spool.depth(),
                 "bytes": self.spool.bytes, "max_bytes": self.spool.max_bytes,
                 "forwarded": self.forwarded, "forward_rate": round(self.rate(), 3),
+                "rejected": self.spool.rejected, "last_rejected": self.last_rejected,
                 "errors": self.errors, "last_error": self.last_error,
                 "backoff_s": round(self.backoff_s, 3)}
+
+
+def _named(text: str, n: int) -> int | None:
+    """The index of the trajectory a 400 reply names (`{"trajectory": k}`), if it is one of n."""
+    try:
+        k = json.loads(text).get("trajectory")
+    except (ValueError, AttributeError, RecursionError):
+        return None
+    return k if isinstance(k, int) and not isinstance(k, bool) and 0 <= k < n else None

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import random
 import signal
 import sys
@@ -20,7 +21,9 @@ import uuid
 from typing import Any
 
 import aiohttp
+from pydantic import ValidationError
 
+from chain.trajectory import LOGPROB_FLOOR, Trajectory, describe, retry_after_s
 from rollout.config import WorkerConfig, parse_args
 
 __all__ = ["RejectedError", "RolloutWorker", "WorkerConfig", "build_trajectories", "main",
@@ -33,21 +36,43 @@ class RejectedError(RuntimeError):
 
 
 def build_trajectories(completions: list[Any], task: Any, group_size: int, region: str,
-                       worker: str) -> list[dict[str, Any]]:
-    """One trajectory per completion; completions are prompt-major, `group_size` per prompt."""
+                       worker: str, stats: dict[str, int] | None = None) -> list[dict[str, Any]]:
+    """One trajectory per completion; completions are prompt-major, `group_size` per prompt.
+
+    Each is checked against the shared model (chain.trajectory) before it is sent, so a worker
+    never posts what its daemon and the trainer would refuse. A -inf log-prob (a token the
+    engine gave probability 0, e.g. after top-k/top-p or an fp16 underflow) is clamped to
+    LOGPROB_FLOOR: the trainer's truncated importance weight is the same cap either way, and the
+    rest of the trajectory (and its group) still trains. Anything else invalid (a NaN reward or
+    log-prob, a bad token id) is an engine or task bug: that trajectory is dropped, counted in
+    `stats["dropped_invalid"]` and logged, rather than blocking the batch."""
+    stats = {} if stats is None else stats
     now = time.time()
     out = []
     group = ""
     for i, c in enumerate(completions):
         if i % group_size == 0:
             group = uuid.uuid4().hex
-        out.append({
+        logprobs = [float(x) for x in c.logprobs]
+        clamped = sum(x == -math.inf for x in logprobs)
+        if clamped:
+            logprobs = [LOGPROB_FLOOR if x == -math.inf else x for x in logprobs]
+            stats["clamped_logprobs"] = stats.get("clamped_logprobs", 0) + clamped
+        record = {
             "id": uuid.uuid4().hex, "version": c.version, "group": group,
             "prompt": c.prompt, "completion": c.text, "prompt_ids": list(c.prompt_ids),
-            "completion_ids": list(c.token_ids), "logprobs": [float(x) for x in c.logprobs],
+            "completion_ids": list(c.token_ids), "logprobs": logprobs,
             "reward": float(task.reward(c.prompt, c.text)), "region": region,
             "worker": worker, "created": now,
-        })
+        }
+        try:
+            Trajectory.model_validate(record)
+        except ValidationError as e:
+            stats["dropped_invalid"] = stats.get("dropped_invalid", 0) + 1
+            log.warning("dropping an invalid trajectory of version %s: %s", c.version,
+                        describe(e))
+            continue
+        out.append(record)
     return out
 
 
@@ -61,7 +86,7 @@ class RolloutWorker:
         self._new_version = asyncio.Event()
         self._stop_at: float | None = None
         self.stats = {"batches": 0, "posted": 0, "retries": 0, "pushbacks": 0, "loads": 0,
-                      "undelivered": 0}
+                      "undelivered": 0, "clamped_logprobs": 0, "dropped_invalid": 0}
 
     def request_stop(self) -> None:
         if not self.stop.is_set():
@@ -108,8 +133,9 @@ class RolloutWorker:
                 self.engine.generate, prompts, cfg.group_size, cfg.max_tokens,
                 cfg.temperature, seed)
             trajs = build_trajectories(completions, self.task, cfg.group_size, cfg.region,
-                                       cfg.worker)
-            await self._post(session, trajs)
+                                       cfg.worker, self.stats)
+            if trajs:
+                await self._post(session, trajs)
             self.stats["batches"] += 1
 
     async def _wait_any(self, aw: Any) -> None:
@@ -180,7 +206,8 @@ class RolloutWorker:
                         log.warning("daemon holds %d of %d; resending", len(accepted), len(ids))
                     elif r.status == 429:
                         self.stats["pushbacks"] += 1
-                        wait = _retry_after(r.headers.get("Retry-After"), backoff)
+                        wait = retry_after_s(r.headers.get("Retry-After"), backoff, 0.05,
+                                             cfg.retry_max_s)
                     elif r.status < 500:
                         raise RejectedError(f"daemon refused trajectories: {r.status} {text[:300]}")
                     else:
@@ -194,11 +221,6 @@ class RolloutWorker:
                 backoff = min(backoff * 2, cfg.retry_max_s)
 
 
-def _retry_after(value: str | None, default: float) -> float:
-    try:
-        return max(0.0, float(value)) if value is not None else default
-    except ValueError:
-        return default
 
 
 async def _amain(config: WorkerConfig, threads: int) -> int:

@@ -2,197 +2,131 @@
 durably before acknowledging it, deduplicated by id, and the training loop consumes them in
 arrival order with `IngestStore.take`.
 
-Storage: append-only JSONL segments (fsynced per request) plus a consumption cursor (written
-atomically). Held ids and the unconsumed backlog are rebuilt from the segments on start, so
-dedupe and not-yet-trained trajectories survive a trainer restart.
+Storage: one SQLite database (chain.sqlstore: WAL, one transaction per request) holding every
+trajectory in arrival order and the consumption cursor (how many of them training has
+consumed). A failed or torn write leaves nothing of its request behind, so after a restart each
+held id is there once and the store always opens; not-yet-trained trajectories survive.
 """
 
 import asyncio
 import contextlib
 import json
-import math
-import os
+import logging
 import time
 from collections import deque
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from chain.atomic import fsync_dir, write_atomic
 from chain.auth import bearer_matches
+from chain.sqlstore import StoreWriteError, connect, transaction
+from chain.trajectory import BadTrajectory, parse_ndjson
 
-SEGMENT_BYTES = 64 * 1024 * 1024
+log = logging.getLogger("deltaswarm.ingest")
 MAX_BODY = 64 * 1024 * 1024
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS trajectories (seq INTEGER PRIMARY KEY, id TEXT NOT NULL UNIQUE,
+                                         record TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS cursor (one INTEGER PRIMARY KEY CHECK (one = 1),
+                                   consumed INTEGER NOT NULL);
+"""
+
+__all__ = ["BadIngest", "IngestStore", "IngestStoreError", "make_ingest_app",
+           "parse_ndjson_records"]
+
+BadIngest = BadTrajectory
 
 
 class IngestStoreError(RuntimeError):
-    """The store on disk is damaged beyond a torn last line; the message names the file."""
+    """The store on disk contradicts itself; the message names the file and what to do."""
 
 
-class Trajectory(BaseModel):
-    """One trajectory as in docs/CONTRACTS.md; unknown fields are ignored."""
-
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-    id: str = Field(pattern=r"^[0-9a-f]{32}$")
-    version: int = Field(ge=0)
-    group: str = Field(min_length=1, max_length=256)
-    prompt: str
-    completion: str
-    prompt_ids: list[int] = Field(min_length=1)
-    completion_ids: list[int]
-    logprobs: list[float]
-    reward: float
-    region: str = Field(max_length=256)
-    worker: str = Field(max_length=256)
-    created: float
-
-    @field_validator("prompt_ids", "completion_ids")
-    @classmethod
-    def _token_ids(cls, ids: list[int]) -> list[int]:
-        if any(i < 0 for i in ids):
-            raise ValueError("token ids must be >= 0")
-        return ids
-
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs(cls, lps: list[float]) -> list[float]:
-        if any(not math.isfinite(x) or x > 1e-3 for x in lps):
-            raise ValueError("log-probabilities must be finite and <= 0")
-        return lps
-
-    @field_validator("reward", "created")
-    @classmethod
-    def _finite(cls, x: float) -> float:
-        if not math.isfinite(x):
-            raise ValueError("must be a finite number")
-        return x
-
-    @model_validator(mode="after")
-    def _aligned(self) -> "Trajectory":
-        if len(self.logprobs) != len(self.completion_ids):
-            raise ValueError(f"logprobs has {len(self.logprobs)} entries, completion_ids "
-                             f"{len(self.completion_ids)}: need one log-prob per completion token")
-        return self
-
-
-class BadIngest(ValueError):
-    """A request body that is not valid NDJSON trajectories; names the line and field."""
-
-
-def parse_ndjson(body: bytes) -> list[dict[str, Any]]:
-    """Validate every line; raise BadIngest naming the first bad line (1-based) and field."""
-    out = []
-    for lineno, raw in enumerate(body.split(b"\n"), 1):
-        if not raw.strip():
-            continue
-        try:
-            obj = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise BadIngest(f"line {lineno}: not JSON ({e})") from e
-        try:
-            out.append(Trajectory.model_validate(obj).model_dump())
-        except ValidationError as e:
-            err = e.errors()[0]
-            field = ".".join(str(p) for p in err["loc"]) or "(object)"
-            raise BadIngest(f"line {lineno}: field {field}: {err['msg']}") from e
+def parse_ndjson_records(body: bytes) -> list[tuple[str, str]]:
+    """Validate every line (chain.trajectory) → [(id, canonical JSON)]; raise BadIngest naming
+    the first bad line, trajectory and field. CPU-bound: the handler runs it in a worker thread."""
+    out = [(tid, line.decode()) for tid, line in parse_ndjson(body, canonical=True)]
     if not out:
         raise BadIngest("empty body: send one JSON trajectory per line")
     return out
 
 
 class IngestStore:
-    """Durable, deduplicated FIFO of trajectories. Use from one event loop."""
+    """Durable, deduplicated FIFO of trajectories. Use from one event loop (disk work runs in
+    worker threads, serialised by an asyncio lock)."""
 
-    def __init__(self, root: str | Path, segment_bytes: int = SEGMENT_BYTES) -> None:
+    def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
-        self.segments = self.root / "segments"
-        self.segments.mkdir(parents=True, exist_ok=True)
-        self.segment_bytes = segment_bytes
-        self.ids: set[str] = set()
-        self.pending: deque[dict[str, Any]] = deque()
-        self.committed = self._read_cursor()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.path = self.root / "ingest.db"
+        self._db = connect(self.path, SCHEMA)
+        row = self._db.execute("SELECT consumed FROM cursor").fetchone()
+        self.committed = row[0] if row else self._import_segments()
         self.taken = self.committed
-        self.total = 0
+        self.ids: set[str] = {tid for (tid,) in self._db.execute("SELECT id FROM trajectories")}
+        self.total = len(self.ids)
+        if self.committed > self.total:
+            raise IngestStoreError(f"{self.path}: cursor says {self.committed} consumed but only "
+                                   f"{self.total} are held; restore the file or start a new run")
+        # Unconsumed trajectories as JSON text, decoded only when taken: a backlog of dicts is
+        # millions of objects for the garbage collector to walk while holding the GIL.
+        self.pending: deque[str] = deque(
+            record for (record,) in self._db.execute(
+                "SELECT record FROM trajectories ORDER BY seq LIMIT -1 OFFSET ?",
+                (self.committed,)))
         self._lock = asyncio.Lock()
         self._arrived = asyncio.Event()
-        self._load()
 
-    def _read_cursor(self) -> int:
-        path = self.root / "cursor.json"
-        if not path.exists():
-            return 0
+    def _import_segments(self) -> int:
+        """An older deltaswarm kept `segments/*.jsonl` + `cursor.json`: move them into the
+        database once, in arrival order, each id once (a torn or unreadable line, left by a
+        failed append, is skipped and logged). Returns the consumed count."""
+        files = sorted((self.root / "segments").glob("*.jsonl"))
+        cursor = self.root / "cursor.json"
         try:
-            return int(json.loads(path.read_text())["consumed"])
+            old_consumed = int(json.loads(cursor.read_text())["consumed"]) if cursor.exists() else 0
         except (ValueError, KeyError, TypeError) as e:
-            raise IngestStoreError(f"{path} is damaged ({e}); restore it or delete it to "
+            raise IngestStoreError(f"{cursor} is damaged ({e}); restore it, or delete it to "
                                    "retrain on everything held") from e
+        rows, seen, consumed, skipped = [], set(), 0, 0
+        for n, line in enumerate(x for p in files for x in p.read_bytes().splitlines()):
+            try:
+                record = json.loads(line)
+                tid = record["id"]
+            except (ValueError, KeyError, TypeError):
+                skipped += 1
+                continue
+            if tid not in seen:
+                seen.add(tid)
+                rows.append((tid, json.dumps(record, separators=(",", ":"))))
+                consumed += n < old_consumed
+        if skipped:
+            log.warning("%s: skipped %d unreadable lines of the old segment files", self.root,
+                        skipped)
+        transaction(self._db, "trajectory ingest", [
+            ("INSERT INTO trajectories (id, record) VALUES (?, ?)", rows),
+            ("INSERT INTO cursor (one, consumed) VALUES (1, ?)", [(consumed,)])])
+        for path in [*files, cursor]:
+            path.unlink(missing_ok=True)
+        return consumed
 
-    def _segment_files(self) -> list[Path]:
-        return sorted(self.segments.glob("*.jsonl"))
-
-    def _load(self) -> None:
-        files = self._segment_files()
-        for n, path in enumerate(files):
-            data = path.read_bytes()
-            end = data.rfind(b"\n") + 1
-            if end < len(data):
-                if n != len(files) - 1:
-                    raise IngestStoreError(f"{path} ends mid-record but is not the last segment")
-                with path.open("r+b") as f:
-                    f.truncate(end)
-                    os.fsync(f.fileno())
-            for line in data[:end].splitlines():
-                try:
-                    record = json.loads(line)
-                    tid = record["id"]
-                except (json.JSONDecodeError, KeyError, TypeError) as e:
-                    raise IngestStoreError(f"{path}: unreadable record ({e})") from e
-                self.ids.add(tid)
-                if self.total >= self.committed:
-                    self.pending.append(record)
-                self.total += 1
-        if self.committed > self.total:
-            raise IngestStoreError(f"cursor says {self.committed} consumed but only "
-                                   f"{self.total} are held in {self.segments}")
-
-    def _current_segment(self) -> Path:
-        files = self._segment_files()
-        if files and files[-1].stat().st_size < self.segment_bytes:
-            return files[-1]
-        index = int(files[-1].stem) + 1 if files else 1
-        return self.segments / f"{index:08d}.jsonl"
-
-    def _write(self, lines: bytes) -> None:
-        path = self._current_segment()
-        fresh = not path.exists()
-        with path.open("ab") as f:
-            f.write(lines)
-            f.flush()
-            os.fsync(f.fileno())
-        if fresh:
-            fsync_dir(self.segments)
-
-    async def append(self, records: list[dict[str, Any]]) -> list[str]:
-        """Store the records not already held; return every id of the request (each once)."""
+    async def append(self, items: list[tuple[str, str]]) -> list[str]:
+        """Store the (id, JSON record) pairs not already held; return every id of the request
+        (each once). Raises StoreWriteError (nothing stored) when the disk refuses."""
         async with self._lock:
-            new, seen = [], set()
-            for r in records:
-                if r["id"] not in self.ids and r["id"] not in seen:
-                    new.append(r)
-                seen.add(r["id"])
+            new: dict[str, str] = {}
+            for tid, record in items:
+                if tid not in self.ids and tid not in new:
+                    new[tid] = record
             if new:
-                lines = b"".join(json.dumps(r, separators=(",", ":")).encode() + b"\n"
-                                 for r in new)
-                await asyncio.to_thread(self._write, lines)
-                for r in new:
-                    self.ids.add(r["id"])
-                    self.pending.append(r)
+                await asyncio.to_thread(
+                    transaction, self._db, "trajectory ingest",
+                    [("INSERT INTO trajectories (id, record) VALUES (?, ?)", list(new.items()))])
+                self.ids.update(new)
+                self.pending.extend(new.values())
                 self.total += len(new)
                 self._arrived.set()
-            return list(dict.fromkeys(r["id"] for r in records))
+            return list(dict.fromkeys(tid for tid, _ in items))
 
     async def take(self, n: int, timeout: float, commit: bool = True, min_n: int = 1,
                    whole_groups: bool = True) -> list[dict[str, Any]]:
@@ -209,10 +143,10 @@ class IngestStore:
                 break
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._arrived.wait(), left)
-        out = [self.pending.popleft() for _ in range(min(n, len(self.pending)))]
+        out = [json.loads(self.pending.popleft()) for _ in range(min(n, len(self.pending)))]
         while whole_groups and out and self.pending and (
-                self.pending[0].get("group") == out[-1].get("group")):
-            out.append(self.pending.popleft())
+                json.loads(self.pending[0])["group"] == out[-1]["group"]):
+            out.append(json.loads(self.pending.popleft()))
         self.taken += len(out)
         if commit:
             await self.commit()
@@ -226,12 +160,20 @@ class IngestStore:
                 self.committed = self.taken
 
     def _write_cursor(self, consumed: int) -> None:
-        write_atomic(self.root / "cursor.json", json.dumps({"consumed": consumed}).encode())
+        transaction(self._db, "trajectory ingest cursor",
+                    [("INSERT OR REPLACE INTO cursor (one, consumed) VALUES (1, ?)",
+                      [(consumed,)])])
 
     def stats(self) -> dict[str, int]:
         return {"held": len(self.ids), "pending": len(self.pending),
-                "consumed": self.committed, "taken": self.taken,
-                "segments": len(self._segment_files())}
+                "consumed": self.committed, "taken": self.taken}
+
+    def held_ids(self) -> list[str]:
+        """Every stored id in arrival order, one per stored row (for checks and tools)."""
+        return [tid for (tid,) in self._db.execute("SELECT id FROM trajectories ORDER BY seq")]
+
+    def close(self) -> None:
+        self._db.close()
 
 
 STORE_KEY = web.AppKey("ingest_store", IngestStore)
@@ -252,10 +194,14 @@ def make_ingest_app(store: IngestStore, token: str, max_body: int = MAX_BODY) ->
     async def ingest(request: web.Request) -> web.Response:
         body = await request.read()
         try:
-            records = parse_ndjson(body)
+            # Validating up to `max_body` bytes of JSON is CPU work: keep it off the event loop.
+            records = await asyncio.to_thread(parse_ndjson_records, body)
         except BadIngest as e:
-            return web.json_response({"error": str(e)}, status=400)
-        held = await request.app[STORE_KEY].append(records)
+            return web.json_response(e.reply(), status=400)
+        try:
+            held = await request.app[STORE_KEY].append(records)
+        except StoreWriteError as e:
+            return web.json_response({"error": str(e)}, status=503, headers={"Retry-After": "1"})
         return web.json_response({"held": held})
 
     async def stats(request: web.Request) -> web.Response:

@@ -1,24 +1,34 @@
 """Trajectories are never lost or doubled: a region daemon spools what workers post while its
 upstream is down (and across a kill -9 of the daemon), forwards once the upstream is back, and
-deletes only what the upstream acknowledged. Also: 429 + Retry-After when the spool is full,
-400 naming the line for a bad batch, 401 without the token."""
+deletes only what the upstream acknowledged; what the upstream refuses as invalid is set aside
+and the stream moves on. Also: 429 + Retry-After when the spool is full, 400 naming the line,
+trajectory and field for a bad batch (what the trainer's ingest would refuse), 401 without the
+token, and a big batch parsed without stalling the event loop."""
 
 import asyncio
+import io
 import json
+import resource
 import threading
-import uuid
+import time
+import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 from aiohttp import web
 
+from daemon.spool import Spool
 from tests.integration.harness import TOKEN, Cluster, free_port, http, wait_until
+from tests.trajectories import DROP, ids, ndjson, trajectory
+from tests.trajectories import batch as make_batch
 
 
 class Ingest:
     """A stand-in for the trainer's ingest endpoint (dedupes by id, replies {"held": ids})."""
 
-    def __init__(self, host: str, port: int) -> None:
-        self.host, self.port = host, port
+    def __init__(self, host: str, port: int,
+                 refuse: Callable[[dict], bool] = lambda t: False) -> None:
+        self.host, self.port, self.refuse = host, port, refuse
         self.received: list[str] = []
         self.held: set[str] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -28,10 +38,15 @@ class Ingest:
     async def _ingest(self, request: web.Request) -> web.Response:
         if request.headers.get("Authorization") != f"Bearer {TOKEN}":
             return web.json_response({"error": "token"}, status=401)
-        ids = [json.loads(line)["id"] for line in (await request.read()).splitlines() if line]
-        self.received.extend(ids)
-        self.held.update(ids)
-        return web.json_response({"held": ids})
+        lines = [json.loads(line) for line in (await request.read()).splitlines() if line]
+        bad = [n for n, t in enumerate(lines, 1) if self.refuse(t)]
+        if bad:
+            return web.json_response({"error": f"line {bad[0]}: field worker: refused"},
+                                     status=400)
+        got = [t["id"] for t in lines]
+        self.received.extend(got)
+        self.held.update(got)
+        return web.json_response({"held": got})
 
     def start(self) -> None:
         ready = threading.Event()
@@ -61,11 +76,8 @@ class Ingest:
 
 
 def batch(n: int) -> tuple[list[str], bytes]:
-    ids = [uuid.uuid4().hex for _ in range(n)]
-    lines = [json.dumps({"id": i, "version": 0, "group": "g", "prompt": "1+1=",
-                         "completion": "2", "reward": 1.0, "region": "r1", "worker": "w",
-                         "created": 0.0}) for i in ids]
-    return ids, "\n".join(lines).encode()
+    trajs = make_batch(n)
+    return ids(trajs), ndjson(trajs)
 
 
 def post(url: str, body: bytes, token: str | None = TOKEN) -> tuple[int, dict, dict]:
@@ -128,8 +140,8 @@ def test_full_spool_pushes_back_and_bad_input_is_refused(tmp_path: Path) -> None
         assert "retry later" in full[0][1]["error"]
         assert r1.status()["spool"]["rejected_full"] == len(full)
 
-        code, reply, _ = post(r1.url, b'{"id": "ok", "version": 1}\n{"id": 5}\n')
-        assert code == 400 and "line 2" in reply["error"]
+        code, reply, _ = post(r1.url, ndjson([trajectory(), trajectory(id=5)]))
+        assert code == 400 and "line 2 (trajectory 1): field id" in reply["error"]
         assert post(r1.url, body, token="wrong-token-123")[0] == 401
         code, raw, _ = http(f"{r1.url}/v1/chain/head?after=abc")
         assert code == 400 and b"after" in raw
@@ -137,3 +149,138 @@ def test_full_spool_pushes_back_and_bad_input_is_refused(tmp_path: Path) -> None
         assert code in (400, 404)
         assert http(f"{r1.url}/healthz", token=None)[0] == 200
         assert http(f"{r1.url}/metrics", token=None)[0] == 200
+
+
+NESTED = b'{"extra": ' + b"[" * 5000 + b"]" * 5000 + b"}\n"
+
+
+BAD = [
+    (ndjson([trajectory(id="not-hex-" + "a" * 24)]), "field id: String should match pattern"),
+    (ndjson([trajectory(logprobs=DROP)]), "field logprobs: Field required"),
+    (ndjson([trajectory(logprobs=[-0.5, float("-inf"), -0.1])]),
+     "field logprobs.1: Input should be a finite number"),
+    (ndjson([trajectory(reward=float("nan"))]), "field reward: Input should be a finite number"),
+    (NESTED, "not valid JSON (recursion limit exceeded"),
+]
+
+
+def test_what_the_ingest_would_refuse_is_refused_at_the_daemon_with_400(tmp_path: Path) -> None:
+    """Issue 10 item 6: the spool used to take these, then the ingest refused them and the
+    forwarder resent them for ever. A nested line gave HTTP 500."""
+    with Cluster(tmp_path) as c:
+        r1 = c.region("r1", bootstrap=[])
+        c.start_all()
+        for bad, message in BAD:
+            code, reply, _ = post(r1.url, ndjson(make_batch(2)) + bad)
+            assert code == 400, reply
+            assert "line 3 (trajectory 2): " + message in reply["error"], reply
+            assert reply["trajectory"] == 2
+        assert r1.status()["spool"]["depth"] == 0
+
+
+def test_a_trajectory_the_upstream_refuses_is_set_aside_and_the_stream_moves_on(
+        tmp_path: Path) -> None:
+    """Issue 10 item 6: the upstream answers 400 for one trajectory (its rules differ from this
+    daemon's, e.g. an older or newer version). It goes to the rejected store, counted; the
+    others, before and after it, arrive exactly once."""
+    host = "127.0.0.61"
+    ingest = Ingest(host, free_port(host), refuse=lambda t: t["worker"] == "poison")
+    upstream = f"http://{host}:{ingest.port}/v1/ingest"
+    first, poison, later = make_batch(20), trajectory(worker="poison"), make_batch(10)
+    with Cluster(tmp_path) as c:
+        r1 = c.region("r1", bootstrap=[], trajectories={
+            "upstream": upstream, "retry_initial_s": 0.2, "retry_max_s": 1.0, "batch_size": 7})
+        ingest.start()
+        try:
+            c.start_all()
+            assert post(r1.url, ndjson([*first[:9], poison, *first[9:]]))[0] == 200
+            wait_until(lambda: r1.status()["spool"]["depth"] == 0, 30, "the spool to drain")
+            assert post(r1.url, ndjson(later))[0] == 200
+            wait_until(lambda: r1.status()["spool"]["depth"] == 0, 30, "the later batch")
+            assert r1.status()["spool"]["forwarded"] == 30
+            assert r1.stop() == 0
+        finally:
+            ingest.stop()
+    assert sorted(ingest.received) == sorted(ids(first + later))
+    spool = Spool(r1.state_dir / "spool", 1 << 20)
+    assert spool.rejected == 1 and spool.depth() == 0
+    [kept] = spool.rejected_items()
+    assert kept["id"] == poison["id"] and kept["status"] == 400
+    assert "field worker" in kept["reason"]
+
+
+class HealthProbe(threading.Thread):
+    """Times GET /healthz from its own thread, back to back, until stopped."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url, self.times, self.done = url, [], threading.Event()
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            t0 = time.monotonic()
+            with urllib.request.urlopen(self.url, timeout=30) as r:
+                assert r.status == 200
+            self.times.append(time.monotonic() - t0)
+            time.sleep(0.01)
+
+
+def test_a_64mb_batch_does_not_stall_healthz(tmp_path: Path) -> None:
+    """Issue 10 item 9: NDJSON parsed on the event loop held /healthz for ~3 s during a 64 MB
+    batch. A behavioural check with a generous bound (1 s), not a speed test."""
+    trajs = make_batch(90_000, pad=450)
+    body = ndjson(trajs)
+    with Cluster(tmp_path) as c:
+        r1 = c.region("r1", bootstrap=[])
+        c.start_all()
+        probe = HealthProbe(f"{r1.url}/healthz")
+        probe.start()
+        try:
+            req = urllib.request.Request(
+                f"{r1.url}/v1/trajectories", data=io.BytesIO(body), method="POST",
+                headers={"Authorization": f"Bearer {TOKEN}", "Content-Length": str(len(body)),
+                         "Content-Type": "application/x-ndjson"})
+            with urllib.request.urlopen(req, timeout=120) as r:
+                assert json.loads(r.read())["held"] == ids(trajs)
+        finally:
+            probe.done.set()
+            probe.join(30)
+        assert r1.status()["spool"]["depth"] == 90_000
+    times = probe.times
+    print(f"/healthz during a {len(body) >> 20} MiB batch: {len(times)} probes, worst "
+          f"{max(times):.3f} s")
+    assert len(times) >= 3 and max(times) < 1.0, f"/healthz took {max(times):.2f} s"
+
+
+def test_a_post_the_disk_refuses_is_503_and_nothing_acknowledged_is_lost_after_kill9(
+        tmp_path: Path) -> None:
+    """Issue 10 item 7 on a real daemon: while its file-size limit (prlimit, as `prlimit --fsize`)
+    stops writes half-way, batch B gets 503 (was 500); C, posted once the limit is lifted, is
+    acknowledged and survives a kill -9 (it was lost: appended onto B's partial line); B's
+    resend is stored once."""
+    a, b, c = make_batch(5), make_batch(60, pad=2000), make_batch(5)
+    with Cluster(tmp_path) as cl:
+        r1 = cl.region("r1", bootstrap=[])
+        cl.start_all()
+        assert post(r1.url, ndjson(a))[0] == 200
+        spool_dir = r1.state_dir / "spool"
+        biggest = max(p.stat().st_size for p in spool_dir.iterdir())
+        unlimited = resource.prlimit(r1.proc.pid, resource.RLIMIT_FSIZE)
+        resource.prlimit(r1.proc.pid, resource.RLIMIT_FSIZE, (biggest + 300, unlimited[1]))
+        try:
+            code, reply, headers = post(r1.url, ndjson(b))
+        finally:
+            resource.prlimit(r1.proc.pid, resource.RLIMIT_FSIZE, unlimited)
+        assert code == 503 and "nothing of this batch was stored" in reply["error"], reply
+        assert int(headers["Retry-After"]) >= 1
+        assert post(r1.url, ndjson(c))[0] == 200
+        r1.kill9()
+        r1.start()
+        r1.wait_ready()
+        assert r1.status()["spool"]["depth"] == 10
+        code, reply, _ = post(r1.url, ndjson(b))
+        assert code == 200 and reply["held"] == ids(b)
+        assert r1.status()["spool"]["depth"] == 70
+        assert r1.stop() == 0
+    spool = Spool(r1.state_dir / "spool", 1 << 30)
+    assert [t for t, _ in spool.take(1000, 1 << 30)] == ids(a) + ids(c) + ids(b)

@@ -9,13 +9,13 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from tests.integration.harness import ROOT, TOKEN, Cluster, free_port, http, wait_until
+from tests.trajectories import batch, ids, ndjson
 from trainer.ingest import IngestStore
 
 
@@ -71,32 +71,16 @@ class IngestProcess:
         return self.log_path.read_text(errors="replace")[-3000:] if self.log_path.exists() else ""
 
 
-def trajectories(n: int, version: int = 0) -> tuple[list[str], bytes]:
-    """`n` valid trajectories (docs/CONTRACTS.md) in groups of 4, as an NDJSON body."""
-    ids = [uuid.uuid4().hex for _ in range(n)]
-    lines = []
-    for i, tid in enumerate(ids):
-        completion = [5 + (i % 7), 6, 7]
-        lines.append(json.dumps({
-            "id": tid, "version": version, "group": f"g{i // 4}-{tid[:6]}",
-            "prompt": "3+4=", "completion": "7", "prompt_ids": [1, 9, 12, 10, 13],
-            "completion_ids": completion, "logprobs": [-0.5] * len(completion),
-            "reward": float(i % 2), "region": "r1", "worker": "w0", "created": time.time()}))
-    return ids, "\n".join(lines).encode()
+def trajectories(n: int) -> tuple[list[str], bytes]:
+    """`n` valid trajectories in groups of 4, as an NDJSON body."""
+    items = batch(n)
+    return ids(items), ndjson(items)
 
 
 def post(daemon_url: str, body: bytes) -> list[str]:
     code, raw, _ = http(f"{daemon_url}/v1/trajectories", body, content_type="application/x-ndjson")
     assert code == 200, f"daemon refused a batch: {code} {raw[:300]!r}"
     return json.loads(raw)["held"]
-
-
-def stored_ids(store_dir: Path) -> list[str]:
-    """Every id in the ingest's segment files, one per stored line (duplicates kept)."""
-    out = []
-    for seg in sorted((store_dir / "segments").glob("*.jsonl")):
-        out += [json.loads(line)["id"] for line in seg.read_bytes().splitlines() if line.strip()]
-    return out
 
 
 @pytest.mark.slow
@@ -168,11 +152,11 @@ def test_trajectories_survive_trainer_kill_and_cut_link_exactly_once(tmp_path: P
             if ingest.proc is not None and ingest.proc.poll() is None:
                 ingest.kill9()
 
-    on_disk = stored_ids(ingest.store_dir)
+    store = IngestStore(ingest.store_dir)
+    on_disk = store.held_ids()
     twice = [tid for tid, n in Counter(on_disk).items() if n > 1]
     assert not twice, f"{len(twice)} ids stored more than once, e.g. {twice[:3]}"
     assert set(on_disk) == set(sent) and len(on_disk) == len(sent)
-    store = IngestStore(ingest.store_dir)
     assert store.ids == set(sent)
     assert store.stats()["pending"] == len(sent)
 
