@@ -7,6 +7,7 @@ transformers and vLLM like any other.
 """
 
 import json
+import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,6 +85,23 @@ def _view(maps: dict[str, tuple[np.memmap, int]], slot: Slot) -> np.ndarray:
     return mm[base + slot.start : base + slot.end].view(dt.uint)
 
 
+def _release(maps: dict[str, tuple[np.memmap, int]], slot: Slot) -> None:
+    """Drop a tensor's pages from this process's mappings (its resident memory). The data stays
+    in the page cache, written pages included (the mappings are shared), so this only bounds
+    the process's footprint while it walks a model larger than it should hold at once."""
+    if slot.end == slot.start or slot.file not in maps:
+        return
+    mm, base = maps[slot.file]
+    raw = getattr(mm, "_mmap", None)
+    if raw is None:
+        return
+    page = mmap.PAGESIZE
+    lo = (base + slot.start) // page * page
+    hi = min(len(raw), -(-(base + slot.end) // page) * page)
+    if hi > lo:
+        raw.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
+
 class TensorFiles:
     """Read-only bit-pattern views of every tensor in a safetensors file or HF directory."""
 
@@ -105,6 +123,9 @@ class TensorFiles:
 
     def bits(self, name: str) -> np.ndarray:
         return _view(self._maps, self.slots[name])
+
+    def release(self, name: str) -> None:
+        _release(self._maps, self.slots[name])
 
     def names(self) -> list[str]:
         return sorted(self.slots)
@@ -167,6 +188,9 @@ class WritableFiles:
 
     def bits(self, name: str) -> np.ndarray:
         return _view(self._maps, self.slots[name])
+
+    def release(self, name: str) -> None:
+        _release(self._maps, self.slots[name])
 
     def flush(self, name: str | None = None) -> None:
         """msync to disk: the shard holding tensor `name`, or every shard."""
