@@ -121,6 +121,8 @@ class Fill:
 
     def _batch(self, batch: list[_Item]) -> None:
         coded = [it for it in batch if it.payload is not None]
+        for it in coded:
+            self.base.prefault(it.t.name)
         if coded:
             decoded = codec.decode_many([(self._base_of(it.t), it.payload, it.t.dtype)
                                          for it in coded])
@@ -157,22 +159,25 @@ class Fill:
         def job() -> None:
             name = it.t.name
             slot, src = self.out.bits(name), self._base_of(it.t)
-            per, width = lanehash.word_layout(slot)
             digest = None
             if not self.resumed and self.own is not None and name in self.own and self.steps \
                     and all(s is not None and s.get(name) is not None for s in self.steps):
+                if (it.changes is not None and it.changes.pos.size) or \
+                        any(s[name].size for s in self.steps):
+                    self.out.prefault(name)
                 d = (0, 0)
                 for s in self.steps:
-                    a, b = lanehash.pull(slot, src, s[name], per, width)
+                    a, b = lanehash.moved_by_pull(slot, src, s[name])
                     d = (d[0] + int(a), d[1] + int(b))
                 digest = lanehash.add(self.own[name], d)
             if digest != self.base_digests.get(name):
                 it.repaired = digest is not None
+                self.out.prefault(name)
                 slot[:] = src
                 digest = self.base_digests.get(name)
             if it.changes is not None and it.changes.pos.size:
-                digest = lanehash.add(digest, lanehash.put(slot, it.changes.pos, it.changes.val,
-                                                           per, width))
+                digest = lanehash.add(digest, lanehash.moved_by_put(slot, it.changes.pos,
+                                                                    it.changes.val))
             it.digest = digest
         return job
 

@@ -63,11 +63,14 @@ def sum_words(words, first):
 
 
 @njit(inline="always")
-def _word(arr, w, per, width):
-    """Word w of an element array (`per` elements of `width` bits a word), zero-padded."""
+def _word(arr, words, w, sh, width):
+    """Word w of an element array (2^sh elements of `width` bits a word; `words`: the array's
+    whole words as uint64), zero-padded past the end."""
+    if w < words.size:
+        return words[w]
     x = np.uint64(0)
-    lo = w * per
-    for j in range(per):
+    lo = w << sh
+    for j in range(1 << sh):
         i = lo + j
         if i < arr.size:
             x |= np.uint64(arr[i]) << np.uint64(width * j)
@@ -75,19 +78,19 @@ def _word(arr, w, per, width):
 
 
 @njit(nogil=True, cache=True)
-def diff_pairs(old, new, pos, per, width):
+def diff_pairs(old, oldw, new, neww, pos, sh, width):
     """Digest change from old to new at sorted element positions `pos` (only those differ):
     each touched word once, its old value read from `old`, its new one from `new`."""
     a = np.uint64(0)
     b = np.uint64(0)
     last = -1
     for j in range(pos.size):
-        w = pos[j] // per
+        w = pos[j] >> sh
         if w == last:
             continue
         last = w
-        xo = _word(old, w, per, width)
-        xn = _word(new, w, per, width)
+        xo = _word(old, oldw, w, sh, width)
+        xn = _word(new, neww, w, sh, width)
         uw = np.uint64(w)
         a += _mix0(uw, xn) - _mix0(uw, xo)
         b += _mix1(uw, xn) - _mix1(uw, xo)
@@ -95,7 +98,7 @@ def diff_pairs(old, new, pos, per, width):
 
 
 @njit(nogil=True, cache=True)
-def put(target, pos, val, per, width):
+def put(target, tw, pos, val, sh, width):
     """target[pos] = val (pos sorted, absolute) in place; returns the digest change, computed
     from the words as they were before and after, so it is exact whatever target held."""
     a = np.uint64(0)
@@ -103,12 +106,12 @@ def put(target, pos, val, per, width):
     j = 0
     n = pos.size
     while j < n:
-        w = pos[j] // per
-        xo = _word(target, w, per, width)
-        while j < n and pos[j] // per == w:
+        w = pos[j] >> sh
+        xo = _word(target, tw, w, sh, width)
+        while j < n and (pos[j] >> sh) == w:
             target[pos[j]] = val[j]
             j += 1
-        xn = _word(target, w, per, width)
+        xn = _word(target, tw, w, sh, width)
         uw = np.uint64(w)
         a += _mix0(uw, xn) - _mix0(uw, xo)
         b += _mix1(uw, xn) - _mix1(uw, xo)
@@ -116,19 +119,19 @@ def put(target, pos, val, per, width):
 
 
 @njit(nogil=True, cache=True)
-def pull(target, source, pos, per, width):
+def pull(target, tw, source, pos, sh, width):
     """target[pos] = source[pos] (pos sorted) in place; returns the digest change of target."""
     a = np.uint64(0)
     b = np.uint64(0)
     j = 0
     n = pos.size
     while j < n:
-        w = pos[j] // per
-        xo = _word(target, w, per, width)
-        while j < n and pos[j] // per == w:
+        w = pos[j] >> sh
+        xo = _word(target, tw, w, sh, width)
+        while j < n and (pos[j] >> sh) == w:
             target[pos[j]] = source[pos[j]]
             j += 1
-        xn = _word(target, w, per, width)
+        xn = _word(target, tw, w, sh, width)
         uw = np.uint64(w)
         a += _mix0(uw, xn) - _mix0(uw, xo)
         b += _mix1(uw, xn) - _mix1(uw, xo)
@@ -139,6 +142,24 @@ def pull(target, source, pos, per, width):
 def gather(source, pos, out):
     for j in range(pos.size):
         out[j] = source[pos[j]]
+
+
+def words(arr: np.ndarray) -> np.ndarray:
+    """The whole 64-bit words of a flat element array, as a uint64 view (no copy)."""
+    per = 8 // arr.itemsize
+    return arr[: arr.size // per * per].view(np.uint8).view(np.uint64)
+
+
+def moved_by_put(target: np.ndarray, pos: np.ndarray, val: np.ndarray) -> tuple[int, int]:
+    return put(target, words(target), pos, val, *word_layout(target))
+
+
+def moved_by_pull(target: np.ndarray, source: np.ndarray, pos: np.ndarray) -> tuple[int, int]:
+    return pull(target, words(target), source, pos, *word_layout(target))
+
+
+def moved_between(old: np.ndarray, new: np.ndarray, pos: np.ndarray) -> tuple[int, int]:
+    return diff_pairs(old, words(old), new, words(new), pos, *word_layout(old))
 
 
 # ---------------------------------------------------------------- digests as strings
@@ -165,8 +186,8 @@ def add(digest: str, delta: tuple[int, int]) -> str:
 
 
 def word_layout(arr: np.ndarray) -> tuple[int, int]:
-    """(elements per 64-bit word, bits per element) of a flat unsigned element array."""
-    return 8 // arr.itemsize, 8 * arr.itemsize
+    """(log2 of elements per 64-bit word, bits per element) of a flat unsigned element array."""
+    return {1: 3, 2: 2, 4: 1, 8: 0}[arr.itemsize], 8 * arr.itemsize
 
 
 def _bytes(arr: np.ndarray) -> np.ndarray:

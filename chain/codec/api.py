@@ -189,7 +189,7 @@ def _encode_job(old, new, lo, hi, words: bool, c: hdr.Coding, parts: list,
             pos = keep[:k] + lo
             val = np.empty(k, old.dtype)
             lanehash.gather(new, pos, val)
-            found[s] = (pos, val, lanehash.diff_pairs(old, new, pos, *lanehash.word_layout(old)))
+            found[s] = (pos, val, lanehash.moved_between(old, new, pos))
         if k == 0:
             parts[s] = (0, [b""] * hdr.STREAMS, 0)
         elif max(lens) <= raw:
