@@ -184,7 +184,7 @@ class Fill:
     # --- after the pass -------------------------------------------------------------------
     def finish(self, mode: int) -> None:
         """CHANGES and the model's other files (config, tokenizer), in the shards' mode."""
-        write_changes(self.staging, self.m.version, self.changes)
+        write_changes(self.staging, self.m.version, self.changes, mode)
         by_id = {b.id: b for b in self.m.blocks}
         keep = {f.name for f in self.m.files}
         for f in self.m.files:

@@ -75,7 +75,8 @@ def write_info(directory: Path, info: VersionInfo, mode: int | None) -> None:
     write_atomic(Path(directory) / VERSION_FILE, info.to_bytes(), mode)
 
 
-def write_changes(directory: Path, version: int, changes: dict[str, np.ndarray | None]) -> None:
+def write_changes(directory: Path, version: int, changes: dict[str, np.ndarray | None],
+                  mode: int | None = None) -> None:
     """Positions changed on the way to `version`, per tensor (None: the whole tensor).
     Not fsync'd: a file lost to a power cut is noticed (checksum) and costs a full copy."""
     names = sorted(changes)
@@ -86,7 +87,7 @@ def write_changes(directory: Path, version: int, changes: dict[str, np.ndarray |
             h.update(memoryview(np.ascontiguousarray(changes[n], np.int64)).cast("B"))
     head = json.dumps({"version": version, "tensors": names, "counts": counts,
                        "check": h.hexdigest()}).encode()
-    with atomic_writer(Path(directory) / CHANGES_FILE, durable=False) as f:
+    with atomic_writer(Path(directory) / CHANGES_FILE, mode, durable=False) as f:
         f.write(_HEAD.pack(_MAGIC, len(head)))
         f.write(head)
         for n in names:
