@@ -10,6 +10,7 @@ spread over the codec's threads; finished tensors go to the JOURNAL and their pa
 from this process (they stay in the page cache), so memory stays near one batch.
 """
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,14 +18,13 @@ from pathlib import Path
 import numpy as np
 
 from chain import codec, lanehash
-from chain.atomic import write_atomic
 from chain.codec.api import run_jobs
 from chain.digest import tensor_digests
 from chain.errors import BadDelta, DigestMismatch
-from chain.manifest import BlockEntry, Manifest, TensorEntry
+from chain.manifest import TensorEntry
 from chain.safetensors_io import TensorFiles, WritableFiles
 from chain.stream import BlockReader, RecordHeader
-from chain.versiondir import JOURNAL, OURS, VersionInfo, read_info, write_changes
+from chain.versiondir import VersionInfo
 
 BATCH = 1 << 25
 
@@ -43,16 +43,21 @@ class _Item:
 
 
 class Fill:
-    def __init__(self, staging: Path, m: Manifest, base: Path | None,
-                 get_block: Callable[[BlockEntry], bytes],
-                 progress: Callable[[str, int, int], None] | None) -> None:
-        self.staging, self.m, self.get_block, self.progress = staging, m, get_block, progress
-        self.base = TensorFiles(base) if base is not None else None
-        self.base_digests = read_info(base).tensors if base is not None else {}
+    """Fills `out` with `tensors` from a record stream against `base` (a read-only version
+    whose tensor digests are `base_digests`), journaling finished tensors to `journal`."""
+
+    def __init__(self, out: WritableFiles, tensors: list[TensorEntry], what: str,
+                 base: TensorFiles | None, base_digests: dict[str, str],
+                 progress: Callable[[str, int, int], None] | None = None,
+                 journal: Path | None = None) -> None:
+        self.out, self.tensors, self.what = out, tensors, what
+        self.base, self.base_digests = base, base_digests
+        self.progress, self.journal_path = progress, journal
         self.steps: list[dict[str, np.ndarray | None] | None] = []
         self.own: dict[str, str] | None = None
         self.changes: dict[str, np.ndarray | None] = {}
         self.repaired = 0
+        self.resumed = False
 
     def in_place(self, steps: list, own: VersionInfo | None) -> None:
         """The slots hold an older version (`own`, None if unknown) that `steps` (CHANGES per
@@ -60,19 +65,16 @@ class Fill:
         self.steps, self.own = steps, own.tensors if own is not None else None
 
     # --- the pass ---------------------------------------------------------------------------
-    def run(self, resumed: bool) -> None:
+    def run(self, reader: BlockReader, resumed: bool = False) -> None:
         self.resumed = resumed
-        jpath = self.staging / JOURNAL
-        done = set(jpath.read_text().split("\n")) if jpath.exists() else set()
-        self.out = WritableFiles(self.staging, sorted(p.name for p in
-                                                      self.staging.glob("*.safetensors")))
-        reader = BlockReader.of_blocks(self.m.stream_blocks, self.get_block)
-        what = self.m.artifact
-        with open(jpath, "a") as self.journal:
+        jpath = self.journal_path
+        done = set(jpath.read_text().split("\n")) if jpath and jpath.exists() else set()
+        what = self.what
+        with open(jpath or os.devnull, "a") as self.journal:
             batch: list[_Item] = []
             size = 0
             pending = reader.next_header()
-            for i, t in enumerate(self.m.tensors):
+            for i, t in enumerate(self.tensors):
                 rec = None
                 if pending is not None and pending.name == t.name:
                     rec, pending = pending, None
@@ -115,7 +117,7 @@ class Fill:
         b = self.base
         if b is None or t.name not in b.slots or \
                 (b.slots[t.name].dtype, b.slots[t.name].shape) != (t.dtype, t.shape):
-            raise BadDelta(f"{self.m.artifact}: tensor {t.name} needs a full record (no parent "
+            raise BadDelta(f"{self.what}: tensor {t.name} needs a full record (no parent "
                            "tensor)")
         return b.bits(t.name)
 
@@ -143,7 +145,7 @@ class Fill:
             if it.done:
                 continue
             if it.digest != it.t.digest:
-                raise DigestMismatch(f"tensor {name} of {self.m.artifact} does not match its "
+                raise DigestMismatch(f"tensor {name} of {self.what} does not match its "
                                      "digest after apply; the artifact is bad and was not "
                                      "applied")
             self.repaired += it.repaired
@@ -153,7 +155,7 @@ class Fill:
             if self.base is not None and name in self.base.slots:
                 self.base.release(name)
             if self.progress:
-                self.progress(self.m.artifact, it.index + 1, len(self.m.tensors))
+                self.progress(self.what, it.index + 1, len(self.tensors))
 
     def _job(self, it: _Item) -> Callable[[], None]:
         def job() -> None:
@@ -180,21 +182,3 @@ class Fill:
                                                                     it.changes.val))
             it.digest = digest
         return job
-
-    # --- after the pass -------------------------------------------------------------------
-    def finish(self, mode: int) -> None:
-        """CHANGES and the model's other files (config, tokenizer), in the shards' mode."""
-        write_changes(self.staging, self.m.version, self.changes, mode)
-        by_id = {b.id: b for b in self.m.blocks}
-        keep = {f.name for f in self.m.files}
-        for f in self.m.files:
-            path = self.staging / f.name
-            data = self.get_block(by_id[f.block])
-            if not path.is_file() or path.read_bytes() != data:
-                write_atomic(path, data, mode)
-            else:
-                path.chmod(mode)
-        for p in self.staging.iterdir():
-            if p.is_file() and p.suffix != ".safetensors" and p.name not in keep | OURS \
-                    and not p.name.startswith("."):
-                p.unlink()

@@ -36,15 +36,25 @@ from chain.digest import state_digest, tensor_digests
 from chain.errors import ChainError, DigestMismatch
 from chain.fill import Fill
 from chain.manifest import BlockEntry, Manifest
-from chain.safetensors_io import TensorFiles, allocate, layout, read_header, write_index
+from chain.safetensors_io import (
+    TensorFiles,
+    WritableFiles,
+    allocate,
+    layout,
+    read_header,
+    write_index,
+)
+from chain.stream import BlockReader
 from chain.versiondir import (
     ADVANCE,
     JOURNAL,
+    OURS,
     SHARDS,
     BadVersionDir,
     VersionInfo,
     read_changes,
     read_info,
+    write_changes,
     write_info,
 )
 
@@ -125,17 +135,21 @@ class WeightsDir:
                 self._take(spare, staging, m, cur)
             else:
                 self._prepare(staging, m, get_block)
-        fill = Fill(staging, m, cur.path if cur else None, get_block, progress)
+        out = WritableFiles(staging, sorted(p.name for p in staging.glob("*.safetensors")))
+        base = TensorFiles(cur.path) if cur else None
+        fill = Fill(out, m.tensors, m.artifact, base, read_info(cur.path).tensors if cur else {},
+                    progress, staging / JOURNAL)
         if (staging / ADVANCE).is_file() and not resumed:
             plan = json.loads((staging / ADVANCE).read_text())
             fill.in_place(self._steps(plan["from"], cur), _info_or_none(staging))
-        fill.run(resumed)
+        fill.run(BlockReader.of_blocks(m.stream_blocks, get_block), resumed)
         if state_digest({t.name: t.digest for t in m.tensors}) != m.state_digest:
             raise ChainError(f"{m.artifact}: state digest mismatch")
-        fill.finish(_file_mode(staging))
+        mode = _file_mode(staging)
+        write_changes(staging, m.version, fill.changes, mode)
+        _write_files(staging, m, get_block, mode)
         write_info(staging, VersionInfo(m.version, m.state_digest, m.run,
-                                        {t.name: t.digest for t in m.tensors}),
-                   _file_mode(staging))
+                                        {t.name: t.digest for t in m.tensors}), mode)
         return self._commit(staging, m)
 
     def _spare(self, m: Manifest, cur: Current | None) -> Path | None:
@@ -300,6 +314,24 @@ def _same_layout(path: Path, m: Manifest) -> bool:
         return False
     return {n: (s.dtype, s.shape) for n, s in slots.items()} == \
         {t.name: (t.dtype, t.shape) for t in m.tensors}
+
+
+def _write_files(staging: Path, m: Manifest, get_block: GetBlock, mode: int) -> None:
+    """The model's other files (config, tokenizer) as the manifest lists them, in `mode`;
+    files of the directory's older version that the manifest does not list go."""
+    by_id = {b.id: b for b in m.blocks}
+    keep = {f.name for f in m.files}
+    for f in m.files:
+        path = staging / f.name
+        data = get_block(by_id[f.block])
+        if not path.is_file() or path.read_bytes() != data:
+            write_atomic(path, data, mode)
+        else:
+            path.chmod(mode)
+    for p in staging.iterdir():
+        if p.is_file() and p.suffix != ".safetensors" and p.name not in keep | OURS \
+                and not p.name.startswith("."):
+            p.unlink()
 
 
 def _file_mode(directory: Path) -> int:

@@ -155,14 +155,15 @@ def test_kill_during_apply_restarts_into_a_verified_state_and_converges(tmp_path
     target = tmp_path / "w"
     cut = in_place = 0
     for trial in range(12):
-        if trial % 4 == 0:
+        if trial % 2 == 0:  # a fresh start at v2, then a kill during the resumed apply
             shutil.rmtree(target, ignore_errors=True)
             shutil.copytree(base, target, symlinks=True)
         p = start(target)
         try:
-            time.sleep(float(torch.rand(1, generator=rng)) * duration * 0.8)
+            time.sleep(float(torch.rand(1, generator=rng)) * duration * 0.45)
             running = p.poll() is None
-            os.kill(p.pid, signal.SIGKILL)
+            if running:
+                os.kill(p.pid, signal.SIGKILL)  # not yet reaped, so the pid is still its own
         finally:
             p.wait()
             p.stdout.close()
@@ -179,7 +180,7 @@ def test_kill_during_apply_restarts_into_a_verified_state_and_converges(tmp_path
     assert same(load_file(cur.path / "model.safetensors"), prev)
     assert cur.state_digest == WeightsDir(ref).current().state_digest
     assert not w.staging()
-    assert cut >= 6, f"only {cut} of 12 kills landed inside an apply"
+    assert cut >= 8, f"only {cut} of 12 kills landed inside an apply"
     assert in_place >= 1, "no kill landed inside an in-place bring-forward"
 
 

@@ -145,7 +145,7 @@ def test_a_version_dir_from_an_older_build_is_refused_by_name(tmp_path, signing_
     w = WeightsDir(tmp_path / "w")
     cur = w.apply(store.plan(None, 0), getter(store))
     (cur.path / "VERSION.json").write_text('{"version": 0, "state_digest": "x", "tensors": {}}')
-    with pytest.raises(ChainError, match="format None.*another deltaswarm version"):
+    with pytest.raises(ChainError, match=r"format None.*another deltaswarm version"):
         w.current()
 
 

@@ -7,9 +7,9 @@ import torch
 
 import chain.writer
 from chain import keys
+from chain.digest import tensor_digest
 from chain.errors import ChainError
 from chain.policy import SnapshotPolicy
-from chain.digest import tensor_digest
 from chain.sources import StateDictSource, source_digest
 from trainer.publisher import Publisher
 
