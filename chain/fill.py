@@ -26,7 +26,8 @@ from chain.safetensors_io import TensorFiles, WritableFiles
 from chain.stream import BlockReader, RecordHeader
 from chain.versiondir import VersionInfo
 
-BATCH = 1 << 25
+BATCH = 1 << 24
+_NONE = codec.Changes(np.empty(0, np.int64), np.empty(0, np.uint8))
 
 
 @dataclass
@@ -161,24 +162,26 @@ class Fill:
         def job() -> None:
             name = it.t.name
             slot, src = self.out.bits(name), self._base_of(it.t)
+            ch = it.changes if it.changes is not None else _NONE
             digest = None
             if not self.resumed and self.own is not None and name in self.own and self.steps \
                     and all(s is not None and s.get(name) is not None for s in self.steps):
-                if (it.changes is not None and it.changes.pos.size) or \
-                        any(s[name].size for s in self.steps):
+                if ch.pos.size or any(s[name].size for s in self.steps):
                     self.out.prefault(name)
                 d = (0, 0)
-                for s in self.steps:
+                for s in self.steps[:-1]:
                     a, b = lanehash.moved_by_pull(slot, src, s[name])
                     d = (d[0] + int(a), d[1] + int(b))
-                digest = lanehash.add(self.own[name], d)
-            if digest != self.base_digests.get(name):
+                a, b = lanehash.moved_by_pull_put(slot, src, self.steps[-1][name], ch.pos,
+                                                  ch.val)
+                digest = lanehash.add(self.own[name], (d[0] + int(a), d[1] + int(b)))
+            if digest != it.t.digest:
+                # not brought forward, or its older version was not what VERSION.json says:
+                # copy the tensor whole from the base, then patch
                 it.repaired = digest is not None
                 self.out.prefault(name)
                 slot[:] = src
-                digest = self.base_digests.get(name)
-            if it.changes is not None and it.changes.pos.size:
-                digest = lanehash.add(digest, lanehash.moved_by_put(slot, it.changes.pos,
-                                                                    it.changes.val))
+                digest = lanehash.add(self.base_digests[name],
+                                      lanehash.moved_by_put(slot, ch.pos, ch.val))
             it.digest = digest
         return job

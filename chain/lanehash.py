@@ -139,6 +139,35 @@ def pull(target, tw, source, pos, sh, width):
 
 
 @njit(nogil=True, cache=True)
+def pull_put(target, tw, source, ppos, pos, val, sh, width):
+    """target[ppos] = source[ppos], then target[pos] = val (both sorted), in one walk over the
+    touched words; returns the digest change of target."""
+    a = np.uint64(0)
+    b = np.uint64(0)
+    i = 0
+    j = 0
+    ni = ppos.size
+    nj = pos.size
+    big = np.int64(1) << 62
+    while i < ni or j < nj:
+        wi = ppos[i] >> sh if i < ni else big
+        wj = pos[j] >> sh if j < nj else big
+        w = min(wi, wj)
+        xo = _word(target, tw, w, sh, width)
+        while i < ni and (ppos[i] >> sh) == w:
+            target[ppos[i]] = source[ppos[i]]
+            i += 1
+        while j < nj and (pos[j] >> sh) == w:
+            target[pos[j]] = val[j]
+            j += 1
+        xn = _word(target, tw, w, sh, width)
+        uw = np.uint64(w)
+        a += _mix0(uw, xn) - _mix0(uw, xo)
+        b += _mix1(uw, xn) - _mix1(uw, xo)
+    return a, b
+
+
+@njit(nogil=True, cache=True)
 def gather(source, pos, out):
     for j in range(pos.size):
         out[j] = source[pos[j]]
@@ -156,6 +185,11 @@ def moved_by_put(target: np.ndarray, pos: np.ndarray, val: np.ndarray) -> tuple[
 
 def moved_by_pull(target: np.ndarray, source: np.ndarray, pos: np.ndarray) -> tuple[int, int]:
     return pull(target, words(target), source, pos, *word_layout(target))
+
+
+def moved_by_pull_put(target: np.ndarray, source: np.ndarray, ppos: np.ndarray,
+                      pos: np.ndarray, val: np.ndarray) -> tuple[int, int]:
+    return pull_put(target, words(target), source, ppos, pos, val, *word_layout(target))
 
 
 def moved_between(old: np.ndarray, new: np.ndarray, pos: np.ndarray) -> tuple[int, int]:

@@ -28,6 +28,13 @@ def test_moving_a_digest_by_the_changes_equals_hashing_the_new_tensor(uint, dtyp
     pulled = lanehash.add(tensor_digest(dtype, [n], old),
                           lanehash.moved_by_pull(back, new, pos))
     assert pulled == moved and np.array_equal(back, new)
+    both = old.copy()  # positions to pull from `new`, then others (and some the same) to put
+    later = new.copy()
+    put_pos = pos[::2]
+    later[put_pos] ^= uint(2)
+    merged = lanehash.add(tensor_digest(dtype, [n], old),
+                          lanehash.moved_by_pull_put(both, new, pos, put_pos, later[put_pos]))
+    assert np.array_equal(both, later) and merged == tensor_digest(dtype, [n], later)
 
 
 def test_any_flipped_byte_dtype_or_shape_changes_the_digest():
