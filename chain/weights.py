@@ -126,6 +126,10 @@ class WeightsDir:
                 shutil.rmtree(stale)
         if staging.is_dir() and _finished(staging, m):
             return self._commit(staging, m)
+        if _finished(self.path(m.version), m):  # killed between the rename and the link
+            symlink_atomic(self.path(m.version).name, self.root / "current")
+            self._retain(m.version)
+            return Current(m.version, m.state_digest, self.path(m.version).resolve())
         resumed = staging.is_dir() and ((staging / ADVANCE).is_file()
                                         or (staging / SHARDS).is_file())
         if not resumed:
@@ -156,12 +160,16 @@ class WeightsDir:
         """The older directory to bring forward, or None to build a fresh one."""
         if m.kind != "delta" or cur is None:
             return None
-        others = [v for v in self.versions() if v != cur.version]
+        others = []
+        for v in self.versions():
+            if v > cur.version:  # left by a version set aside at start: never current again
+                shutil.rmtree(self.path(v))
+            elif v != cur.version:
+                others.append(v)
         if len(others) + 1 < self.keep:
             return None
-        oldest = others[0]
-        path = self.path(oldest)
-        if oldest >= cur.version or not _same_layout(path, m):
+        path = self.path(others[0])
+        if not _same_layout(path, m):
             shutil.rmtree(path)
             return None
         return path

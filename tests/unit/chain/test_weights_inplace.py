@@ -187,3 +187,18 @@ def test_keep_below_two_still_keeps_a_spare(tmp_path, signing_key):
     assert w.versions() == [2, 3]
     assert same(load_file(cur.path / SHARD), states[3])
     assert np.all([p.name != ".staging" for p in (tmp_path / "w").iterdir()])
+
+
+def test_a_kill_between_the_rename_and_the_link_only_moves_the_link(tmp_path, signing_key):
+    from chain.atomic import symlink_atomic
+
+    store = ChainStore(tmp_path / "chain", signing_key.public_key())
+    states = build_chain(store, signing_key, 2)
+    w = WeightsDir(tmp_path / "w")
+    w.apply(store.plan(None, 2), getter(store))
+    inode = (w.path(2) / SHARD).stat().st_ino
+    symlink_atomic(w.path(1).name, tmp_path / "w" / "current")
+    assert w.current().version == 1
+    cur = w.apply([store.manifest("v00000002.delta")], getter(store))
+    assert cur.version == 2 and (cur.path / SHARD).stat().st_ino == inode
+    assert w.versions() == [1, 2] and same(load_file(cur.path / SHARD), states[2])
