@@ -21,26 +21,34 @@ def fsync_dir(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_writer(path: Path) -> Iterator[BinaryIO]:
-    """Yield a binary file; on clean exit it replaces `path` atomically, on error it vanishes."""
+def atomic_writer(path: Path, mode: int | None = None, durable: bool = True
+                  ) -> Iterator[BinaryIO]:
+    """Yield a binary file; on clean exit it replaces `path` atomically, on error it vanishes.
+    `mode`: permission bits for the file (default: mkstemp's 0600). `durable=False` skips the
+    fsyncs: the rename is still atomic against a killed process, not against power loss."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        if mode is not None:
+            os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as f:
             yield f
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    fsync_dir(path.parent)
+    if durable:
+        fsync_dir(path.parent)
 
 
-def write_atomic(path: Path, data: bytes | memoryview) -> None:
-    with atomic_writer(path) as f:
+def write_atomic(path: Path, data: bytes | memoryview, mode: int | None = None,
+                 durable: bool = True) -> None:
+    with atomic_writer(path, mode, durable) as f:
         f.write(data)
 
 

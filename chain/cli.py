@@ -44,13 +44,16 @@ def delta_encode(a: argparse.Namespace) -> int:
 
 def delta_apply(a: argparse.Namespace) -> int:
     from chain.deltafile import read_delta_file
+    from chain.digest import state_digest, tensor_digests
+    from chain.fill import Fill
     from chain.safetensors_io import WritableFiles, allocate
-    from chain.sources import source_digest
-    from chain.weights import fill_tensors
 
     header, tensors, reader = read_delta_file(Path(a.delta))
     old = FileSource(Path(a.old))
-    if source_digest(old) != header["parent_state_digest"]:
+    names = old.names()
+    base_digests = dict(zip(names, tensor_digests([(*old.meta(n), old.bits(n)) for n in names]),
+                            strict=True))
+    if state_digest(base_digests) != header["parent_state_digest"]:
         raise ChainError(f"{a.old} is not the base this delta was made from (state digest "
                          "differs); use the OLD file given to `delta encode`")
     out = Path(a.output)
@@ -58,7 +61,7 @@ def delta_apply(a: argparse.Namespace) -> int:
     allocate(tmp, [(t.name, t.dtype, t.shape, t.nbytes) for t in tensors])
     try:
         files = WritableFiles(tmp.parent, [tmp.name])
-        fill_tensors(files, tensors, reader, old, set(), lambda _n, _i: None, str(a.delta))
+        Fill(files, tensors, str(a.delta), old.files, base_digests).run(reader)
         files.flush()
         tmp.replace(out)
     finally:

@@ -17,7 +17,7 @@ from chain.sources import TensorSource, source_digest
 from chain.stream import BlockReader, RecordHeader, encode_header
 from chain.writer import EncodeStats, encode_stream
 
-MAGIC = b"DSDELTA1"
+MAGIC = b"DSDELTA2"  # 2: tensor digests are additive lane hashes (1: xxh3)
 CHUNK = 8 * 1024 * 1024
 
 
@@ -52,6 +52,9 @@ def write_delta_file(path: Path, old: TensorSource, new: TensorSource) -> Encode
 def read_delta_file(path: Path) -> tuple[dict, list[TensorEntry], BlockReader]:
     f = open(path, "rb")  # noqa: SIM115 - the returned reader streams from it
     head = f.read(len(MAGIC) + 4)
+    if head[: len(MAGIC)] == b"DSDELTA1":
+        raise BadDelta(f"{path} was written by an older deltaswarm (delta file format 1, other "
+                       "tensor digests); encode it again with this version")
     if len(head) < len(MAGIC) + 4 or head[: len(MAGIC)] != MAGIC:
         raise BadDelta(f"{path} is not a deltaswarm delta file (bad magic)")
     (n,) = struct.unpack("<I", head[len(MAGIC):])

@@ -1,16 +1,20 @@
-"""Digests: xxh3-128 for block ids and tensors, and the BitTorrent v2 pieces root.
+"""Digests: xxh3-128 for block ids, the additive lane hash for tensors, the BitTorrent v2
+pieces root.
 
-The tensor digest covers dtype, shape and raw bytes, so equal digests mean bit-identical
-tensors; the state digest covers every (name, tensor digest) in name order. The pieces root
-(SHA-256 Merkle tree over 16 KiB leaves, BEP 52) lets a signed manifest pin each block's
-torrent file without this package importing libtorrent.
+The tensor digest (chain/lanehash.py) covers dtype, shape and raw bytes, so equal digests mean
+bit-identical tensors, and it can be moved from the changed elements alone; the state digest
+covers every (name, tensor digest) in name order. The pieces root (SHA-256 Merkle tree over
+16 KiB leaves, BEP 52) lets a signed manifest pin each block's torrent file without this
+package importing libtorrent.
 """
 
 import hashlib
-import json
+from collections.abc import Sequence
 
 import numpy as np
 import xxhash
+
+from chain import lanehash
 
 LEAF = 16 * 1024
 
@@ -21,11 +25,22 @@ def block_id(data: bytes | memoryview) -> str:
 
 
 def tensor_digest(dtype: str, shape: list[int] | tuple[int, ...], data: np.ndarray | bytes) -> str:
-    h = xxhash.xxh3_128()
-    h.update(json.dumps([dtype, list(shape)], separators=(",", ":")).encode())
-    h.update(memoryview(np.ascontiguousarray(data)).cast("B") if isinstance(data, np.ndarray)
-             else data)
-    return h.hexdigest()
+    """Digest of one tensor's bit patterns (`data`: flat array or raw bytes)."""
+    return tensor_digests([(dtype, shape, data)])[0]
+
+
+def tensor_digests(items: Sequence[tuple[str, Sequence[int], np.ndarray | bytes]],
+                   threads: int = 2) -> list[str]:
+    """Digests of several tensors, their chunks spread over `threads` (memory-bandwidth bound)."""
+    from chain.codec.api import run_jobs
+
+    parts: list[list] = [[] for _ in items]
+    jobs = []
+    for i, (_, _, data) in enumerate(items):
+        arr = np.frombuffer(data, np.uint8) if isinstance(data, bytes | memoryview) else data
+        jobs += lanehash.partial_jobs(arr, parts, i)
+    run_jobs(jobs, threads)
+    return [lanehash.finish(dtype, shape, parts[i]) for i, (dtype, shape, _) in enumerate(items)]
 
 
 def state_digest(tensor_digests: dict[str, str]) -> str:

@@ -19,7 +19,8 @@ from chain.digest import state_digest
 from chain.dtypes import BY_NAME
 from chain.errors import BadManifest, BadSignature
 
-FORMAT = 1
+FORMAT = 2
+"""2: tensor digests are additive lane hashes (chain/lanehash.py); 1 used xxh3-128."""
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 Hex32 = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
 Hex64 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
@@ -77,7 +78,7 @@ class Signature(_Strict):
 
 
 class Manifest(_Strict):
-    format: Literal[1]
+    format: Literal[2]
     run: str = Field(min_length=1, max_length=128)
     version: int = Field(ge=0)
     kind: Literal["delta", "snapshot"]
@@ -151,7 +152,14 @@ class Manifest(_Strict):
             raise BadManifest(f"manifest is not valid JSON: {str(e)[:200]}") from None
         if not isinstance(doc, dict):
             raise BadManifest("manifest must be a JSON object")
-        if doc.get("format") != FORMAT:
+        old = doc.get("format")
+        if isinstance(old, int) and not isinstance(old, bool) and 0 < old < FORMAT:
+            raise BadManifest(
+                f"manifest format {old} was written by an older deltaswarm whose tensor digests "
+                f"this build (format {FORMAT}) does not use; re-publish the chain from the "
+                "trainer's weights with this version"
+            )
+        if old != FORMAT:
             raise BadManifest(
                 f"manifest format {doc.get('format')!r:.40} is not supported (this build reads "
                 f"format {FORMAT}); upgrade deltaswarm on this node"

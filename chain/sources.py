@@ -61,3 +61,20 @@ class FileSource:
 def source_digest(src: TensorSource) -> str:
     """State digest of every tensor in `src` (equal digests mean bit-identical weights)."""
     return state_digest({n: tensor_digest(*src.meta(n), src.bits(n)) for n in src.names()})
+
+
+class ArraySource:
+    """Tensors given as flat numpy arrays of bit patterns: {name: (dtype, shape, bits)}."""
+
+    def __init__(self, arrays: Mapping[str, tuple[str, list[int], np.ndarray]]) -> None:
+        self._arrays = arrays
+
+    def names(self) -> list[str]:
+        return sorted(self._arrays)
+
+    def meta(self, name: str) -> tuple[str, list[int]]:
+        dtype, shape, _ = self._arrays[name]
+        return dtype, list(shape)
+
+    def bits(self, name: str) -> np.ndarray:
+        return self._arrays[name][2]

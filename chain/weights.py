@@ -1,13 +1,24 @@
-"""Reconstruction: applying artifacts to produce verified, immutable HF weight directories.
+"""Reconstruction: applying artifacts to produce verified HF weight directories.
 
-Layout under `root`: `v00000005/` (safetensors shards, config.json, tokenizer files,
-VERSION.json), a `current` symlink, and at most one `.staging-<artifact>/` being built. A new
-version is built in staging from the immutable parent directory plus the artifact's records,
-one tensor at a time; each finished tensor is checked against its digest and appended to the
-staging JOURNAL (fsync'd), so a process killed at any instant resumes where it stopped: journal
-entries are done, other slots are checked against the child digest and otherwise rebuilt from
-the parent. Only a fully verified staging dir is renamed into place and made current, so
-engines never see a half-written directory.
+Layout under `root`: version directories `v00000005/` (safetensors shards, config.json,
+tokenizer files, VERSION.json, CHANGES), a `current` symlink, and at most one
+`.staging-<artifact>/` being built. At least two version directories are kept. A delta v -> v+1
+does not copy the model: the older directory (holding u < v, never `current`) is renamed to
+staging and brought forward in place, by copying from `current` the positions that changed
+from u to v (the CHANGES files of the directories in between) and writing the delta's changes,
+which are decoded against `current` read-only. Tensor digests are additive, so each tensor is
+verified from its old digest and the words it touched: the work is one decode pass over the
+current version plus O(changes). Only a fully verified staging dir is renamed into place and
+made current, so engines only ever see complete versions, and a directory is rewritten only
+after `current` has moved off it.
+
+Snapshots, a first delta with no spare directory, and deltas that add, drop or reshape tensors
+build a fresh directory (the whole model is written once). Every tensor that is finished is
+appended to the staging JOURNAL, so a process killed at any instant resumes: journaled tensors
+are done; any other tensor is copied whole from `current` and patched again (redo is idempotent:
+`current` is read-only and decoding is deterministic). Nothing is fsync'd per tensor: a kill
+leaves the page cache intact, and a power cut is caught by `check_at_start`, which recomputes
+every digest and drops a directory that does not match.
 """
 
 import contextlib
@@ -20,14 +31,32 @@ from pathlib import Path
 
 import numpy as np
 
-from chain import codec
 from chain.atomic import fsync_dir, symlink_atomic, write_atomic
-from chain.digest import state_digest, tensor_digest
-from chain.errors import BadDelta, ChainError, DigestMismatch
-from chain.manifest import BlockEntry, Manifest, TensorEntry
-from chain.safetensors_io import WritableFiles, allocate, layout, write_index
-from chain.sources import FileSource, TensorSource
-from chain.stream import BlockReader, RecordHeader
+from chain.digest import state_digest, tensor_digests
+from chain.errors import ChainError, DigestMismatch
+from chain.fill import Fill
+from chain.manifest import BlockEntry, Manifest
+from chain.safetensors_io import (
+    TensorFiles,
+    WritableFiles,
+    allocate,
+    layout,
+    read_header,
+    write_index,
+)
+from chain.stream import BlockReader
+from chain.versiondir import (
+    ADVANCE,
+    JOURNAL,
+    OURS,
+    SHARDS,
+    BadVersionDir,
+    VersionInfo,
+    read_changes,
+    read_info,
+    write_changes,
+    write_info,
+)
 
 Progress = Callable[[str, int, int], None]
 GetBlock = Callable[[BlockEntry], bytes]
@@ -48,21 +77,26 @@ class WeightsDir:
     def __init__(self, root: Path, keep: int = 2) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
-        self.keep = keep
+        self.keep = max(2, keep)  # two at least: the older one is brought forward in place
 
     def current(self) -> Current | None:
+        """The current version; BadVersionDir if its VERSION.json is damaged."""
         link = self.root / "current"
         if not link.is_symlink():
             return None
         path = self.root / os.readlink(link)
-        info = json.loads((path / "VERSION.json").read_text())
-        return Current(info["version"], info["state_digest"], path.resolve())
+        info = read_info(path)
+        return Current(info.version, info.state_digest, path.resolve())
 
     def path(self, version: int) -> Path:
         return self.root / version_dir_name(version)
 
     def staging(self) -> list[Path]:
         return sorted(self.root.glob(".staging-*"))
+
+    def versions(self) -> list[int]:
+        return sorted(int(p.name[1:]) for p in self.root.glob("v[0-9]*")
+                      if p.is_dir() and p.name[1:].isdigit())
 
     def apply(self, manifests: list[Manifest], get_block: GetBlock,
               progress: Progress | None = None) -> Current:
@@ -79,40 +113,87 @@ class WeightsDir:
                     raise DigestMismatch(
                         f"{m.artifact}'s parent digest differs from v{cur.version}'s"
                     )
-            cur = self._build(m, cur if m.kind == "delta" else None, get_block, progress)
+            cur = self._apply_one(m, cur if m.kind == "delta" else None, get_block, progress)
         assert cur is not None
         return cur
 
-    def _build(self, m: Manifest, parent: Current | None, get_block: GetBlock,
-               progress: Progress | None) -> Current:
-        for stale in [*self.staging(), *self.root.glob(".prep-*")]:
-            if stale.name != f".staging-{m.artifact}":
-                shutil.rmtree(stale)
+    # --- one artifact -----------------------------------------------------------------------
+    def _apply_one(self, m: Manifest, cur: Current | None, get_block: GetBlock,
+                   progress: Progress | None) -> Current:
         staging = self.root / f".staging-{m.artifact}"
-        resumed = (staging / "SHARDS.json").is_file()
+        for stale in [*self.staging(), *self.root.glob(".prep-*")]:
+            if stale != staging:
+                shutil.rmtree(stale)
+        if staging.is_dir() and _finished(staging, m):
+            return self._commit(staging, m)
+        if _finished(self.path(m.version), m):  # killed between the rename and the link
+            symlink_atomic(self.path(m.version).name, self.root / "current")
+            self._retain(m.version)
+            return Current(m.version, m.state_digest, self.path(m.version).resolve())
+        resumed = staging.is_dir() and ((staging / ADVANCE).is_file()
+                                        or (staging / SHARDS).is_file())
         if not resumed:
-            # No staging, or one killed inside _commit after SHARDS.json went: build afresh.
             shutil.rmtree(staging, ignore_errors=True)
-            self._prepare(staging, m, get_block)
-        journal_path = staging / "JOURNAL"
-        done = set(journal_path.read_text().split("\n")) if journal_path.exists() else set()
-        out = WritableFiles(staging, json.loads((staging / "SHARDS.json").read_text()))
-        base = FileSource(parent.path) if parent else None
-        reader = BlockReader.of_blocks(m.stream_blocks, get_block)
-        with open(journal_path, "a") as journal:
-
-            def journaled(name: str, i: int) -> None:
-                out.flush(name)
-                journal.write(name + "\n")
-                journal.flush()
-                os.fsync(journal.fileno())
-                if progress:
-                    progress(m.artifact, i + 1, len(m.tensors))
-
-            fill_tensors(out, m.tensors, reader, base, done, journaled, m.artifact, resumed)
+            spare = self._spare(m, cur)
+            if spare is not None:
+                self._take(spare, staging, m, cur)
+            else:
+                self._prepare(staging, m, get_block)
+        out = WritableFiles(staging, sorted(p.name for p in staging.glob("*.safetensors")))
+        base = TensorFiles(cur.path) if cur else None
+        fill = Fill(out, m.tensors, m.artifact, base, read_info(cur.path).tensors if cur else {},
+                    progress, staging / JOURNAL)
+        if (staging / ADVANCE).is_file() and not resumed:
+            plan = json.loads((staging / ADVANCE).read_text())
+            fill.in_place(self._steps(plan["from"], cur), _info_or_none(staging))
+        fill.run(BlockReader.of_blocks(m.stream_blocks, get_block), resumed)
         if state_digest({t.name: t.digest for t in m.tensors}) != m.state_digest:
-            raise DigestMismatch(f"{m.artifact}: state digest mismatch")
+            raise ChainError(f"{m.artifact}: state digest mismatch")
+        mode = _file_mode(staging)
+        write_changes(staging, m.version, fill.changes, mode)
+        _write_files(staging, m, get_block, mode)
+        write_info(staging, VersionInfo(m.version, m.state_digest, m.run,
+                                        {t.name: t.digest for t in m.tensors}), mode)
         return self._commit(staging, m)
+
+    def _spare(self, m: Manifest, cur: Current | None) -> Path | None:
+        """The older directory to bring forward, or None to build a fresh one."""
+        if m.kind != "delta" or cur is None:
+            return None
+        others = []
+        for v in self.versions():
+            if v > cur.version:  # left by a version set aside at start: never current again
+                shutil.rmtree(self.path(v))
+            elif v != cur.version:
+                others.append(v)
+        if len(others) + 1 < self.keep:
+            return None
+        path = self.path(others[0])
+        if not _same_layout(path, m):
+            shutil.rmtree(path)
+            return None
+        return path
+
+    def _steps(self, start: int, cur: Current) -> list[dict[str, np.ndarray | None] | None]:
+        """The CHANGES of versions start+1..current (None where a directory lacks them)."""
+        out = []
+        for v in range(start + 1, cur.version + 1):
+            d = cur.path if v == cur.version else self.path(v)
+            out.append(read_changes(d, v) if d.is_dir() else None)
+        return out
+
+    def _take(self, spare: Path, staging: Path, m: Manifest, cur: Current) -> None:
+        """Mark the spare as being brought forward to m, then move it to staging (atomic)."""
+        (spare / JOURNAL).unlink(missing_ok=True)
+        (spare / SHARDS).unlink(missing_ok=True)
+        try:
+            start = read_info(spare).version
+        except BadVersionDir:
+            start = cur.version - 1
+        write_atomic(spare / ADVANCE, json.dumps({"from": start, "base": cur.version,
+                                                  "to": m.version}).encode(), durable=False)
+        os.rename(spare, staging)
+        fsync_dir(self.root)
 
     def _prepare(self, staging: Path, m: Manifest, get_block: GetBlock) -> None:
         tmp = self.root / f".prep-{m.artifact}"
@@ -122,20 +203,14 @@ class WeightsDir:
         for fname, entries in shards.items():
             allocate(tmp / fname, entries)
         write_index(tmp, shards)
-        by_id = {b.id: b for b in m.blocks}
-        for f in m.files:
-            write_atomic(tmp / f.name, get_block(by_id[f.block]))
-        write_atomic(tmp / "SHARDS.json", json.dumps(sorted(shards)).encode())
+        write_atomic(tmp / SHARDS, json.dumps(sorted(shards)).encode())
         fsync_dir(tmp)
         os.rename(tmp, staging)
         fsync_dir(self.root)
 
     def _commit(self, staging: Path, m: Manifest) -> Current:
-        (staging / "JOURNAL").unlink(missing_ok=True)
-        (staging / "SHARDS.json").unlink(missing_ok=True)
-        info = {"version": m.version, "state_digest": m.state_digest, "run": m.run,
-                "tensors": {t.name: t.digest for t in m.tensors}}
-        write_atomic(staging / "VERSION.json", json.dumps(info, indent=1).encode())
+        for name in (JOURNAL, ADVANCE, SHARDS):
+            (staging / name).unlink(missing_ok=True)
         final = self.path(m.version)
         if final.exists():
             shutil.rmtree(final)
@@ -146,75 +221,129 @@ class WeightsDir:
         return Current(m.version, m.state_digest, final.resolve())
 
     def _retain(self, head: int) -> None:
-        versions = sorted(int(p.name[1:]) for p in self.root.glob("v[0-9]*") if p.is_dir())
+        versions = self.versions()
         for v in versions[: max(0, len(versions) - self.keep)]:
             if v != head:
                 with contextlib.suppress(FileNotFoundError):
                     shutil.rmtree(self.path(v))
 
+    # --- checks ---------------------------------------------------------------------------
     def verify(self) -> Current:
         """Recompute every tensor digest of the current version and compare."""
         cur = self.current()
         if cur is None:
             raise ChainError(f"no current version in {self.root}")
-        info = json.loads((cur.path / "VERSION.json").read_text())
-        src = FileSource(cur.path)
-        got = {}
-        for name in src.names():
-            dtype, shape = src.meta(name)
-            got[name] = tensor_digest(dtype, shape, src.bits(name))
-        if got != info["tensors"] or state_digest(got) != cur.state_digest:
-            bad = sorted(n for n in set(got) | set(info["tensors"])
-                         if got.get(n) != info["tensors"].get(n))
-            raise DigestMismatch(f"{cur.path}: tensors differ from VERSION.json: {bad[:5]}")
+        _verify_dir(cur.path, read_info(cur.path))
         return cur
 
+    def check_at_start(self) -> tuple[Current | None, str | None]:
+        """Verify the current version (every digest recomputed) and the spare directories.
+        A current version that fails is quarantined (renamed `.bad-vN`, `current` removed) so
+        the caller plans from a snapshot; a spare that fails is deleted. Returns (current or
+        None, what was wrong or None)."""
+        problem = None
+        try:
+            cur = self.verify() if (self.root / "current").is_symlink() else None
+        except (ChainError, OSError) as e:
+            problem = f"current weights failed verification and were set aside: {e}"
+            self._quarantine()
+            cur = None
+        for v in self.versions():
+            if cur is not None and v == cur.version:
+                continue
+            try:
+                _verify_dir(self.path(v), read_info(self.path(v)))
+            except (ChainError, OSError):
+                shutil.rmtree(self.path(v), ignore_errors=True)
+        return cur, problem
 
-def fill_tensors(out: WritableFiles, tensors: list[TensorEntry], reader: BlockReader,
-                 base: TensorSource | None, done: set[str],
-                 on_done: Callable[[str, int], None], what: str, resumed: bool = False) -> None:
-    """Write every tensor of `tensors` into `out` from `base` plus the record stream, verifying
-    each against its digest; tensors in `done` are skipped, and after a crash (`resumed`) so are
-    unchanged tensors whose slot already matches the child digest."""
-    pending = reader.next_header()
-    for i, t in enumerate(tensors):
-        rec: RecordHeader | None = None
-        if pending is not None and pending.name == t.name:
-            rec, pending = pending, None
-        elif pending is not None and pending.name < t.name:
-            raise BadDelta(f"record for {pending.name!r} is not a tensor of {what} or is out of "
-                           "order")
-        if t.name in done:
-            if rec is not None:
-                reader.skip(rec.n)
+    def _quarantine(self) -> None:
+        link = self.root / "current"
+        target = self.root / os.readlink(link)
+        for old in self.root.glob(".bad-*"):
+            shutil.rmtree(old, ignore_errors=True)
+        link.unlink()
+        if target.is_dir():
+            os.rename(target, self.root / f".bad-{target.name}")
+        fsync_dir(self.root)
+
+
+def _verify_dir(path: Path, info: VersionInfo) -> None:
+    files = TensorFiles(path)
+    got: dict[str, str] = {}
+    batch: list[str] = []
+    size = 0
+
+    def flush() -> None:
+        items = [(*_meta(files, n), files.bits(n)) for n in batch]
+        got.update(zip(batch, tensor_digests(items), strict=True))
+        for n in batch:
+            files.release(n)
+        batch.clear()
+
+    for name in files.names():
+        batch.append(name)
+        size += files.slots[name].end - files.slots[name].start
+        if size >= 1 << 26:
+            flush()
+            size = 0
+    flush()
+    if got != info.tensors or state_digest(got) != info.state_digest:
+        bad = sorted(n for n in set(got) | set(info.tensors) if got.get(n) != info.tensors.get(n))
+        raise DigestMismatch(f"{path}: tensors differ from VERSION.json: {bad[:5]}")
+
+
+def _meta(files: TensorFiles, name: str) -> tuple[str, list[int]]:
+    s = files.slots[name]
+    return s.dtype, s.shape
+
+
+def _finished(staging: Path, m: Manifest) -> bool:
+    try:
+        info = read_info(staging)
+    except BadVersionDir:
+        return False
+    return info.version == m.version and info.state_digest == m.state_digest
+
+
+def _info_or_none(path: Path) -> VersionInfo | None:
+    try:
+        return read_info(path)
+    except BadVersionDir:
+        return None
+
+
+def _same_layout(path: Path, m: Manifest) -> bool:
+    try:
+        slots = {}
+        for f in sorted(path.glob("*.safetensors")):
+            slots.update(read_header(f)[1])
+    except (ChainError, OSError):
+        return False
+    return {n: (s.dtype, s.shape) for n, s in slots.items()} == \
+        {t.name: (t.dtype, t.shape) for t in m.tensors}
+
+
+def _write_files(staging: Path, m: Manifest, get_block: GetBlock, mode: int) -> None:
+    """The model's other files (config, tokenizer) as the manifest lists them, in `mode`;
+    files of the directory's older version that the manifest does not list go."""
+    by_id = {b.id: b for b in m.blocks}
+    keep = {f.name for f in m.files}
+    for f in m.files:
+        path = staging / f.name
+        data = get_block(by_id[f.block])
+        if not path.is_file() or path.read_bytes() != data:
+            write_atomic(path, data, mode)
         else:
-            slot = out.bits(t.name)
-            if rec is not None or not resumed or tensor_digest(t.dtype, t.shape, slot) != t.digest:
-                _fill(slot, t, rec, reader, base, what)
-            if tensor_digest(t.dtype, t.shape, slot) != t.digest:
-                raise DigestMismatch(f"tensor {t.name} of {what} does not match its digest after "
-                                     "apply; the artifact is bad and was not applied")
-            on_done(t.name, i)
-        if pending is None:
-            pending = reader.next_header()
-    if pending is not None or not reader.at_end():
-        raise BadDelta(f"{what} has records after its last tensor")
+            path.chmod(mode)
+    for p in staging.iterdir():
+        if p.is_file() and p.suffix != ".safetensors" and p.name not in keep | OURS \
+                and not p.name.startswith("."):
+            p.unlink()
 
 
-def _fill(slot: np.ndarray, t: TensorEntry, rec: RecordHeader | None, reader: BlockReader,
-          base: TensorSource | None, what: str) -> None:
-    if rec is not None and (rec.dtype != t.dtype or rec.shape != t.shape):
-        raise BadDelta(f"record for {t.name} disagrees with the manifest's dtype/shape")
-    if rec is not None and rec.op == "full":
-        if rec.n != t.nbytes:
-            raise BadDelta(f"full record for {t.name} has {rec.n} bytes, needs {t.nbytes}")
-        reader.read_into(memoryview(slot).cast("B"))
-        return
-    if base is None or t.name not in base.names() or base.meta(t.name) != (t.dtype, t.shape):
-        raise BadDelta(f"{what}: tensor {t.name} needs a full record (no parent tensor)")
-    slot[:] = base.bits(t.name)
-    if rec is not None:
-        if rec.n > 8 * t.nbytes + (1 << 20):
-            raise BadDelta(f"delta record for {t.name} is implausibly large ({rec.n} bytes)")
-        payload = reader.read(rec.n)
-        codec.apply_tensor_delta(slot, payload, t.dtype)
+def _file_mode(directory: Path) -> int:
+    """The shards' permission bits (they follow the umask), for every other file we write."""
+    for f in sorted(directory.glob("*.safetensors")):
+        return f.stat().st_mode & 0o777
+    return 0o644

@@ -7,16 +7,16 @@ the result bit for bit.
 """
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from chain import codec
+from chain import codec, lanehash
 from chain.blocks import DEFAULT_BLOCK, BlockStore
-from chain.digest import pieces_root, state_digest, tensor_digest
-from chain.manifest import BlockEntry, FileEntry, Manifest, Parent, TensorEntry
+from chain.digest import pieces_root, state_digest, tensor_digests
+from chain.manifest import FORMAT, BlockEntry, FileEntry, Manifest, Parent, TensorEntry
 from chain.sources import TensorSource
 from chain.stream import BlockWriter, RecordHeader
 
@@ -41,28 +41,51 @@ BATCH_ELEMENTS = 1 << 25
 so memory stays bounded while both cores work."""
 
 
+OnChanges = Callable[[str, "codec.Changes | None"], None]
+
+
 def encode_stream(
     writer: BlockWriter, new: TensorSource, parent: TensorSource | None, kind: str,
     digests: Mapping[str, str] | None = None,
+    parent_digests: Mapping[str, str] | None = None,
+    on_changes: OnChanges | None = None,
 ) -> tuple[list[TensorEntry], EncodeStats]:
     """Write the record stream for `new` against `parent` (None or kind=snapshot: all raw).
 
     Tensors whose dtype and shape are unchanged get a codec payload (no record at all when
     nothing changed); new, reshaped or retyped tensors get their raw bytes. `digests`: the
     tensor digests of this same `new`, when already computed (a snapshot written right after
-    the delta of the same version), so a large model is not hashed twice."""
+    the delta of the same version), so a large model is not hashed twice. `parent_digests`:
+    the digests of `parent`'s tensors, when the caller knows they are right; a delta's
+    digests are then moved by its changes instead of hashing `new`. `on_changes(name,
+    changes)`: called per tensor with what the delta changes (None: a full record)."""
     stats = EncodeStats()
     t0 = time.perf_counter()
-    entries = []
+    entries: list[TensorEntry] = []
     parent_names = set(parent.names()) if parent is not None else set()
     pending: list[tuple[str, str, list[int], np.ndarray | None, np.ndarray]] = []
 
     def flush() -> None:
         deltas = [(old, bits, dtype) for _, dtype, _, old, bits in pending if old is not None]
-        payloads = iter(codec.encode_many(deltas) if deltas else [])
+        encoded = iter(codec.encode_changes(deltas, changes=parent_digests is not None
+                                            or on_changes is not None) if deltas else [])
+        hashed = [(dtype, shape, bits) for name, dtype, shape, old, bits in pending
+                  if _needs_hash(name, old, digests, parent_digests)]
+        fresh = iter(tensor_digests(hashed))
         for name, dtype, shape, old, bits in pending:
+            changes = None
             if old is not None:
-                payload = next(payloads)
+                payload, changes = next(encoded)
+            if _needs_hash(name, old, digests, parent_digests):
+                digest = next(fresh)
+            elif digests is not None:
+                digest = digests[name]
+            else:
+                digest = lanehash.add(parent_digests[name], changes.digest)
+            entries.append(TensorEntry(name=name, dtype=dtype, shape=shape, digest=digest))
+            if on_changes is not None:
+                on_changes(name, changes)
+            if old is not None:
                 changed = codec.payload_stats(payload)["changed"]
                 if changed == 0:
                     continue
@@ -82,8 +105,6 @@ def encode_stream(
     for name in new.names():
         dtype, shape = new.meta(name)
         bits = new.bits(name)
-        digest = digests[name] if digests is not None else tensor_digest(dtype, shape, bits)
-        entries.append(TensorEntry(name=name, dtype=dtype, shape=shape, digest=digest))
         stats.tensors += 1
         stats.elements += bits.size
         stats.dense_bytes += bits.nbytes
@@ -100,6 +121,13 @@ def encode_stream(
     return entries, stats
 
 
+def _needs_hash(name: str, old: np.ndarray | None, digests: Mapping[str, str] | None,
+                parent_digests: Mapping[str, str] | None) -> bool:
+    if digests is not None:
+        return False
+    return old is None or parent_digests is None or name not in parent_digests
+
+
 def write_artifact(
     blocks: BlockStore,
     key: Ed25519PrivateKey,
@@ -113,10 +141,15 @@ def write_artifact(
     files: Mapping[str, bytes] | None = None,
     block_size: int = DEFAULT_BLOCK,
     same_tensors_as: Manifest | None = None,
+    trust_parent: bool = False,
+    on_changes: OnChanges | None = None,
 ) -> tuple[Manifest, EncodeStats]:
     """Encode, store blocks, and return the signed manifest (not yet added to a chain).
     `same_tensors_as`: a manifest already written for this very `new` (the delta of the same
-    version); its tensor digests are reused instead of hashing every tensor again."""
+    version); its tensor digests are reused instead of hashing every tensor again.
+    `trust_parent`: `parent` is known to hold exactly `parent_manifest`'s weights (the
+    publisher keeps it so), so a delta's digests are the parent's moved by the changes: no
+    tensor is hashed. `on_changes`: see encode_stream."""
     if kind == "delta" and (parent is None or parent_manifest is None):
         raise ValueError("a delta needs the parent's tensors and manifest")
     digests = None
@@ -129,8 +162,11 @@ def write_artifact(
                              "same weights, or None to hash them")
         digests = {t.name: t.digest for t in same_tensors_as.tensors}
     writer = BlockWriter(blocks, block_size)
+    parent_digests = None
+    if kind == "delta" and trust_parent:
+        parent_digests = {t.name: t.digest for t in parent_manifest.tensors}
     tensors, stats = encode_stream(writer, new, parent if kind == "delta" else None, kind,
-                                   digests)
+                                   digests, parent_digests, on_changes)
     stream = writer.close()
     file_entries, file_blocks = [], []
     for fname, data in sorted((files or {}).items()):
@@ -144,7 +180,7 @@ def write_artifact(
         parent_ref = Parent(version=parent_manifest.version,
                             state_digest=parent_manifest.state_digest)
     manifest = Manifest(
-        format=1, run=run, version=version, kind=kind, parent=parent_ref, state_digest=digest,
+        format=FORMAT, run=run, version=version, kind=kind, parent=parent_ref, state_digest=digest,
         tensors=tensors, blocks=stream + file_blocks, files=file_entries,
         stats=stats.as_dict(), created=round(time.time(), 3),
     ).signed(key)

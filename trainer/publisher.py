@@ -11,6 +11,13 @@ Each call encodes the change against the last published version, writes blocks a
 manifest (plus a snapshot when the policy says so) through `chain`, and tells the local daemon
 over HTTP to seed it. The daemon also picks up anything in the chain dir when it starts, so a
 daemon that was down misses nothing.
+
+Cost per delta version: one encode pass over old and new (it finds the changes), then
+O(changes): the tensor digests are the head's moved by the changes, and the one kept CPU copy
+of the head is patched at the changed positions once the version is stored. Tensors already
+on the CPU and contiguous are read in place; others are copied one at a time. Memory beyond
+the caller's tensors: that copy (1x the model) plus the changes. A snapshot version hashes
+every tensor once (a full pass, at memory bandwidth).
 """
 
 import json
@@ -24,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from chain import keys
+from chain import codec, dtypes, keys
 from chain.blocks import DEFAULT_BLOCK
 from chain.errors import ChainError
 from chain.manifest import Manifest
@@ -107,24 +114,28 @@ class Publisher:
         if head is not None and self._last is None:
             raise ChainError("call resume(state_dict) with the head's weights before publishing")
         t0 = time.perf_counter()
-        state = _cpu_copy(state_dict)
-        new = StateDictSource(state)
+        new = StateDictSource(state_dict)
         delta = snapshot = None
+        changes: dict[str, codec.Changes | None] = {}
         common = dict(run=self.run, version=version, new=new, files=files,
                       block_size=self.block_size)
         if head is not None:
+            assert self._last is not None
             parent_m = self.store.get(head, "delta") or self.store.get(head, "snapshot")
             delta, stats = write_artifact(self.store.blocks, self.key, kind="delta",
                                           parent=StateDictSource(self._last),
-                                          parent_manifest=parent_m, **common)
+                                          parent_manifest=parent_m, trust_parent=True,
+                                          on_changes=changes.__setitem__, **common)
             self.store.add(delta)
+            # the head moved: bring the kept copy along now, whatever happens next
+            self._last = _patched(self._last, state_dict, changes)
         if head is None or self.snapshots.due(version, self.store.manifests()):
             snapshot, snap_stats = write_artifact(self.store.blocks, self.key, kind="snapshot",
                                                   same_tensors_as=delta, **common)
             self.store.add(snapshot)
             if delta is None:
                 stats = snap_stats
-        self._last = state
+                self._last = _cpu_copy(state_dict)
         self.store.gc(self.retention)
         notified = self._notify(version)
         return Published(
@@ -154,3 +165,19 @@ class Publisher:
 
 def _cpu_copy(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
+
+
+def _patched(last: dict[str, torch.Tensor], state: Mapping[str, torch.Tensor],
+             changes: Mapping[str, "codec.Changes | None"]) -> dict[str, torch.Tensor]:
+    """The kept copy moved to `state`: changed positions written in place (O(changes)); new,
+    reshaped or retyped tensors copied; tensors no longer in `state` dropped."""
+    out = {}
+    for name in state:
+        c = changes.get(name)
+        if c is None:
+            out[name] = state[name].detach().to("cpu", copy=True).contiguous()
+        else:
+            if c.pos.size:
+                dtypes.bits_view(last[name])[c.pos] = c.val
+            out[name] = last[name]
+    return out

@@ -3,12 +3,15 @@ entropy of (tensor segment, old exponent) contexts. See chain/codec/kernels.py f
 """
 
 from chain.codec.api import (
+    Changes,
     apply_many,
     apply_tensor_delta,
+    decode_many,
+    encode_changes,
     encode_many,
     encode_tensor_delta,
     payload_stats,
 )
 
-__all__ = ["apply_many", "apply_tensor_delta", "encode_many", "encode_tensor_delta",
-           "payload_stats"]
+__all__ = ["Changes", "apply_many", "apply_tensor_delta", "decode_many", "encode_changes",
+           "encode_many", "encode_tensor_delta", "payload_stats"]

@@ -10,9 +10,11 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 
+from chain import lanehash
 from chain.codec import header as hdr
 from chain.codec.kernels import (
     ERR_COUNT,
@@ -45,11 +47,17 @@ class _Workspace:
         self.ctx = [np.empty(256, np.int64) for _ in range(5)]
         self.chg = [np.empty(0, np.int64) for _ in range(5)]
         self.out = [np.empty(0, np.uint8) for _ in range(hdr.STREAMS)]
+        self.keep = np.empty(0, np.int64)
 
     def changes(self, n: int) -> list[np.ndarray]:
         if self.chg[0].size < n:
             self.chg = [np.empty(max(n, 2 * self.chg[0].size), np.int64) for _ in range(5)]
         return self.chg
+
+    def kept(self, n: int) -> np.ndarray:
+        if self.keep.size < n:
+            self.keep = np.empty(max(n, 2 * self.keep.size), np.int64)
+        return self.keep
 
     def outbufs(self, n: int) -> list[np.ndarray]:
         if self.out[0].size < n:
@@ -58,6 +66,7 @@ class _Workspace:
         return [o[:n] for o in self.out]
 
 
+_NO_KEEP = np.empty(0, np.int64)
 _local = threading.local()
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -70,7 +79,7 @@ def _ws() -> _Workspace:
     return ws
 
 
-def _run(jobs: list[tuple[int, Callable[[], None]]], threads: int) -> None:
+def run_jobs(jobs: list[tuple[int, Callable[[], None]]], threads: int = THREADS) -> None:
     """Run (weight, job) pairs, heaviest first, on `threads` workers that each take the next
     job when done with one: the weights only order the work, so a segment that turns out
     cheaper or dearer than its weight says does not leave a thread idle."""
@@ -95,6 +104,20 @@ def _run_all(jobs) -> None:
         job()
 
 
+@dataclass
+class Changes:
+    """What a delta changes in one tensor: sorted absolute element positions, their new bit
+    patterns, and (from the encoder, which sees both sides) how the tensor digest moves."""
+
+    pos: np.ndarray
+    val: np.ndarray
+    digest: tuple[int, int] | None = None
+
+    @classmethod
+    def none(cls, uint: np.dtype) -> "Changes":
+        return cls(np.empty(0, np.int64), np.empty(0, uint), (0, 0))
+
+
 def _check_pair(old: np.ndarray, new: np.ndarray, dtype: str) -> hdr.Coding:
     c = hdr.coding(dtype)
     for name, a in (("old", old), ("new", new)):
@@ -109,6 +132,14 @@ def _check_pair(old: np.ndarray, new: np.ndarray, dtype: str) -> hdr.Coding:
 def encode_many(pairs: Sequence[tuple[np.ndarray, np.ndarray, str]],
                 threads: int = THREADS) -> list[bytes]:
     """Payloads for several (old, new, dtype) tensors, segments spread over `threads`."""
+    return [p for p, _ in encode_changes(pairs, threads, changes=False)]
+
+
+def encode_changes(pairs: Sequence[tuple[np.ndarray, np.ndarray, str]],
+                   threads: int = THREADS, changes: bool = True
+                   ) -> list[tuple[bytes, Changes | None]]:
+    """`encode_many` that also returns each tensor's Changes (positions, new values, digest
+    move), found in the same pass: O(changes) extra work and memory."""
     seg = 1 << LOG2_SEG
     plans = []
     jobs = []
@@ -117,12 +148,24 @@ def encode_many(pairs: Sequence[tuple[np.ndarray, np.ndarray, str]],
         old, new = np.ascontiguousarray(old), np.ascontiguousarray(new)
         n, words = old.size, _words(old, new)
         parts: list = [None] * ((n + seg - 1) // seg)
-        plans.append((old, new, dtype, c, parts))
+        found: list = [None] * len(parts) if changes else []
+        plans.append((old, new, dtype, c, parts, found))
         for s in range(len(parts)):
             lo, hi = s * seg, min(n, (s + 1) * seg)
-            jobs.append((hi - lo, _encode_job(old, new, lo, hi, words, c, parts, s)))
-    _run(jobs, threads)
-    return [_assemble(old, new, dtype, c, parts) for old, new, dtype, c, parts in plans]
+            jobs.append((hi - lo, _encode_job(old, new, lo, hi, words, c, parts, s, found)))
+    run_jobs(jobs, threads)
+    return [(_assemble(old, new, dtype, c, parts), _gathered(found, c) if changes else None)
+            for old, new, dtype, c, parts, found in plans]
+
+
+def _gathered(found: list, c: hdr.Coding) -> Changes:
+    if not found:
+        return Changes.none(c.dtype.uint)
+    a = b = 0
+    for f in found:
+        a, b = a + int(f[2][0]), b + int(f[2][1])
+    return Changes(np.concatenate([f[0] for f in found]), np.concatenate([f[1] for f in found]),
+                   (a & lanehash.M64, b & lanehash.M64))
 
 
 def _words(*arrays: np.ndarray) -> bool:
@@ -133,14 +176,20 @@ def _words(*arrays: np.ndarray) -> bool:
 
 
 def _encode_job(old, new, lo, hi, words: bool, c: hdr.Coding, parts: list,
-                s: int) -> Callable[[], None]:
+                s: int, found: list) -> Callable[[], None]:
 
     def job() -> None:
         ws = _ws()
         raw = (hi - lo) * c.dtype.itemsize + 64
+        keep = ws.kept(hi - lo + 1) if found else _NO_KEEP
         k, *lens, hsh = encode_segment(
             old, new, lo, hi, words, c.shift, c.cmask, c.nctx, c.dtype.bits, c.is_float,
-            ws.models, ws.hist, *ws.ctx[:3], *ws.changes(hi - lo + 1), *ws.outbufs(raw))
+            ws.models, ws.hist, *ws.ctx[:3], *ws.changes(hi - lo + 1), *ws.outbufs(raw), keep)
+        if found:
+            pos = keep[:k] + lo
+            val = np.empty(k, old.dtype)
+            lanehash.gather(new, pos, val)
+            found[s] = (pos, val, lanehash.moved_between(old, new, pos))
         if k == 0:
             parts[s] = (0, [b""] * hdr.STREAMS, 0)
         elif max(lens) <= raw:
@@ -177,17 +226,15 @@ def encode_tensor_delta(old: np.ndarray, new: np.ndarray, dtype: str) -> bytes:
     return encode_many([(old, new, dtype)])[0]
 
 
-def apply_many(items: Sequence[tuple[np.ndarray, bytes | memoryview, str]],
-               threads: int = THREADS) -> None:
-    """Patch several targets in place. Every payload is decoded and checked first; on any
-    BadDelta no target has been written."""
+def _decode_all(items: Sequence[tuple[np.ndarray, bytes | memoryview, str]], threads: int,
+                write: bool) -> list:
     decoded = []
     jobs = []
     for t, (target, payload, dtype) in enumerate(items):
-        plan = _plan_apply(t, target, payload, dtype, jobs)
+        plan = _plan_apply(t, target, payload, dtype, jobs, write)
         if plan is not None:
             decoded.append(plan)
-    _run(jobs, threads)
+    run_jobs(jobs, threads)
     for t, errs, _, kind, _, want in decoded:
         bad = [e[0] for e in errs if e[0]]
         if bad:
@@ -196,6 +243,29 @@ def apply_many(items: Sequence[tuple[np.ndarray, bytes | memoryview, str]],
         if kind == hdr.CODED and _combine(e[1] for e in errs) != want:
             raise BadDelta(f"tensor delta #{t} decodes to a result whose hash does not match "
                            "the payload's: wrong base tensor, or a forged payload")
+    return decoded
+
+
+def decode_many(items: Sequence[tuple[np.ndarray, bytes | memoryview, str]],
+                threads: int = THREADS) -> list[Changes]:
+    """The Changes each (base, payload, dtype) makes, decoded against `base` without writing
+    it (it may be a read-only map of the current version). BadDelta as for apply_many."""
+    out = [Changes.none(hdr.coding(dtype).dtype.uint) for _, _, dtype in items]
+    for t, _, base, kind, data, _ in _decode_all(items, threads, write=False):
+        if kind == hdr.RAW:
+            pos = np.flatnonzero(base != data).astype(np.int64)
+            out[t] = Changes(pos, data[pos])
+        else:
+            out[t] = Changes(np.concatenate([pos[a:b] + np.int64(lo) for lo, pos, _, a, b in data]),
+                             np.concatenate([val[a:b] for _, _, val, a, b in data]))
+    return out
+
+
+def apply_many(items: Sequence[tuple[np.ndarray, bytes | memoryview, str]],
+               threads: int = THREADS) -> None:
+    """Patch several targets in place. Every payload is decoded and checked first; on any
+    BadDelta no target has been written."""
+    decoded = _decode_all(items, threads, write=True)
     scat = []
     for _, _, target, kind, data, _ in decoded:
         if kind == hdr.RAW:
@@ -203,7 +273,7 @@ def apply_many(items: Sequence[tuple[np.ndarray, bytes | memoryview, str]],
         else:
             for lo, pos, val, a, b in data:
                 scat.append((b - a, _scatter_job(target, lo, pos, val, a, b)))
-    _run(scat, threads)
+    run_jobs(scat, threads)
 
 
 def _raw_job(target: np.ndarray, data: np.ndarray) -> Callable[[], None]:
@@ -218,10 +288,10 @@ def _scatter_job(target, lo, pos, val, a, b) -> Callable[[], None]:
     return job
 
 
-def _plan_apply(t: int, target: np.ndarray, payload, dtype: str, jobs: list):
+def _plan_apply(t: int, target: np.ndarray, payload, dtype: str, jobs: list, write: bool):
     c = hdr.coding(dtype)
     if target.ndim != 1 or target.dtype != c.dtype.uint or not target.flags.c_contiguous \
-            or not target.flags.writeable:
+            or (write and not target.flags.writeable):
         raise BadDelta(f"tensor delta #{t}: target must be a writable flat contiguous "
                        f"{c.dtype.uint} array, got {target.dtype} shape {target.shape}")
     h = hdr.parse(payload)

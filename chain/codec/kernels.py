@@ -310,11 +310,12 @@ def _enc_values(vs, ss, models, off_x, off_inv, ci, ti, steps, width, scratch, v
 @njit(nogil=True, cache=True)
 def encode_segment(old, new, lo, hi, words, shift, cmask, nctx, width, is_float,
                    models, hist, kcnt, start, rpar, chg, chg_rank, chg_ctx, grank,
-                   gstep, tout, gout, vout, sout):
+                   gstep, tout, gout, vout, sout, keep):
     """Code old[lo:hi] -> new[lo:hi] into four buffers (scratch arrays of hi - lo + 1 entries;
     `words`: 2-byte elements, 8-byte aligned). Returns (changes, then the table, gap, magnitude
     and sign stream lengths, result hash); no changes codes nothing, and a length larger than
-    its buffer means the buffer was too small."""
+    its buffer means the buffer was too small. When `keep` has room, the changes' offsets from
+    lo go there in position order too (the caller's record of what changed)."""
     sh = np.uint64(shift)
     cm = np.uint64(cmask)
     hist[:] = 0
@@ -336,8 +337,11 @@ def encode_segment(old, new, lo, hi, words, shift, cmask, nctx, width, is_float,
         total += kcnt[e]
     mask = _mask(width)
     hsh = np.uint64(0)
+    save = keep.size >= m
     for j in range(m):
         i = lo + chg[j]
+        if save:
+            keep[j] = chg[j]
         kn = np.uint64(new[i])
         hsh += _mix(np.uint64(i), kn)
         ko = _flip(np.uint64(old[i]), width, is_float)

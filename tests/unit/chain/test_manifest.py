@@ -61,7 +61,9 @@ def test_signature_with_the_right_key_id_but_forged_bytes_is_refused(snapshot, s
 @pytest.mark.parametrize(
     ("mutate", "message"),
     [
-        (lambda d: d.update(format=2), "format 2 is not supported"),
+        (lambda d: d.update(format=3), "format 3 is not supported"),
+        (lambda d: d.update(format=1), "format 1 was written by an older deltaswarm whose "
+                                       "tensor digests"),
         (lambda d: d.update(version=-1), "version"),
         (lambda d: d.update(kind="weird"), "kind"),
         (lambda d: d["blocks"][0].update(id="xyz"), "blocks.0.id"),

@@ -113,12 +113,16 @@ w.apply(plan, lambda b: store.blocks.get(b.id, b.size))
 
 @pytest.mark.slow
 def test_kill_during_apply_restarts_into_a_verified_state_and_converges(tmp_path, signing_key):
-    store = ChainStore(tmp_path / "chain", signing_key.public_key())
-    states = build_chain(store, signing_key, 3)
-    big = {f"layer.{i}.weight": (torch.randn(256, 256) * 0.02).bfloat16() for i in range(24)}
+    """Every trial starts at v2 with two directories, so v3..v5 are all brought forward in
+    place; kills land anywhere in that work, and each trial checks it really cut an apply."""
+    import shutil
+
     from chain.sources import StateDictSource
     from chain.writer import write_artifact
 
+    store = ChainStore(tmp_path / "chain", signing_key.public_key())
+    states = build_chain(store, signing_key, 3)
+    big = {f"layer.{i}.weight": (torch.randn(256, 256) * 0.02).bfloat16() for i in range(24)}
     prev_m = store.manifest("v00000003.delta")
     prev = states[3]
     for v in (4, 5):
@@ -129,42 +133,55 @@ def test_kill_during_apply_restarts_into_a_verified_state_and_converges(tmp_path
                               parent_manifest=prev_m)
         store.add(m)
         prev, prev_m = nxt, m
+    base = tmp_path / "base"
+    WeightsDir(base).apply(store.plan(None, 2), getter(store))
+    assert WeightsDir(base).versions() == [1, 2]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
-    # time one uninterrupted apply to spread kills over its whole duration
+
+    def start(target: Path) -> subprocess.Popen:
+        p = subprocess.Popen([sys.executable, "-c", CRASH_SCRIPT, str(tmp_path / "chain"),
+                              str(target), "5"], env=env, stdout=subprocess.PIPE)
+        assert p.stdout.readline() == b"start\n"
+        return p
+
     ref = tmp_path / "ref"
+    shutil.copytree(base, ref, symlinks=True)
+    p = start(ref)  # time one uninterrupted apply (after imports) to spread kills over it
     t0 = time.monotonic()
-    subprocess.run([sys.executable, "-c", CRASH_SCRIPT, str(tmp_path / "chain"), str(ref), "5"],
-                   check=True, env=env, capture_output=True)
+    assert p.wait() == 0
+    p.stdout.close()
     duration = time.monotonic() - t0
     rng = torch.Generator().manual_seed(1)
     target = tmp_path / "w"
-    kills = 0
+    cut = in_place = 0
     for trial in range(12):
-        if trial % 4 == 0:
-            import shutil
-
+        if trial % 2 == 0:  # a fresh start at v2, then a kill during the resumed apply
             shutil.rmtree(target, ignore_errors=True)
-        p = subprocess.Popen([sys.executable, "-c", CRASH_SCRIPT, str(tmp_path / "chain"),
-                              str(target), "5"], env=env, stdout=subprocess.PIPE)
+            shutil.copytree(base, target, symlinks=True)
+        p = start(target)
         try:
-            p.stdout.readline()
-            time.sleep(float(torch.rand(1, generator=rng)) * duration * 0.8)
-            os.kill(p.pid, signal.SIGKILL)
-            kills += 1
+            time.sleep(float(torch.rand(1, generator=rng)) * duration * 0.45)
+            running = p.poll() is None
+            if running:
+                os.kill(p.pid, signal.SIGKILL)  # not yet reaped, so the pid is still its own
         finally:
             p.wait()
             p.stdout.close()
         w = WeightsDir(target)
         cur = w.current()
+        if running and p.returncode == -signal.SIGKILL:
+            cut += 1
+            in_place += any((s / "ADVANCE.json").is_file() for s in w.staging())
         if cur is not None:
             w.verify()  # whatever version is current is complete and bit-exact
     w = WeightsDir(target)
-    cur = w.apply(store.plan(w.current().version if w.current() else None, 5), getter(store))
+    cur = w.apply(store.plan(w.current().version, 5), getter(store))
     assert cur.version == 5
     assert same(load_file(cur.path / "model.safetensors"), prev)
     assert cur.state_digest == WeightsDir(ref).current().state_digest
     assert not w.staging()
-    assert kills == 12
+    assert cut >= 8, f"only {cut} of 12 kills landed inside an apply"
+    assert in_place >= 1, "no kill landed inside an in-place bring-forward"
 
 
 def test_a_kill_inside_commit_after_the_shard_list_went_rebuilds(tmp_path, signing_key):

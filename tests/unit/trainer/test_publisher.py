@@ -1,11 +1,13 @@
 """The publisher on a real chain directory (no daemon): versions, snapshot cadence, resume, and
-one hashing pass per published state even when a version gets both a delta and a snapshot."""
+no hashing of a delta version's tensors (digests moved by the changes) even when it also gets a
+snapshot."""
 
 import pytest
 import torch
 
 import chain.writer
 from chain import keys
+from chain.digest import tensor_digest
 from chain.errors import ChainError
 from chain.policy import SnapshotPolicy
 from chain.sources import StateDictSource, source_digest
@@ -44,21 +46,39 @@ def test_versions_get_deltas_and_snapshots_on_the_policy_cadence(publisher):
     assert publisher.head == 2
 
 
-def test_a_version_with_delta_and_snapshot_hashes_each_tensor_once(publisher, monkeypatch):
+def test_a_delta_version_hashes_no_tensor_and_its_digests_match_a_full_hash(publisher,
+                                                                           monkeypatch):
     s0 = _state(0)
     publisher.publish(0, s0)
-    calls = []
-    real = chain.writer.tensor_digest
+    hashed = []
+    real = chain.writer.tensor_digests
 
-    def counting(dtype, shape, bits):
-        calls.append(tuple(shape))
-        return real(dtype, shape, bits)
+    def counting(items, *a, **k):
+        hashed.extend(tuple(shape) for _, shape, _ in items)
+        return real(items, *a, **k)
 
-    monkeypatch.setattr(chain.writer, "tensor_digest", counting)
+    monkeypatch.setattr(chain.writer, "tensor_digests", counting)
     publisher.snapshots = SnapshotPolicy(every=1)
-    out = publisher.publish(1, _step(s0, 1))
+    s1 = _step(s0, 1)
+    out = publisher.publish(1, s1)
     assert out.delta is not None and out.snapshot is not None
-    assert len(calls) == len(s0)
+    assert hashed == []  # digests moved by the changes; the snapshot reuses the delta's
+    full = {n: tensor_digest(*StateDictSource(s1).meta(n), StateDictSource(s1).bits(n))
+            for n in s1}
+    assert {t.name: t.digest for t in out.delta.tensors} == full
+
+
+def test_the_kept_copy_follows_the_published_weights_without_sharing_them(publisher):
+    s0 = _state(0)
+    publisher.publish(0, s0)
+    s1 = _step(s0, 1)
+    publisher.publish(1, s1)
+    assert all(torch.equal(publisher._last[k], s1[k]) for k in s1)
+    s1["a.weight"].add_(1.0)  # the caller steps its own tensors in place
+    assert not torch.equal(publisher._last["a.weight"], s1["a.weight"])
+    s2 = _step(_step(s0, 1), 2)
+    p2 = publisher.publish(2, s2)
+    assert p2.delta.state_digest == source_digest(StateDictSource(s2))
 
 
 def test_resume_accepts_the_head_weights_only(publisher, tmp_path):

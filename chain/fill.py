@@ -1,0 +1,187 @@
+"""Filling a staging directory with one artifact's tensors, each verified by its digest.
+
+Per tensor, in name order: a full record is read straight into its slot and hashed; otherwise
+the slot is first made equal to the current version's tensor (by copying only the positions
+that changed since the slot's own version, when it is an older directory brought forward, else
+the whole tensor), then the delta's changes, decoded against the current version read-only, are
+written. The digest follows from the slot's known digest and the words touched, so unchanged
+data is never re-read. Work goes in batches of about BATCH elements, decoding and patching
+spread over the codec's threads; finished tensors go to the JOURNAL and their pages are dropped
+from this process (they stay in the page cache), so memory stays near one batch.
+"""
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from chain import codec, lanehash
+from chain.codec.api import run_jobs
+from chain.digest import tensor_digests
+from chain.errors import BadDelta, DigestMismatch
+from chain.manifest import TensorEntry
+from chain.safetensors_io import TensorFiles, WritableFiles
+from chain.stream import BlockReader, RecordHeader
+from chain.versiondir import VersionInfo
+
+BATCH = 1 << 24
+_NONE = codec.Changes(np.empty(0, np.int64), np.empty(0, np.uint8))
+
+
+@dataclass
+class _Item:
+    index: int
+    t: TensorEntry
+    rec: RecordHeader | None
+    done: bool
+    payload: bytes | None = None
+    changes: codec.Changes | None = None
+    digest: str | None = None
+    repaired: bool = False
+    pulled: list = field(default_factory=list)
+
+
+class Fill:
+    """Fills `out` with `tensors` from a record stream against `base` (a read-only version
+    whose tensor digests are `base_digests`), journaling finished tensors to `journal`."""
+
+    def __init__(self, out: WritableFiles, tensors: list[TensorEntry], what: str,
+                 base: TensorFiles | None, base_digests: dict[str, str],
+                 progress: Callable[[str, int, int], None] | None = None,
+                 journal: Path | None = None) -> None:
+        self.out, self.tensors, self.what = out, tensors, what
+        self.base, self.base_digests = base, base_digests
+        self.progress, self.journal_path = progress, journal
+        self.steps: list[dict[str, np.ndarray | None] | None] = []
+        self.own: dict[str, str] | None = None
+        self.changes: dict[str, np.ndarray | None] = {}
+        self.repaired = 0
+        self.resumed = False
+
+    def in_place(self, steps: list, own: VersionInfo | None) -> None:
+        """The slots hold an older version (`own`, None if unknown) that `steps` (CHANGES per
+        version since) bring up to the base."""
+        self.steps, self.own = steps, own.tensors if own is not None else None
+
+    # --- the pass ---------------------------------------------------------------------------
+    def run(self, reader: BlockReader, resumed: bool = False) -> None:
+        self.resumed = resumed
+        jpath = self.journal_path
+        done = set(jpath.read_text().split("\n")) if jpath and jpath.exists() else set()
+        what = self.what
+        with open(jpath or os.devnull, "a") as self.journal:
+            batch: list[_Item] = []
+            size = 0
+            pending = reader.next_header()
+            for i, t in enumerate(self.tensors):
+                rec = None
+                if pending is not None and pending.name == t.name:
+                    rec, pending = pending, None
+                elif pending is not None and pending.name < t.name:
+                    raise BadDelta(f"record for {pending.name!r} is not a tensor of {what} or "
+                                   "is out of order")
+                item = _Item(i, t, rec, t.name in done)
+                self._read(item, reader)
+                batch.append(item)
+                size += t.numel
+                if size >= BATCH:
+                    self._batch(batch)
+                    batch, size = [], 0
+                if pending is None:
+                    pending = reader.next_header()
+            self._batch(batch)
+        if pending is not None or not reader.at_end():
+            raise BadDelta(f"{what} has records after its last tensor")
+
+    def _read(self, item: _Item, reader: BlockReader) -> None:
+        rec, t = item.rec, item.t
+        if rec is None:
+            return
+        if rec.dtype != t.dtype or rec.shape != t.shape:
+            raise BadDelta(f"record for {t.name} disagrees with the manifest's dtype/shape")
+        if rec.op == "full":
+            if rec.n != t.nbytes:
+                raise BadDelta(f"full record for {t.name} has {rec.n} bytes, needs {t.nbytes}")
+            if item.done:
+                reader.skip(rec.n)
+            else:
+                reader.read_into(memoryview(self.out.bits(t.name)).cast("B"))
+            return
+        if rec.n > 8 * t.nbytes + (1 << 20):
+            raise BadDelta(f"delta record for {t.name} is implausibly large ({rec.n} bytes)")
+        self._base_of(t)
+        item.payload = reader.read(rec.n)
+
+    def _base_of(self, t: TensorEntry) -> np.ndarray:
+        b = self.base
+        if b is None or t.name not in b.slots or \
+                (b.slots[t.name].dtype, b.slots[t.name].shape) != (t.dtype, t.shape):
+            raise BadDelta(f"{self.what}: tensor {t.name} needs a full record (no parent "
+                           "tensor)")
+        return b.bits(t.name)
+
+    def _batch(self, batch: list[_Item]) -> None:
+        coded = [it for it in batch if it.payload is not None]
+        for it in coded:
+            self.base.prefault(it.t.name)
+        if coded:
+            decoded = codec.decode_many([(self._base_of(it.t), it.payload, it.t.dtype)
+                                         for it in coded])
+            for it, ch in zip(coded, decoded, strict=True):
+                it.changes, it.payload = ch, None
+        jobs = [(it.t.numel, self._job(it)) for it in batch
+                if not it.done and (it.rec is None or it.rec.op != "full")]
+        run_jobs(jobs)
+        full = [it for it in batch if not it.done and it.rec is not None and it.rec.op == "full"]
+        for it, d in zip(full, tensor_digests([(it.t.dtype, it.t.shape,
+                                                self.out.bits(it.t.name)) for it in full]),
+                         strict=True):
+            it.digest = d
+        for it in batch:
+            name = it.t.name
+            self.changes[name] = None if it.rec is not None and it.rec.op == "full" else (
+                it.changes.pos if it.changes is not None else np.empty(0, np.int64))
+            if it.done:
+                continue
+            if it.digest != it.t.digest:
+                raise DigestMismatch(f"tensor {name} of {self.what} does not match its "
+                                     "digest after apply; the artifact is bad and was not "
+                                     "applied")
+            self.repaired += it.repaired
+            self.journal.write(name + "\n")
+            self.journal.flush()
+            self.out.release(name)
+            if self.base is not None and name in self.base.slots:
+                self.base.release(name)
+            if self.progress:
+                self.progress(self.what, it.index + 1, len(self.tensors))
+
+    def _job(self, it: _Item) -> Callable[[], None]:
+        def job() -> None:
+            name = it.t.name
+            slot, src = self.out.bits(name), self._base_of(it.t)
+            ch = it.changes if it.changes is not None else _NONE
+            digest = None
+            if not self.resumed and self.own is not None and name in self.own and self.steps \
+                    and all(s is not None and s.get(name) is not None for s in self.steps):
+                if ch.pos.size or any(s[name].size for s in self.steps):
+                    self.out.prefault(name)
+                d = (0, 0)
+                for s in self.steps[:-1]:
+                    a, b = lanehash.moved_by_pull(slot, src, s[name])
+                    d = (d[0] + int(a), d[1] + int(b))
+                a, b = lanehash.moved_by_pull_put(slot, src, self.steps[-1][name], ch.pos,
+                                                  ch.val)
+                digest = lanehash.add(self.own[name], (d[0] + int(a), d[1] + int(b)))
+            if digest != it.t.digest:
+                # not brought forward, or its older version was not what VERSION.json says:
+                # copy the tensor whole from the base, then patch
+                it.repaired = digest is not None
+                self.out.prefault(name)
+                slot[:] = src
+                digest = lanehash.add(self.base_digests[name],
+                                      lanehash.moved_by_put(slot, ch.pos, ch.val))
+            it.digest = digest
+        return job

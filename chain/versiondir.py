@@ -1,0 +1,124 @@
+"""The small files inside a reconstructed weights directory: VERSION.json and CHANGES.
+
+VERSION.json says which version a directory holds and every tensor's digest; it is what
+`WeightsDir.current()` trusts, so a truncated or garbled one is refused with BadVersionDir,
+never a bare JSON or key error. CHANGES lists, per tensor, the element positions that changed
+from the previous version to this one: it is how the older of two directories is brought
+forward in place by copying only those positions (a tensor listed as whole changed entirely).
+"""
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from chain.atomic import atomic_writer, write_atomic
+from chain.errors import ChainError
+
+FORMAT = 2
+"""2: digests are additive lane hashes (chain/lanehash.py); directories without a format were
+written by an older deltaswarm with xxh3 digests."""
+VERSION_FILE = "VERSION.json"
+CHANGES_FILE = "CHANGES"
+ADVANCE = "ADVANCE.json"  # in a staging dir: an older version being brought forward in place
+SHARDS = "SHARDS.json"  # in a staging dir: a fresh build (its shard files)
+JOURNAL = "JOURNAL"  # in a staging dir: the tensors already done
+OURS = {VERSION_FILE, CHANGES_FILE, ADVANCE, SHARDS, JOURNAL, "model.safetensors.index.json"}
+_MAGIC = b"DSC2"
+_HEAD = struct.Struct("<4sQ")
+WHOLE = -1
+
+
+class BadVersionDir(ChainError):
+    """A weights directory's VERSION.json or CHANGES is missing, truncated or inconsistent."""
+
+
+@dataclass(frozen=True)
+class VersionInfo:
+    version: int
+    state_digest: str
+    run: str
+    tensors: dict[str, str]
+
+    def to_bytes(self) -> bytes:
+        return json.dumps({"format": FORMAT, "version": self.version,
+                           "state_digest": self.state_digest, "run": self.run,
+                           "tensors": self.tensors}, indent=1).encode()
+
+
+def read_info(directory: Path) -> VersionInfo:
+    path = Path(directory) / VERSION_FILE
+    try:
+        doc = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise BadVersionDir(f"{path} is missing: the directory is not a finished version") \
+            from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BadVersionDir(f"{path} is truncated or not JSON ({e}); the directory cannot be "
+                            "trusted and will be rebuilt from the chain") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        got = doc.get("format") if isinstance(doc, dict) else None
+        raise BadVersionDir(f"{path} has format {got!r}, this build writes {FORMAT} (it was "
+                            "made by another deltaswarm version); it will be rebuilt")
+    try:
+        info = VersionInfo(int(doc["version"]), str(doc["state_digest"]), str(doc["run"]),
+                           {str(k): str(v) for k, v in dict(doc["tensors"]).items()})
+    except (KeyError, TypeError, ValueError) as e:
+        raise BadVersionDir(f"{path} lacks or garbles field {e}; it will be rebuilt") from None
+    return info
+
+
+def write_info(directory: Path, info: VersionInfo, mode: int | None) -> None:
+    write_atomic(Path(directory) / VERSION_FILE, info.to_bytes(), mode)
+
+
+def write_changes(directory: Path, version: int, changes: dict[str, np.ndarray | None],
+                  mode: int | None = None) -> None:
+    """Positions changed on the way to `version`, per tensor (None: the whole tensor).
+    Not fsync'd: a file lost to a power cut is noticed (checksum) and costs a full copy."""
+    names = sorted(changes)
+    counts = [WHOLE if changes[n] is None else int(changes[n].size) for n in names]
+    h = xxhash.xxh3_64()
+    for n in names:
+        if changes[n] is not None:
+            h.update(memoryview(np.ascontiguousarray(changes[n], np.int64)).cast("B"))
+    head = json.dumps({"version": version, "tensors": names, "counts": counts,
+                       "check": h.hexdigest()}).encode()
+    with atomic_writer(Path(directory) / CHANGES_FILE, mode, durable=False) as f:
+        f.write(_HEAD.pack(_MAGIC, len(head)))
+        f.write(head)
+        for n in names:
+            if changes[n] is not None:
+                f.write(memoryview(np.ascontiguousarray(changes[n], np.int64)).cast("B"))
+
+
+def read_changes(directory: Path, version: int) -> dict[str, np.ndarray | None] | None:
+    """What write_changes stored for `version`, or None if absent, for another version, or
+    damaged (the caller then copies whole tensors instead)."""
+    path = Path(directory) / CHANGES_FILE
+    try:
+        raw = np.fromfile(path, np.uint8)
+        magic, n = _HEAD.unpack(raw[: _HEAD.size].tobytes())
+        if magic != _MAGIC:
+            return None
+        head = json.loads(raw[_HEAD.size : _HEAD.size + n].tobytes())
+        if head["version"] != version:
+            return None
+        body = raw[_HEAD.size + n :]
+        if body.size % 8 or xxhash.xxh3_64_hexdigest(memoryview(body)) != head["check"]:
+            return None
+        pos = body.view(np.int64)
+        out: dict[str, np.ndarray | None] = {}
+        at = 0
+        for name, count in zip(head["tensors"], head["counts"], strict=True):
+            if count == WHOLE:
+                out[name] = None
+            else:
+                out[name] = pos[at : at + count]
+                at += count
+        return out if at == pos.size else None
+    except (OSError, ValueError, KeyError, TypeError, struct.error):
+        return None
