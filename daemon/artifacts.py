@@ -114,7 +114,9 @@ class Artifacts:
         torrents.link_blocks(m.artifact, paths, self.swarm_dir)
         raw = self.held_torrent(m)
         if raw is None:
-            raw = torrents.make_torrent(m.artifact, paths, self.piece_size)
+            raw = torrents.make_torrent(
+                m.artifact, [(b.id, store.blocks.path(b.id), b.root) for b in m.blocks],
+                self.piece_size)
             self.check_torrent(m, raw)
             self.keep_torrent(m.artifact, raw)
         self.swarm.seed(m.artifact, raw, self.swarm_dir)
