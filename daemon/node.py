@@ -238,7 +238,7 @@ class Node:
             except (ConfigError, BadPeer) as e:
                 log.error("SIGHUP: config not reloaded: %s", e)
                 return
-            old = self.cfg
+            old, old_token = self.cfg, self.client.token
             self.artifacts.set_rate_limits(new.limits.upload_bytes_per_s,
                                            new.limits.download_bytes_per_s)
             self.role.reconfigure(new.retention.versions, new.max_peers,
@@ -249,8 +249,10 @@ class Node:
             self.parts.long_poll_timeout_s = new.long_poll_timeout_s
             t = new.trajectories
             self.intake.reconfigure(t.retry_initial_s, t.retry_max_s)
+            if self.intake.spool is not None:
+                self.intake.spool.max_bytes = t.spool_max_bytes
             self.cfg = old.model_copy(update={k: getattr(new, k) for k in RELOADABLE})
-            if (t != old.trajectories or token != old.bearer()) and self.intake.spool:
+            if (t != old.trajectories or token != old_token) and self.intake.spool:
                 await self.stop_forwarder()  # rebuilt: new upstream, new token
                 self.start_forwarder()
             restart = sorted(k for k in Config.model_fields if k not in RELOADABLE

@@ -118,9 +118,10 @@ class Daemon:
     def write_config(self) -> None:
         self.cfg_path.write_text(yaml.safe_dump(self.config))
 
-    def start(self) -> None:
+    def start(self, env_extra: dict[str, str] | None = None) -> None:
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         env.pop("NOTIFY_SOCKET", None)
+        env.update(env_extra or {})
         log = open(self.log_path, "ab")  # noqa: SIM115 (owned by the child)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "daemon.main", "--config", str(self.cfg_path)],
