@@ -35,6 +35,9 @@ from daemon.swarm import SwarmError
 log = logging.getLogger("deltaswarm.sync")
 FANOUT = 3
 """Peers asked at once for an index or a torrent; the first good answer is used."""
+GRACE_S = 2.0
+"""Once one peer has answered, the others still pending get this long before they are dropped
+(a silent peer never holds a sync step for its whole request timeout)."""
 T = TypeVar("T")
 Notify = Callable[[int, Path, str], Awaitable[object]]
 
@@ -140,8 +143,12 @@ class Syncer:
     # --- manifests ------------------------------------------------------------------------
     async def fetch_manifests(self, target: int, cur: int | None) -> None:
         """Ask peers (claiming `target` first, FANOUT at a time) for their index and the
-        manifests past `cur` we lack; stop once the store reaches `target`. A peer whose own
-        claim stays unbacked after we took everything it listed is struck."""
+        manifests past `cur` we lack; stop once the store reaches `target` or moved forward (a
+        later step chases the rest, so a liar's far claim never delays what honest peers
+        serve). A peer whose own claim stays unbacked after we took everything it listed is
+        struck."""
+        before = self.store.head()
+
         async def from_peer(peer: Peer) -> bool:
             index = await self.client.get_json(f"{peer.url}/v1/chain/index", "index",
                                                timeout=15.0)
@@ -164,11 +171,13 @@ class Syncer:
                                             "manifest", timeout=60.0)
                 await asyncio.to_thread(self._add_manifest, peer.url, name, raw)
             self.book.succeeded(peer)
-            claim = peer.head
-            if claim is not None and (self.store.head() or -1) < claim:
+            claim, head = peer.head, self.store.head()
+            have = -1 if head is None else head
+            if claim is not None and have < claim:
                 self.book.lied(peer, f"claimed head v{claim} but served no valid manifest "
                                      "of it")
-            return (self.store.head() or -1) >= target
+            return have >= target or (before is None and head is not None) or (
+                before is not None and have > before)
 
         await first_good(self.book.by_head(target), from_peer, self.book)
 
@@ -380,18 +389,26 @@ def refusal_kind(err: BadManifest) -> str:
 
 
 async def first_good(peers: Iterable[Peer], ask: Callable[[Peer], Awaitable[T]],
-                     book: PeerBook, fanout: int = FANOUT) -> T | None:
+                     book: PeerBook, fanout: int = FANOUT, grace: float = GRACE_S) -> T | None:
     """Ask peers `fanout` at a time, in order; the first truthy answer wins and the other
     requests are cancelled. A failing peer is backed off (book.failed); a slow one only costs
-    its own slot."""
+    its own slot, and once any peer has answered and no one is left to ask, the slow ones get
+    `grace` seconds more."""
     queue = list(peers)
     running: dict[asyncio.Task, Peer] = {}
+    answered_at: float | None = None
     try:
         while queue or running:
             while queue and len(running) < fanout:
                 peer = queue.pop(0)
                 running[asyncio.create_task(ask(peer))] = peer
-            done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+            timeout = None
+            if answered_at is not None and not queue:
+                timeout = max(0.0, answered_at + grace - time.monotonic())
+            done, _ = await asyncio.wait(running, timeout=timeout,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                return None  # the grace ran out; the finally cancels the laggards
             for task in done:
                 peer = running.pop(task)
                 try:
@@ -401,6 +418,8 @@ async def first_good(peers: Iterable[Peer], ask: Callable[[Peer], Awaitable[T]],
                     continue
                 if result:
                     return result
+                if answered_at is None:
+                    answered_at = time.monotonic()
         return None
     finally:
         for task in running:
