@@ -23,33 +23,25 @@ reports is the newest manifest it verified.
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
 import random
-import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from yarl import URL
-
+from daemon.names import BadName, Endpoint, check_node, check_url, parse_endpoint
 from daemon.peer_client import BadReply, PeerClient, PeerError, bounded_int
 
 log = logging.getLogger("deltaswarm.peers")
 HEADER = "X-Deltaswarm-Peer"
-NODE_NAME = r"^[A-Za-z0-9_.\-]{1,64}$"
-_NODE = re.compile(NODE_NAME)
-_HOSTNAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9\-]{0,62}\.?)*$")
 BACKOFF_MIN_S, BACKOFF_MAX_S = 1.0, 60.0
 BAN_FAILURES = 6
 BAN_STRIKES = 2
 BAN_S = 600.0
 
-Endpoint = tuple[str, int]
 
-
-class BadPeer(ValueError):
-    """A peer announcement (header, body or list entry) is malformed."""
+BadPeer = BadName
+"""A peer announcement (header, body or list entry) is malformed."""
 
 
 class BookFull(BadPeer):
@@ -96,59 +88,6 @@ class Peer:
                 "bootstrap": self.bootstrap, "proven": self.proven, "failures": self.failures,
                 "strikes": self.strikes, "banned_s": round(max(0.0, self.banned_until - now), 1),
                 "last_seen": round(self.last_seen, 3), "last_error": self.last_error}
-
-
-def check_url(url: object) -> str:
-    """A daemon control URL, normalised to `scheme://host:port`; BadPeer otherwise."""
-    if not isinstance(url, str) or not 0 < len(url) <= 300:
-        raise BadPeer("peer URL must be a string of 1-300 characters")
-    if any(c in url for c in "?#@\\ \t\r\n") or any(ord(c) < 33 or ord(c) > 126 for c in url):
-        raise BadPeer(f"peer URL {url!r:.80} must be scheme://host:port only (no query, "
-                      "fragment, user info or spaces)")
-    try:
-        u = URL(url)
-        port = u.port
-    except ValueError:
-        raise BadPeer(f"peer URL {url!r:.80} does not parse") from None
-    if u.scheme not in ("http", "https") or not u.host or u.path not in ("", "/"):
-        raise BadPeer(f"peer URL {url!r:.80} must be http(s)://host:port with no path "
-                      "(the daemon's API root)")
-    host = u.host
-    try:
-        ip = ipaddress.ip_address(host)
-        shown = f"[{ip}]" if ip.version == 6 else str(ip)
-    except ValueError:
-        if len(host) > 253 or not _HOSTNAME.match(host):
-            raise BadPeer(f"peer URL {url!r:.80} has an invalid host name") from None
-        shown = host.lower()
-    return f"{u.scheme}://{shown}:{port}"
-
-
-def parse_endpoint(text: object) -> Endpoint:
-    """`ip:port` or `[ipv6]:port` → (ip, port). Host names are refused: libtorrent dials only IP
-    literals, and resolving announced names would let any token holder point every region at a
-    name it controls the answers for."""
-    if not isinstance(text, str) or len(text) > 64:
-        raise BadPeer("BitTorrent endpoint must be ip:port (a string of at most 64 characters)")
-    host, _, port = text.rpartition(":")
-    host = host.removeprefix("[").removesuffix("]")
-    if not port.isdigit() or not 0 < int(port) < 65536:
-        raise BadPeer(f"BitTorrent endpoint {text!r:.80} is not ip:port")
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        raise BadPeer(f"BitTorrent endpoint {text!r:.80}: the host must be an IP address, not a "
-                      "name (a daemon advertises bittorrent.advertise_host resolved to an "
-                      "address)") from None
-    if ip.is_unspecified or ip.is_multicast:
-        raise BadPeer(f"BitTorrent endpoint {text!r:.80} is not a unicast address")
-    return str(ip), int(port)
-
-
-def check_node(name: object) -> str:
-    if not isinstance(name, str) or not _NODE.match(name):
-        raise BadPeer(f"node name {name!r:.80} must be 1-64 characters of [A-Za-z0-9_.-]")
-    return name
 
 
 def parse_header(value: str) -> tuple[str, Endpoint | None, str | None]:
@@ -332,6 +271,14 @@ class PeerBook:
         return [p.as_dict() for p in sorted(self.peers.values(), key=lambda p: p.url)]
 
 
+def _plain_name(node: str) -> bool:
+    try:
+        check_node(node)
+    except BadName:
+        return False
+    return True
+
+
 def describe(err: Exception | str) -> str:
     """Our own words for a failure: PeerError messages never quote a reply."""
     if isinstance(err, str):
@@ -353,7 +300,7 @@ def parse_head(reply: dict, url: str) -> tuple[int | None, Endpoint | None, str 
         except BadPeer:
             raise BadReply(url, "head reply has a bt endpoint that is not ip:port") from None
     node = reply.get("node")
-    if node is not None and not (isinstance(node, str) and _NODE.match(node)):
+    if node is not None and not (isinstance(node, str) and _plain_name(node)):
         raise BadReply(url, "head reply has an invalid node name")
     return version, bt, node
 

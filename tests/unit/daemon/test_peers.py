@@ -127,3 +127,18 @@ def test_head_replies_are_validated_in_our_own_words() -> None:
         with pytest.raises(BadReply) as e:
             parse_head(bad, "u")
         assert "evil" not in str(e.value) and "oops" not in str(e.value)
+
+
+def test_the_config_refuses_bootstrap_and_advertise_urls_that_are_not_api_roots() -> None:
+    import pydantic
+
+    from daemon.config import Config
+
+    base = {"node": "n", "region": "r", "role": "region", "state_dir": "/tmp",
+            "trainer_public_key": "ab" * 32, "token": "t" * 8}
+    for doc in ({"bootstrap": ["http://10.0.0.1:7000/v1/chain"]},
+                {"http": {"advertise_url": "http://10.0.0.1:7000/x?y"}}):
+        with pytest.raises(pydantic.ValidationError, match="host:port"):
+            Config.model_validate(base | doc)
+    cfg = Config.model_validate(base | {"bootstrap": ["http://10.0.0.1:7000/"]})
+    assert cfg.bootstrap == ["http://10.0.0.1:7000"]
