@@ -34,12 +34,13 @@ from chain.weights import WeightsDir
 from daemon import metrics, sdnotify
 from daemon.app import Parts, build_app
 from daemon.artifacts import Artifacts
+from daemon.asking import HeadWatcher, prove_loop
 from daemon.board import Board
 from daemon.config import Config, ConfigError, load_config
 from daemon.hooks import Notifier, build_hook
 from daemon.intake import Intake
 from daemon.peer_client import PeerClient
-from daemon.peers import BadPeer, HeadWatcher, PeerBook, check_url, prove_loop
+from daemon.peers import BadPeer, PeerBook, check_url
 from daemon.publish import Seeder
 from daemon.report import Sources, build_status
 from daemon.roles import RegionRole, TrainerRole

@@ -11,7 +11,7 @@ from collections.abc import Callable, Coroutine
 from chain.store import ChainStore
 from chain.weights import WeightsDir
 from daemon.artifacts import Artifacts
-from daemon.peers import HeadWatcher
+from daemon.asking import HeadWatcher
 from daemon.publish import PublishError, Seeder, current_of_head
 from daemon.sync import Syncer
 from daemon.tasks import stop as stop_task

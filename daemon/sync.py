@@ -15,9 +15,8 @@ import logging
 import shutil
 import time
 from collections import Counter, deque
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TypeVar
 
 from chain import errors as chain_errors
 from chain.errors import BadBlock, BadManifest, BadSignature, ChainError, NoPath
@@ -27,18 +26,13 @@ from chain.store import ChainStore
 from chain.weights import WeightsDir
 from daemon import torrents
 from daemon.artifacts import Artifacts
+from daemon.asking import first_good
 from daemon.board import Board
 from daemon.peer_client import BadReply, PeerClient, PeerError, torrent_cap
 from daemon.peers import BadPeer, Peer, PeerBook, check_node, parse_endpoint
 from daemon.swarm import SwarmError
 
 log = logging.getLogger("deltaswarm.sync")
-FANOUT = 3
-"""Peers asked at once for an index or a torrent; the first good answer is used."""
-GRACE_S = 2.0
-"""Once one peer has answered, the others still pending get this long before they are dropped
-(a silent peer never holds a sync step for its whole request timeout)."""
-T = TypeVar("T")
 Notify = Callable[[int, Path, str], Awaitable[object]]
 
 
@@ -386,43 +380,3 @@ def refusal_kind(err: BadManifest) -> str:
     if "belongs to run" in reason:
         return "other_run"
     return "invalid"
-
-
-async def first_good(peers: Iterable[Peer], ask: Callable[[Peer], Awaitable[T]],
-                     book: PeerBook, fanout: int = FANOUT, grace: float = GRACE_S) -> T | None:
-    """Ask peers `fanout` at a time, in order; the first truthy answer wins and the other
-    requests are cancelled. A failing peer is backed off (book.failed); a slow one only costs
-    its own slot, and once any peer has answered and no one is left to ask, the slow ones get
-    `grace` seconds more."""
-    queue = list(peers)
-    running: dict[asyncio.Task, Peer] = {}
-    answered_at: float | None = None
-    try:
-        while queue or running:
-            while queue and len(running) < fanout:
-                peer = queue.pop(0)
-                running[asyncio.create_task(ask(peer))] = peer
-            timeout = None
-            if answered_at is not None and not queue:
-                timeout = max(0.0, answered_at + grace - time.monotonic())
-            done, _ = await asyncio.wait(running, timeout=timeout,
-                                         return_when=asyncio.FIRST_COMPLETED)
-            if not done:
-                return None  # the grace ran out; the finally cancels the laggards
-            for task in done:
-                peer = running.pop(task)
-                try:
-                    result = task.result()
-                except (PeerError, BadPeer) as e:
-                    book.failed(peer, e)
-                    continue
-                if result:
-                    return result
-                if answered_at is None:
-                    answered_at = time.monotonic()
-        return None
-    finally:
-        for task in running:
-            task.cancel()
-        if running:
-            await asyncio.gather(*running, return_exceptions=True)

@@ -5,6 +5,7 @@ import asyncio
 
 import pytest
 
+from daemon.asking import parse_head
 from daemon.peer_client import BadReply
 from daemon.peers import (
     BAN_FAILURES,
@@ -13,7 +14,6 @@ from daemon.peers import (
     PeerBook,
     check_url,
     parse_endpoint,
-    parse_head,
     parse_header,
 )
 
