@@ -164,26 +164,31 @@ class HeadWatcher:
 
 
 async def first_good(peers: Iterable[Peer], ask: Callable[[Peer], Awaitable[T]],
-                     book: PeerBook, fanout: int = FANOUT, grace: float = GRACE_S) -> T | None:
-    """Ask peers `fanout` at a time, in order; the first truthy answer wins and the other
-    requests are cancelled. A failing peer is backed off (book.failed); a slow one only costs
-    its own slot, and once any peer has answered and no one is left to ask, the slow ones get
-    `grace` seconds more."""
+                     book: PeerBook, fanout: int = FANOUT, grace: float = GRACE_S,
+                     settle: bool = True) -> T | None:
+    """Ask peers `fanout` at a time, in order; the first truthy answer is returned. A failing
+    peer is backed off (book.failed); a slow one only costs its own slot. Once any peer has
+    answered, nobody new is asked after a good answer, and the requests still running get
+    `grace` seconds to finish (so a peer halfway through serving manifests is not cut off)
+    before they are cancelled; with `settle=False` a good answer cancels them at once."""
     queue = list(peers)
     running: dict[asyncio.Task, Peer] = {}
     answered_at: float | None = None
+    best: T | None = None
     try:
         while queue or running:
             while queue and len(running) < fanout:
                 peer = queue.pop(0)
                 running[asyncio.create_task(ask(peer))] = peer
+            if not running:
+                break
             timeout = None
             if answered_at is not None and not queue:
                 timeout = max(0.0, answered_at + grace - time.monotonic())
             done, _ = await asyncio.wait(running, timeout=timeout,
                                          return_when=asyncio.FIRST_COMPLETED)
             if not done:
-                return None  # the grace ran out; the finally cancels the laggards
+                break  # the grace ran out; the finally cancels the laggards
             for task in done:
                 peer = running.pop(task)
                 try:
@@ -191,11 +196,14 @@ async def first_good(peers: Iterable[Peer], ask: Callable[[Peer], Awaitable[T]],
                 except (PeerError, BadPeer) as e:
                     book.failed(peer, e)
                     continue
-                if result:
-                    return result
                 if answered_at is None:
                     answered_at = time.monotonic()
-        return None
+                if result and best is None:
+                    best = result
+                    queue.clear()
+                    if not settle:
+                        return best
+        return best
     finally:
         for task in running:
             task.cancel()

@@ -233,7 +233,8 @@ class Syncer:
                                          "manifest") from None
             return data
 
-        got = await first_good(self.book.by_head(m.version), from_peer, self.book)
+        got = await first_good(self.book.by_head(m.version), from_peer, self.book,
+                               settle=False)
         if got is None:
             raise SyncError(f"no peer served a valid torrent for {m.artifact}")
         await asyncio.to_thread(self.artifacts.keep_torrent, m.artifact, got)
