@@ -21,6 +21,22 @@ class BadSignature(BadManifest):
     """A manifest is unsigned, or signed by a key other than the pinned trainer key."""
 
 
+class Unsigned(BadSignature):
+    """A manifest carries no signature at all."""
+
+
+class OtherRun(BadManifest):
+    """A manifest belongs to another training run than the chain it was offered to."""
+
+
+class Replay(BadManifest):
+    """A manifest conflicts with one already held for the same artifact (fork or replay)."""
+
+
+class WrongParent(BadManifest):
+    """A delta names a parent state digest other than the held parent version's."""
+
+
 class BadDelta(ChainError):
     """A delta stream or payload is truncated, corrupted, or does not fit its base."""
 

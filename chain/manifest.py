@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from chain import keys
 from chain.digest import state_digest
 from chain.dtypes import BY_NAME
-from chain.errors import BadManifest, BadSignature
+from chain.errors import BadManifest, BadSignature, Unsigned
 
 FORMAT = 2
 """2: tensor digests are additive lane hashes (chain/lanehash.py); 1 used xxh3-128."""
@@ -182,7 +182,7 @@ def _check_signature(doc: dict, public_key: Ed25519PublicKey) -> None:
             and kind in ("delta", "snapshot") else "manifest")
     sig = doc.get("signature")
     if sig is None:
-        raise BadSignature(f"manifest {name} is unsigned; refusing it")
+        raise Unsigned(f"manifest {name} is unsigned; refusing it")
     if not (isinstance(sig, dict) and isinstance(sig.get("key"), str)
             and isinstance(sig.get("sig"), str)):
         raise BadSignature(f"manifest {name}: signature must be {{\"key\", \"sig\"}} hex strings")

@@ -12,7 +12,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from chain.atomic import write_atomic
 from chain.blocks import BlockStore
-from chain.errors import BadManifest
+from chain.errors import BadManifest, OtherRun, Replay, WrongParent
 from chain.manifest import Manifest, artifact_name, parse_artifact
 from chain.planner import plan
 from chain.policy import Retention
@@ -79,14 +79,14 @@ class ChainStore:
         run, wrong parent)."""
         run = self.run()
         if run is not None and m.run != run:
-            raise BadManifest(f"{m.artifact} belongs to run {m.run!r}, this chain is {run!r}")
+            raise OtherRun(f"{m.artifact} belongs to run {m.run!r}, this chain is {run!r}")
         held = self._cache.get(m.artifact)
         if held is not None and held.canonical() != m.canonical():
-            raise BadManifest(f"{m.artifact} conflicts with the one already held (fork/replay)")
+            raise Replay(f"{m.artifact} conflicts with the one already held (fork/replay)")
         if m.kind == "delta":
             prev = self.get(m.version - 1, "delta") or self.get(m.version - 1, "snapshot")
             if prev is not None and prev.state_digest != m.parent.state_digest:
-                raise BadManifest(
+                raise WrongParent(
                     f"{m.artifact} names parent digest {m.parent.state_digest[:12]}… but v"
                     f"{m.version - 1} here has {prev.state_digest[:12]}… (wrong parent)"
                 )

@@ -7,43 +7,62 @@ All inputs are validated here; errors are JSON `{"error": "..."}` with a 4xx sta
 """
 
 import asyncio
-import contextlib
 import json
 import logging
+import re
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from aiohttp import web
 
 from chain.auth import bearer_matches
 from chain.errors import BadManifest
 from chain.manifest import parse_artifact
-from daemon.peers import HEADER, BadPeer, check_url, parse_endpoint
+from chain.store import ChainStore
+from daemon.artifacts import Artifacts
+from daemon.board import Board
+from daemon.intake import Intake
+from daemon.peer_client import hello_proof
+from daemon.peers import HEADER, BadPeer, BookFull, PeerBook, check_node, check_url, parse_endpoint
 from daemon.publish import PublishError
 from daemon.spool import BadTrajectory, Spool, SpoolFull, SpoolWriteError, parse_batch
 
-if TYPE_CHECKING:
-    from daemon.node import Node
-
 log = logging.getLogger("deltaswarm.http")
-NODE: web.AppKey["Node"] = web.AppKey("node")
+_CHALLENGE = re.compile(r"^[0-9a-f]{32}$")
+
+
+class RoleView(Protocol):
+    name: str
+
+    def current(self) -> dict | None: ...
+    async def publish(self, version: int) -> dict: ...
+
+
+@dataclass
+class Parts:
+    """What the routes use (the node's parts, not the node). `token` and `book` are what the
+    auth middleware reads; `token` changes on reload."""
+
+    node: str
+    url: str
+    token: str
+    bt: Callable[[], str]
+    long_poll_timeout_s: float
+    max_body_bytes: int
+    store: ChainStore
+    book: PeerBook
+    board: Board
+    artifacts: Artifacts
+    role: RoleView
+    intake: Intake
+    status: Callable[[], dict]
+    metrics: Callable[[], tuple[bytes, str]]
+    stopping: Callable[[], bool]
+
+
+NODE: web.AppKey[Parts] = web.AppKey("node")
 OPEN_ROUTES = frozenset({"/healthz", "/metrics"})
-
-
-class Board:
-    """Wakes long-polls when the chain head or the current weights change."""
-
-    def __init__(self) -> None:
-        self.cond = asyncio.Condition()
-
-    async def wait(self, pred: Callable[[], bool], timeout: float) -> None:
-        async with self.cond:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.cond.wait_for(pred), timeout)
-
-    async def bump(self) -> None:
-        async with self.cond:
-            self.cond.notify_all()
 
 
 def fail(status: int, message: str, **headers: str) -> web.HTTPException:
@@ -109,13 +128,23 @@ async def auth(request: web.Request, handler: Callable[[web.Request], Awaitable[
 
 
 async def healthz(request: web.Request) -> web.Response:
+    """Liveness; with `?challenge=<32 hex>` also this daemon's proof that it holds the swarm
+    token (HMAC of the challenge and its own URL, see daemon/peer_client.py), so peers can trust
+    it without sending it the token first."""
     node = request.app[NODE]
-    return web.json_response({"ok": True, "node": node.cfg.node, "role": node.cfg.role})
+    doc: dict[str, Any] = {"ok": True, "node": node.node, "role": node.role.name}
+    challenge = request.query.get("challenge")
+    if challenge is not None:
+        if not _CHALLENGE.match(challenge):
+            raise fail(400, "challenge must be 32 lowercase hex digits")
+        doc["url"] = node.url
+        doc["proof"] = hello_proof(node.token, challenge, node.url)
+    return web.json_response(doc)
 
 
 async def metrics(request: web.Request) -> web.Response:
     node = request.app[NODE]
-    body, content_type = node.metrics_text()
+    body, content_type = node.metrics()
     return web.Response(body=body, headers={"Content-Type": content_type})
 
 
@@ -123,30 +152,34 @@ async def status(request: web.Request) -> web.Response:
     return web.json_response(request.app[NODE].status())
 
 
-def head_doc(node: "Node") -> dict[str, Any]:
+def head_doc(node: Parts) -> dict[str, Any]:
     head = node.store.head()
     arts = [a for a in node.store.artifacts() if head is not None and parse_artifact(a)[0] == head]
-    return {"version": head, "artifacts": arts, "bt": node.bt_advertised(),
-            "node": node.cfg.node, "url": node.url}
+    return {"version": head, "artifacts": arts, "bt": node.bt(), "node": node.node,
+            "url": node.url}
 
 
 async def chain_head(request: web.Request) -> web.Response:
     node = request.app[NODE]
     after = int_param(request, "after", None, -1, 2**62)
-    timeout = timeout_param(request, node.cfg.long_poll_timeout_s)
+    timeout = timeout_param(request, node.long_poll_timeout_s)
     if after is not None:
         await node.board.wait(lambda: (node.store.head() if node.store.head() is not None
-                                       else -1) > after or node.stopping, timeout)
+                                       else -1) > after or node.stopping(), timeout)
     return web.json_response(head_doc(node))
 
 
 async def chain_index(request: web.Request) -> web.Response:
+    """Artifacts, head, and the peers other daemons may learn: trusted ones only (bootstrap or
+    proven, not banned), so an announcement that never proved itself does not spread."""
     node = request.app[NODE]
-    seeding = set(node.swarm.artifacts()) if node.swarm is not None else set()
+    peers = [p for p in node.book.snapshot() if (p["bootstrap"] or p["proven"])
+             and not p["banned_s"]]
     return web.json_response({
         "artifacts": node.store.artifacts(), "head": node.store.head(),
-        "bt": node.bt_advertised(), "node": node.cfg.node, "url": node.url,
-        "seeding": sorted(seeding), "peers": node.book.snapshot()})
+        "bt": node.bt(), "node": node.node, "url": node.url,
+        "seeding": sorted(node.artifacts.seeding()),
+        "peers": [{k: p[k] for k in ("url", "bt", "node")} for p in peers]})
 
 
 async def chain_manifest(request: web.Request) -> web.Response:
@@ -162,47 +195,49 @@ async def chain_manifest(request: web.Request) -> web.Response:
 async def chain_torrent(request: web.Request) -> web.Response:
     node = request.app[NODE]
     name = artifact_param(request)
-    path = node.paths.torrents / f"{name}.torrent"
+    path = node.artifacts.torrent_path(name)
     if not path.is_file():
-        raise fail(404, f"no torrent for {name} on {node.cfg.node}")
+        raise fail(404, f"no torrent for {name} on {node.node}")
     return web.Response(body=path.read_bytes(), content_type="application/x-bittorrent")
 
 
 async def weights_current(request: web.Request) -> web.Response:
     node = request.app[NODE]
     after = int_param(request, "after", None, -1, 2**62)
-    timeout = timeout_param(request, node.cfg.long_poll_timeout_s)
+    timeout = timeout_param(request, node.long_poll_timeout_s)
 
     def newer() -> bool:
-        cur = node.current()
-        return node.stopping or (cur is not None and cur["version"] > after)
+        cur = node.role.current()
+        return node.stopping() or (cur is not None and cur["version"] > after)
 
     if after is not None:
         await node.board.wait(newer, timeout)
-    return web.json_response(node.current() or {"version": None, "state_digest": None,
+    return web.json_response(node.role.current() or {"version": None, "state_digest": None,
                                                 "path": None})
 
 
 async def trajectories(request: web.Request) -> web.Response:
-    node = request.app[NODE]
+    intake = request.app[NODE].intake
+    if intake.spool is None or intake.forwarder is None:
+        raise fail(503, "the trajectory spool is not open yet", **{"Retry-After": "1"})
     body = await request.read()
     try:
         # Parsing and storing a batch (up to http.max_body_bytes) is CPU and disk work: it runs
         # in a worker thread so /healthz, long-polls and the swarm keep their event loop.
-        held, fresh = await asyncio.to_thread(spool_batch, node.spool, body)
+        held, fresh = await asyncio.to_thread(spool_batch, intake.spool, body)
     except BadTrajectory as e:
         raise web.HTTPBadRequest(
             text=json.dumps({**e.reply(), "error": f"trajectory batch refused: {e}"}),
             content_type="application/json") from None
     except SpoolFull as e:
-        node.spool_refusals += 1
-        raise fail(429, str(e), **{"Retry-After": str(node.retry_after_s())}) from None
+        intake.refusals += 1
+        raise fail(429, str(e), **{"Retry-After": str(intake.retry_after_s())}) from None
     except SpoolWriteError as e:
-        raise fail(503, str(e), **{"Retry-After": str(node.retry_after_s())}) from None
-    node.spool_accepted += fresh
-    node.spool_duplicates += len(held) - fresh
+        raise fail(503, str(e), **{"Retry-After": str(intake.retry_after_s())}) from None
+    intake.accepted += fresh
+    intake.duplicates += len(held) - fresh
     if fresh:
-        node.forwarder.kick()
+        intake.forwarder.kick()
     return web.json_response({"held": held})
 
 
@@ -213,8 +248,6 @@ def spool_batch(spool: Spool, body: bytes) -> tuple[list[str], int]:
 
 async def publish(request: web.Request) -> web.Response:
     node = request.app[NODE]
-    if node.seeder is None:
-        raise fail(409, f"{node.cfg.node} is a region daemon; only role: trainer accepts publish")
     try:
         doc = await request.json()
     except ValueError:
@@ -223,15 +256,15 @@ async def publish(request: web.Request) -> web.Response:
     if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version < 2**62:
         raise fail(400, f'body must be {{"version": N}} with N an int >= 0, got {doc!r:.80}')
     try:
-        return web.json_response(await node.seeder.publish(version))
+        return web.json_response(await node.role.publish(version))
     except PublishError as e:
         raise fail(e.status, str(e)) from None
 
 
 async def peers_list(request: web.Request) -> web.Response:
     node = request.app[NODE]
-    return web.json_response({"self": {"url": node.url, "bt": node.bt_advertised(),
-                                       "node": node.cfg.node}, "peers": node.book.snapshot()})
+    return web.json_response({"self": {"url": node.url, "bt": node.bt(), "node": node.node},
+                              "peers": node.book.snapshot()})
 
 
 async def peers_announce(request: web.Request) -> web.Response:
@@ -241,15 +274,18 @@ async def peers_announce(request: web.Request) -> web.Response:
         if not isinstance(doc, dict):
             raise BadPeer("body must be a JSON object")
         bt = parse_endpoint(doc["bt"]) if doc.get("bt") else None
-        node.book.learn(check_url(doc.get("url")), bt,
-                        doc.get("node") if isinstance(doc.get("node"), str) else None)
+        name = check_node(doc["node"]) if doc.get("node") is not None else None
+        node.book.learn(check_url(doc.get("url")), bt, name)
+    except BookFull as e:
+        raise fail(409, str(e)) from None
     except (ValueError, BadPeer) as e:
-        raise fail(400, f'announce must be {{"url", "bt": "host:port", "node"}}: {e}') from None
+        raise fail(400, f'announce must be {{"url": "http(s)://host:port", "bt": "ip:port", '
+                        f'"node"}}: {e}') from None
     return web.json_response({"ok": True, "peers": len(node.book.peers)})
 
 
-def build_app(node: "Node") -> web.Application:
-    app = web.Application(middlewares=[auth], client_max_size=node.cfg.http.max_body_bytes)
+def build_app(node: Parts) -> web.Application:
+    app = web.Application(middlewares=[auth], client_max_size=node.max_body_bytes)
     app[NODE] = node
     app.add_routes([
         web.get("/healthz", healthz),

@@ -12,14 +12,23 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from chain.config_base import NAME_PATTERN, ConfigError, load_yaml
+from chain.config_base import ConfigError, load_yaml
 from chain.config_base import Section as _Section
+from daemon.names import NODE_NAME, BadName, check_url
 
 __all__ = ["Config", "ConfigError", "check_state_dir", "load_config"]
 
 _HOST = r"^[A-Za-z0-9.\-:\[\]]{1,253}$"
 _URL = r"^https?://[A-Za-z0-9.\-\[\]:]+(:\d{1,5})?(/[^\s]*)?$"
 Url = Annotated[str, Field(pattern=_URL, max_length=2048)]
+
+
+def _daemon_url(url: str) -> str:
+    """Another daemon's control URL: the API root (daemon/names.py), no path or query."""
+    try:
+        return check_url(url)
+    except BadName as e:
+        raise ValueError(str(e)) from None
 
 
 class HttpListen(_Section):
@@ -32,6 +41,11 @@ class HttpListen(_Section):
     0.0.0.0 or behind NAT)."""
     max_body_bytes: int = Field(64 << 20, ge=1 << 16, le=1 << 30)
     """Largest request body accepted (trajectory batches), in bytes."""
+
+    @field_validator("advertise_url")
+    @classmethod
+    def _api_root(cls, v: str | None) -> str | None:
+        return None if v is None else _daemon_url(v)
 
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
@@ -145,9 +159,9 @@ class Trajectories(_Section):
 
 
 class Config(_Section):
-    node: str = Field(pattern=NAME_PATTERN)
+    node: str = Field(pattern=NODE_NAME)
     """This daemon's name (unique in the swarm; shown in status and logs)."""
-    region: str = Field(pattern=NAME_PATTERN)
+    region: str = Field(pattern=NODE_NAME)
     """Region this daemon serves (trajectories are tagged by workers; shown in status)."""
     role: Literal["trainer", "region"]
     """`trainer`: seeds what the local publisher writes; `region`: follows the swarm."""
@@ -182,6 +196,11 @@ class Config(_Section):
     """Most peers whose heads are long-polled at once (bootstrap peers first)."""
     shutdown_timeout_s: float = Field(20.0, gt=0, le=600)
     """Bound on a graceful stop (drain, save resume data, abandon an apply)."""
+
+    @field_validator("bootstrap")
+    @classmethod
+    def _bootstrap_roots(cls, urls: list[str]) -> list[str]:
+        return [_daemon_url(u) for u in urls]
 
     @field_validator("trainer_public_key")
     @classmethod

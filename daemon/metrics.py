@@ -153,6 +153,9 @@ class StatusCollector(Collector):
         yield _counter("spool_forwarded", "Trajectories acknowledged upstream", p.forwarded)
         yield _counter("spool_rejected_full", "Posts refused with 429", p.rejected_full)
         yield _counter("spool_forward_errors", "Failed forwarding attempts", p.errors)
+        yield _counter("spool_rejected_invalid",
+                       "Trajectories the upstream refused as invalid (set aside)",
+                       p.rejected_invalid)
         yield from _gauge(
             "spool_forward_per_second", "Trajectories acknowledged per second", p.forward_rate
         )

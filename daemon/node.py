@@ -1,43 +1,59 @@
-"""One daemon process: the shared state of a node and the wiring of its parts.
+"""One daemon process: wiring only. `Node` builds the parts and hands each what it uses; the
+parts never see the node.
 
-`Node` holds the config, chain store, weights, peer book, swarm and counters; `serve()` builds
-the aiohttp app whose `cleanup_ctx` starts the parts in order (HTTP client, engine hook, swarm,
-seeding, spool, sync, systemd) and stops them in reverse, bounded by `shutdown_timeout_s`.
+    peer client ─┬─ HeadWatcher ─┐
+    peer book ───┤               ├─ RegionRole (sync)      ┐
+    chain store ─┼─ Syncer ──────┘                         ├─ app routes (Parts), status
+    weights ─────┤                                         │
+    artifacts ───┴─ Seeder ──────── TrainerRole (publish) ─┘
+
+`serve()` builds the aiohttp app whose `cleanup_ctx` starts the parts in order (HTTP client,
+engine hook, swarm, role, spool, systemd) and stops them in reverse, bounded by
+`shutdown_timeout_s`. SIGHUP calls `reload()`: each reloadable part's `reconfigure()`, the rest
+listed as "restart to apply", wrapped in sd_notify RELOADING=1 / READY=1.
 """
 
 import asyncio
-import contextlib
+import ipaddress
 import logging
 import os
-import shutil
 import signal
+import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
 import aiohttp
 from aiohttp import web
 
 from chain import keys
-from chain.atomic import write_atomic
 from chain.store import ChainStore
 from chain.weights import WeightsDir
 from daemon import metrics, sdnotify
-from daemon.app import NODE, Board, build_app
+from daemon.app import Parts, build_app
+from daemon.artifacts import Artifacts
+from daemon.asking import HeadWatcher, prove_loop
+from daemon.board import Board
 from daemon.config import Config, ConfigError, load_config
 from daemon.hooks import Notifier, build_hook
-from daemon.peers import HEADER, HeadWatcher, PeerBook
-from daemon.publish import Seeder, current_of_head
-from daemon.report import build_status
+from daemon.intake import Intake
+from daemon.peer_client import PeerClient
+from daemon.peers import BadPeer, PeerBook, check_url
+from daemon.publish import Seeder
+from daemon.report import Sources, build_status
+from daemon.roles import RegionRole, TrainerRole
 from daemon.spool import Forwarder, Spool
-from daemon.status import NodeStatus
-from daemon.swarm import Swarm, SwarmConfig, SwarmError
+from daemon.swarm import SwarmConfig
 from daemon.sync import Syncer
 from daemon.tasks import stop as stop_task
-from daemon.tasks import watched
+from daemon.tasks import watched, within
 
 log = logging.getLogger("deltaswarm.node")
+RELOADABLE = frozenset({"bootstrap", "limits", "retention", "trajectories",
+                        "long_poll_timeout_s", "max_peers", "token", "token_file"})
+"""Config fields SIGHUP applies; any other change is logged as "restart to apply"."""
 
 
 class Paths:
@@ -53,138 +69,129 @@ class Paths:
             p.mkdir(parents=True, exist_ok=True)
 
 
+def bt_host(cfg: Config, config_path: Path, timeout: float = 5.0) -> str:
+    """The BitTorrent host to advertise as an IP literal: other daemons dial it with libtorrent,
+    which takes nothing else. A name (`advertise_host: trainer.example.internal`) is resolved
+    once here, bounded, before the event loop serves; failing that, a ConfigError names the
+    field."""
+    field = "bittorrent.advertise_host" if cfg.bittorrent.advertise_host else "bittorrent.host"
+    host = cfg.bt_advertise().strip("[]")
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        ip = None
+    if ip is not None:
+        if ip.is_unspecified:
+            raise ConfigError(f"config {config_path}: field {field}: {host} cannot be dialled; "
+                              "set bittorrent.advertise_host to this host's address")
+        return str(ip)
+    ex = ThreadPoolExecutor(1, thread_name_prefix="resolve")
+    try:  # getaddrinfo has no timeout of its own: stop waiting for its thread instead
+        infos = ex.submit(socket.getaddrinfo, host, None, 0, socket.SOCK_STREAM).result(timeout)
+    except FutureTimeout:
+        raise ConfigError(f"config {config_path}: field {field}: resolving {host!r} took over "
+                          f"{timeout:.0f}s; give an IP address") from None
+    except OSError as e:
+        raise ConfigError(f"config {config_path}: field {field}: cannot resolve {host!r} "
+                          f"({e.strerror or e}); give an IP address or a name that resolves"
+                          ) from None
+    finally:
+        ex.shutdown(wait=False, cancel_futures=True)
+    addrs = [i[4][0] for i in infos]
+    v4 = [a for a in addrs if ":" not in a]
+    chosen = (v4 or addrs)[0]
+    log.info("%s %s resolves to %s; advertising that", field, host, chosen)
+    return chosen
+
+
 class Node:
-    def __init__(self, cfg: Config, config_path: Path) -> None:
+    """Builds the parts of one daemon from its config and wires them together."""
+
+    def __init__(self, cfg: Config, config_path: Path, advertise_bt: str | None = None) -> None:
         self.cfg = cfg
         self.config_path = config_path
-        self.token = cfg.bearer()
-        self.url = cfg.http.url()
         self.started = time.monotonic()
-        self.paths = Paths(cfg.state_dir)
-        self.store = ChainStore(self.paths.chain, keys.parse_public(cfg.trainer_public_key))
-        self.weights = WeightsDir(self.paths.weights, keep=cfg.retention.weight_dirs)
-        self.board = Board()
         self.stopping = False
         self.stop_requested = asyncio.Event()
         self.failure: str | None = None
-        self.swarm: Swarm | None = None
-        self.swarm_exec = ThreadPoolExecutor(1, thread_name_prefix="swarm")
-        self.book: PeerBook = PeerBook(self.url, (cfg.bt_advertise(), cfg.bittorrent.port),
-                                       cfg.node, list(cfg.bootstrap))
-        self.session: aiohttp.ClientSession | None = None
+        self.paths = Paths(cfg.state_dir)
+        try:
+            self.url = check_url(cfg.http.url())
+            self.book = PeerBook(self.url, (advertise_bt or cfg.bt_advertise(),
+                                            cfg.bittorrent.port),
+                                 cfg.node, list(cfg.bootstrap), cfg.max_peers)
+        except BadPeer as e:
+            raise ConfigError(f"config {config_path}: field http.advertise_url or bootstrap: "
+                              f"{e}") from None
+        self.store = ChainStore(self.paths.chain, keys.parse_public(cfg.trainer_public_key))
+        self.weights = WeightsDir(self.paths.weights, keep=cfg.retention.weight_dirs)
+        self.board = Board()
+        self.client = PeerClient(None, cfg.bearer(), self.book.announce)
+        self.artifacts = Artifacts(self.paths.torrents, self.paths.swarm, self.paths.resume,
+                                   cfg.bittorrent.piece_size)
+        self.intake = Intake(cfg.trajectories.retry_initial_s, cfg.trajectories.retry_max_s)
         self.notifier: Notifier | None = None
-        self.syncer: Syncer | None = Syncer(self) if cfg.role == "region" else None
-        self.seeder: Seeder | None = Seeder(self) if cfg.role == "trainer" else None
-        self.spool: Spool | None = None
-        self.forwarder: Forwarder | None = None
-        self.spool_accepted = 0
-        self.spool_duplicates = 0
-        self.spool_refusals = 0
-        self.bans: dict[str, dict] = {}
-        self.piece_failures = 0
+        self.weights_problem: str | None = None
+        self.role = self._role()
+        self.parts = Parts(
+            node=cfg.node, url=self.url, token=self.client.token, bt=self.bt_advertised,
+            long_poll_timeout_s=cfg.long_poll_timeout_s,
+            max_body_bytes=cfg.http.max_body_bytes, store=self.store, book=self.book,
+            board=self.board, artifacts=self.artifacts, role=self.role, intake=self.intake,
+            status=self.status, metrics=self.metrics_text, stopping=lambda: self.stopping)
         self._registry = metrics.build_registry(self.status_model)
+        self._forwarding: asyncio.Task | None = None
 
-    # --- helpers used by the parts --------------------------------------------------------
+    def _role(self) -> TrainerRole | RegionRole:
+        """Trainer or region behaviour, chosen here once."""
+        retention = self.cfg.retention.versions
+        if self.cfg.role == "trainer":
+            return TrainerRole(Seeder(self.store, self.artifacts, self.board, retention),
+                               self.store)
+        syncer = Syncer(store=self.store, weights=self.weights, book=self.book,
+                        client=self.client, artifacts=self.artifacts, board=self.board,
+                        notify=self._notify, retention_versions=retention)
+        watcher = HeadWatcher(self.book, self.client, syncer.on_head, self.store.head,
+                              self.cfg.max_peers, self.cfg.long_poll_timeout_s)
+        return RegionRole(syncer, watcher, self.weights, self.store, self.artifacts,
+                          self.cfg.node)
+
+    @property
+    def syncer(self) -> Syncer | None:
+        return self.role.syncer
+
+    async def _notify(self, version: int, path: Path, digest: str) -> None:
+        if self.notifier is not None:
+            await self.notifier.notify(version, path, digest)
+
     def bt_advertised(self) -> str:
         host, port = self.book.self_bt
-        return f"{host}:{port}"
-
-    def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.token}", HEADER: self.book.header()}
-
-    async def get_bytes(self, url: str, limit: int = 64 << 20, timeout: float = 30.0) -> bytes:
-        assert self.session is not None
-        async with self.session.get(url, headers=self.headers(),
-                                    timeout=aiohttp.ClientTimeout(total=timeout)) as r:
-            if r.status != 200:
-                raise ValueError(f"GET {url}: HTTP {r.status}: {(await r.text())[:200]}")
-            data = await r.content.read(limit + 1)
-            if len(data) > limit:
-                raise ValueError(f"GET {url}: reply larger than {limit} bytes")
-            return data
-
-    async def get_json(self, url: str) -> dict:
-        import json
-
-        doc = json.loads(await self.get_bytes(url, limit=16 << 20))
-        if not isinstance(doc, dict):
-            raise ValueError(f"GET {url}: reply is not a JSON object")
-        return doc
-
-    @staticmethod
-    def write_file(path: Path, data: bytes) -> None:
-        write_atomic(path, data)
-
-    def forget_artifact(self, artifact: str) -> None:
-        """Stop seeding an artifact dropped by retention and delete its swarm files."""
-        if self.swarm is not None:
-            self.swarm.remove(artifact)
-        shutil.rmtree(self.paths.swarm / artifact, ignore_errors=True)
-        (self.paths.torrents / f"{artifact}.torrent").unlink(missing_ok=True)
-        (self.paths.resume / f"{artifact}.resume").unlink(missing_ok=True)
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
     def current(self) -> dict | None:
-        if self.cfg.role == "trainer":
-            return current_of_head(self)
-        cur = self.weights.current()
-        if cur is None:
-            return None
-        return {"version": cur.version, "state_digest": cur.state_digest, "path": str(cur.path)}
+        return self.role.current()
 
-    def retry_after_s(self) -> int:
-        t = self.cfg.trajectories
-        return max(1, int(min(t.retry_max_s, 5 * t.retry_initial_s) + 0.5))
+    def sources(self) -> Sources:
+        return Sources(node=self.cfg.node, region=self.cfg.region, role=self.role.name,
+                       url=self.url, bt=self.bt_advertised, started=self.started,
+                       store=self.store, book=self.book, artifacts=self.artifacts,
+                       current=self.role.current, syncer=self.role.syncer, intake=self.intake,
+                       notifier=lambda: self.notifier, engine_type=self.cfg.engine.type,
+                       upstream=self.cfg.trajectories.upstream,
+                       weights_problem=lambda: self.weights_problem)
 
-    def status_model(self) -> NodeStatus:
-        return build_status(self)
+    def status_model(self):
+        return build_status(self.sources())
 
     def status(self) -> dict:
-        return build_status(self).model_dump(mode="json") | {"detail": self.detail()}
+        return self.status_model().model_dump(mode="json") | {"detail": self.detail()}
 
     def detail(self) -> dict:
-        out: dict = {"url": self.url, "peer_book": self.book.snapshot(),
-                     "spool_duplicates": self.spool_duplicates}
-        if self.syncer is not None:
-            out["sync"] = self.syncer.status()
-        if self.seeder is not None:
-            out["published"] = self.seeder.published[-10:]
-        return out
+        return {"url": self.url, "peer_book": self.book.snapshot(),
+                "spool_duplicates": self.intake.duplicates, **self.role.detail()}
 
     def metrics_text(self) -> tuple[bytes, str]:
         return metrics.render(self._registry)
-
-    # --- swarm events ---------------------------------------------------------------------
-    async def pump(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            assert self.swarm is not None
-            events = await loop.run_in_executor(self.swarm_exec, self.swarm.pump, 0.5)
-            for ev in events:
-                if ev.kind == "banned" and ev.peer:
-                    self.bans[ev.peer] = {"reason": ev.detail, "at": time.time()}
-                    log.warning("banned peer %s: %s", ev.peer, ev.detail)
-                elif ev.kind == "hash_failed":
-                    self.piece_failures += 1
-                    log.warning("%s: %s", ev.artifact, ev.detail)
-                elif ev.kind == "error":
-                    log.warning("swarm error on %s: %s", ev.artifact, ev.detail)
-
-    async def save_resume(self) -> None:
-        if self.swarm is None:
-            return
-        loop = asyncio.get_running_loop()
-        try:
-            await loop.run_in_executor(self.swarm_exec, self.swarm.save_resume_data,
-                                       self.paths.resume, 5.0)
-        except SwarmError as e:
-            log.warning("saving resume data: %s", e)
-
-    async def resume_saver(self) -> None:
-        """Save resume data every few seconds while something downloads (kill -9 safety)."""
-        while True:
-            await asyncio.sleep(2.0)
-            if self.syncer is not None and self.syncer.downloads:
-                await self.save_resume()
 
     def fail(self, why: str) -> None:
         """A part of the node died: stop, and exit non-zero so the service is restarted."""
@@ -192,128 +199,125 @@ class Node:
             self.failure = why
         self.stop_requested.set()
 
-    def spawn(self, coro, name: str) -> asyncio.Task:
+    def spawn(self, coro: Coroutine, name: str) -> asyncio.Task:
         return watched(coro, name, self.fail)
 
+    async def check_weights(self) -> None:
+        """Verify the current weights at start, off the loop (`WeightsDir.check_at_start`
+        recomputes every digest: one pass over memory). A damaged version is set aside, so the
+        planner rebuilds from the best snapshot; the problem is shown in status."""
+        _, problem = await asyncio.to_thread(self.weights.check_at_start)
+        if problem:
+            self.weights_problem = str(problem)[:500]
+            log.warning("weights at start: %s", self.weights_problem)
+
+    # --- trajectories forwarding ----------------------------------------------------------
+    def start_forwarder(self) -> None:
+        assert self.intake.spool is not None and self.client.session is not None
+        self.intake.forwarder = Forwarder(self.intake.spool, self.cfg.trajectories,
+                                          self.client.token, self.client.session,
+                                          self.book.announce())
+        self._forwarding = self.spawn(self.intake.forwarder.run(), "forwarder")
+
+    async def stop_forwarder(self) -> None:
+        if self._forwarding is not None:
+            await stop_task(self._forwarding)
+            self._forwarding = None
+
     # --- config reload --------------------------------------------------------------------
-    def reload(self) -> None:
+    async def reload(self) -> None:
+        """SIGHUP: apply what each part can take while running; list the rest."""
+        sdnotify.reloading()
         try:
-            new = load_config(self.config_path)
-        except ConfigError as e:
-            log.error("SIGHUP: config not reloaded: %s", e)
-            return
-        self.book.set_bootstrap(list(new.bootstrap))
-        if self.swarm is not None:
-            self.swarm.set_rate_limits(new.limits.upload_bytes_per_s,
-                                       new.limits.download_bytes_per_s)
-        keep = {"bootstrap", "limits", "retention", "trajectories", "long_poll_timeout_s",
-                "max_peers"}
-        ignored = [k for k in Config.model_fields if k not in keep
-                   and getattr(new, k) != getattr(self.cfg, k)]
-        self.cfg = self.cfg.model_copy(update={k: getattr(new, k) for k in keep})
-        if self.forwarder is not None:
-            self.forwarder.cfg = self.cfg.trajectories
-        log.info("SIGHUP: reloaded peers, limits, retention%s",
-                 f"; restart to apply {ignored}" if ignored else "")
-        self.book.changed.set()
+            try:
+                new = load_config(self.config_path)
+                token = new.bearer()
+                self.book.reconfigure(list(new.bootstrap), new.max_peers)
+            except (ConfigError, BadPeer) as e:
+                log.error("SIGHUP: config not reloaded: %s", e)
+                return
+            old, old_token = self.cfg, self.client.token
+            self.artifacts.set_rate_limits(new.limits.upload_bytes_per_s,
+                                           new.limits.download_bytes_per_s)
+            self.role.reconfigure(new.retention.versions, new.max_peers,
+                                  new.long_poll_timeout_s)
+            self.weights.keep = new.retention.weight_dirs
+            self.client.reconfigure(token)
+            self.parts.token = token
+            self.parts.long_poll_timeout_s = new.long_poll_timeout_s
+            t = new.trajectories
+            self.intake.reconfigure(t.retry_initial_s, t.retry_max_s)
+            if self.intake.spool is not None:
+                self.intake.spool.max_bytes = t.spool_max_bytes
+            self.cfg = old.model_copy(update={k: getattr(new, k) for k in RELOADABLE})
+            if (t != old.trajectories or token != old_token) and self.intake.spool:
+                await self.stop_forwarder()  # rebuilt: new upstream, new token
+                self.start_forwarder()
+            restart = sorted(k for k in Config.model_fields if k not in RELOADABLE
+                             and getattr(new, k) != getattr(old, k))
+            log.info("SIGHUP: reloaded %s%s", sorted(RELOADABLE),
+                     f"; restart to apply {restart}" if restart else "")
+        finally:
+            sdnotify.ready(f"{self.cfg.node}: reloaded")
 
 
 # --- cleanup contexts (started in this order, stopped in reverse) -----------------------------
+def _node(app: web.Application) -> Node:
+    return app[NODE_OBJ]
+
+
+NODE_OBJ: web.AppKey[Node] = web.AppKey("node-object")
+
+
 async def _http_client(app: web.Application) -> AsyncIterator[None]:
-    node = app[NODE]
-    node.session = aiohttp.ClientSession()
-    node.notifier = Notifier(build_hook(node.cfg.engine, node.session, node.token),
+    node = _node(app)
+    session = aiohttp.ClientSession()
+    node.client.session = session
+    node.notifier = Notifier(build_hook(node.cfg.engine, session, node.client.token),
                              node.cfg.engine.type)
     yield
     await node.notifier.hook.close()
-    await node.session.close()
+    await session.close()
 
 
 async def _swarm(app: web.Application) -> AsyncIterator[None]:
-    node, cfg = app[NODE], app[NODE].cfg
-    node.swarm = Swarm(SwarmConfig(
+    node, cfg = _node(app), _node(app).cfg
+    swarm = node.artifacts.open(SwarmConfig(
         listen=f"{cfg.bittorrent.host}:{cfg.bittorrent.port}",
         upload_rate=cfg.limits.upload_bytes_per_s, download_rate=cfg.limits.download_bytes_per_s,
         seed_mode=cfg.seed_mode))
-    node.book.self_bt = (cfg.bt_advertise(), node.swarm.listen_port)
-    pump = node.spawn(node.pump(), "swarm-pump")
-    saver = node.spawn(node.resume_saver(), "resume-saver")
+    node.book.self_bt = (node.book.self_bt[0], swarm.listen_port)
+    pump = node.spawn(node.artifacts.pump(), "swarm-pump")
+    saver = node.spawn(node.artifacts.resume_saver(node.role.downloading), "resume-saver")
     yield
     for task in (saver, pump):
         await stop_task(task)
-    await node.save_resume()
-    node.swarm.close()
-    node.swarm_exec.shutdown(wait=True)
+    await node.artifacts.close()
 
 
-async def _seeding(app: web.Application) -> AsyncIterator[None]:
-    node = app[NODE]
-    if node.seeder is not None:
-        await node.seeder.start()
-    else:
-        await asyncio.to_thread(_reseed, node)
+async def _role(app: web.Application) -> AsyncIterator[None]:
+    node = _node(app)
+    await node.check_weights()
+    prover = node.spawn(prove_loop(node.book, node.client), "prove-peers")
+    await node.role.start(node.spawn)
     yield
-
-
-def _reseed(node: Node) -> None:
-    """A restarted region keeps serving what it fully holds."""
-    from daemon import torrents
-
-    assert node.swarm is not None
-    for name in node.store.artifacts():
-        m = node.store.manifest(name)
-        tpath = node.paths.torrents / f"{name}.torrent"
-        if not tpath.is_file() or not node.store.has_blocks(m):
-            continue
-        torrents.link_blocks(name, [(b.id, node.store.blocks.path(b.id)) for b in m.blocks],
-                             node.paths.swarm)
-        try:
-            node.swarm.seed(name, tpath.read_bytes(), node.paths.swarm)
-        except SwarmError as e:
-            log.warning("not reseeding %s: %s", name, e)
+    node.stopping = True
+    await node.role.stop(node.cfg.shutdown_timeout_s / 2)
+    await stop_task(prover)
 
 
 async def _spool(app: web.Application) -> AsyncIterator[None]:
-    node = app[NODE]
-    assert node.session is not None
-    node.spool = await asyncio.to_thread(Spool, node.paths.spool,
-                                         node.cfg.trajectories.spool_max_bytes)
-    node.forwarder = Forwarder(node.spool, node.cfg.trajectories, node.token, node.session,
-                               {HEADER: node.book.header()})
-    task = node.spawn(node.forwarder.run(), "forwarder")
+    node = _node(app)
+    node.intake.spool = await asyncio.to_thread(Spool, node.paths.spool,
+                                                node.cfg.trajectories.spool_max_bytes)
+    node.start_forwarder()
     yield
-    await stop_task(task)
-    node.spool.close()
-
-
-async def _sync(app: web.Application) -> AsyncIterator[None]:
-    node = app[NODE]
-    if node.syncer is None:
-        yield
-        return
-    assert node.session is not None
-    syncer = node.syncer
-
-    def known() -> int | None:
-        return node.store.head()
-
-    watcher = HeadWatcher(node.book, node.session, node.headers(), syncer.on_head, known,
-                          node.cfg.max_peers, node.cfg.long_poll_timeout_s)
-    tasks = [node.spawn(watcher.run(), "heads"), node.spawn(syncer.notify_loop(), "notify")]
-    loop_task = node.spawn(syncer.run(), "sync")
-    yield
-    node.stopping = True
-    syncer.wake.set()
-    for task in tasks:
-        task.cancel()
-    with contextlib.suppress(asyncio.CancelledError, Exception):  # timeout or a reported crash
-        await asyncio.wait_for(asyncio.shield(loop_task), node.cfg.shutdown_timeout_s / 2)
-    for task in [*tasks, loop_task, *syncer.downloads.values()]:
-        await stop_task(task)
+    await node.stop_forwarder()
+    node.intake.spool.close()
 
 
 async def _systemd(app: web.Application) -> AsyncIterator[None]:
-    node = app[NODE]
+    node = _node(app)
 
     async def report() -> None:
         while True:
@@ -331,9 +335,10 @@ async def _systemd(app: web.Application) -> AsyncIterator[None]:
 
 
 async def serve(cfg: Config, config_path: Path) -> int:
-    node = Node(cfg, config_path)
-    app = build_app(node)
-    app.cleanup_ctx.extend([_http_client, _swarm, _seeding, _spool, _sync, _systemd])
+    node = Node(cfg, config_path, await asyncio.to_thread(bt_host, cfg, config_path))
+    app = build_app(node.parts)
+    app[NODE_OBJ] = node
+    app.cleanup_ctx.extend([_http_client, _swarm, _role, _spool, _systemd])
     runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=3.0, access_log=None)
     loop = asyncio.get_running_loop()
     signals = {"n": 0}
@@ -347,7 +352,7 @@ async def serve(cfg: Config, config_path: Path) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_stop)
-    loop.add_signal_handler(signal.SIGHUP, node.reload)
+    loop.add_signal_handler(signal.SIGHUP, lambda: node.spawn(node.reload(), "reload"))
     await runner.setup()
     site = web.TCPSite(runner, cfg.http.host, cfg.http.port)
     try:
@@ -367,11 +372,12 @@ async def serve(cfg: Config, config_path: Path) -> int:
         log.info("stopping (bounded by %.0fs)", cfg.shutdown_timeout_s)
     node.stopping = True
     await node.board.bump()
-    try:
-        await asyncio.wait_for(runner.cleanup(), cfg.shutdown_timeout_s)
-    except TimeoutError:
+    if not await within(runner.cleanup(), cfg.shutdown_timeout_s):
+        # `within` returns at the deadline without waiting for the cancelled cleanup (aiohttp
+        # would run every remaining cleanup context first); exit without the loop's teardown.
         log.error("shutdown took longer than %.0fs; exiting anyway", cfg.shutdown_timeout_s)
-        return 1
+        logging.shutdown()
+        os._exit(1)
     if node.failure:
         log.error("stopped after a failure: %s", node.failure)
         return 1

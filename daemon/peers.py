@@ -1,33 +1,49 @@
-"""Peer and head discovery: who the other daemons are, where their BitTorrent ports are, and
-which version each holds.
+"""Peer and head discovery: who the other daemons are, where their BitTorrent ports are, which
+version each claims, and how far each is trusted.
 
 A daemon starts from its bootstrap URLs; every request one daemon makes to another carries an
-`X-Deltaswarm-Peer: <control url> <bt host:port> <node>` header, and /v1/chain/index replies list
-known peers, so the mesh grows beyond the bootstrap list without a DHT. `HeadWatcher` long-polls
-`GET /v1/chain/head?after=N` on up to `max_peers` peers and reports every newer head.
+`X-Deltaswarm-Peer: <control url> <bt ip:port> <node>` header, and /v1/chain/index replies list
+known peers, so the mesh grows beyond the bootstrap list without a DHT.
+
+What an announcement may hold (`check_url`, `parse_endpoint`, `check_node`): a control URL of the
+daemon API's shape (http/https, host, optional port; no path, query, fragment or user info), a
+BitTorrent endpoint whose host is an IP literal (libtorrent's connect_peer takes nothing else;
+a daemon resolves its own advertised host name once at start, see node.py), a node name of
+1-64 `[A-Za-z0-9_.-]`. The book holds at most `max_peers` peers: a newcomer evicts the peer in
+the worst standing if it ranks better, else it is not stored.
+
+Standing: bootstrap peers (the operator's config) are trusted with the swarm token; any other peer
+first proves it holds the token (`PeerClient.prove`, no token sent); until then it gets no token,
+its heads are not polled and its BitTorrent endpoint is not dialled. Every failure backs a peer
+off (1 s doubling to 60 s, jittered) and demotes it; `BAN_FAILURES` failures in a row or
+`BAN_STRIKES` refuted head claims (a claimed head whose manifest it could not serve) ban a
+non-bootstrap peer for `BAN_S`. Heads peers claim are hints for what to fetch; the head a node
+reports is the newest manifest it verified.
 """
 
 import asyncio
-import contextlib
 import logging
 import random
-import re
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import aiohttp
+from daemon.names import BadName, Endpoint, check_node, check_url, parse_endpoint
+from daemon.peer_client import PeerError
 
 log = logging.getLogger("deltaswarm.peers")
 HEADER = "X-Deltaswarm-Peer"
-_URL = re.compile(r"^https?://[A-Za-z0-9.\-\[\]:]+(:\d{1,5})?(/[^\s]*)?$")
-_NODE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+BACKOFF_MIN_S, BACKOFF_MAX_S = 1.0, 60.0
+BAN_FAILURES = 6
+BAN_STRIKES = 2
+BAN_S = 600.0
 
-Endpoint = tuple[str, int]
+
+BadPeer = BadName
+"""A peer announcement (header, body or list entry) is malformed."""
 
 
-class BadPeer(ValueError):
-    """A peer announcement (header or list entry) is malformed."""
+class BookFull(BadPeer):
+    """The peer book holds `max_peers` peers in better standing than the newcomer."""
 
 
 @dataclass
@@ -36,191 +52,227 @@ class Peer:
     bt: Endpoint | None = None
     node: str | None = None
     head: int | None = None
+    """The newest version it claimed (a hint, not verified)."""
     bootstrap: bool = False
+    proven: bool = False
+    """It answered a hello challenge with the swarm token's proof."""
     last_seen: float = 0.0
     failures: int = 0
+    strikes: int = 0
+    retry_at: float = 0.0
+    banned_until: float = 0.0
     last_error: str = ""
-    watched: bool = field(default=False, repr=False)
+
+    @property
+    def trusted(self) -> bool:
+        return self.bootstrap or self.proven
+
+    def banned(self, now: float | None = None) -> bool:
+        return self.banned_until > (time.monotonic() if now is None else now)
+
+    def usable(self, now: float | None = None) -> bool:
+        now = time.monotonic() if now is None else now
+        return self.trusted and not self.banned(now) and self.retry_at <= now
+
+    def rank(self) -> tuple:
+        """Standing, worst first when sorted ascending."""
+        return (self.bootstrap, not self.banned(), self.proven, -self.strikes, -self.failures,
+                self.last_seen)
 
     def as_dict(self) -> dict:
+        now = time.monotonic()
         return {"url": self.url, "node": self.node, "head": self.head,
                 "bt": f"{self.bt[0]}:{self.bt[1]}" if self.bt else None,
-                "bootstrap": self.bootstrap, "failures": self.failures,
+                "bootstrap": self.bootstrap, "proven": self.proven, "failures": self.failures,
+                "strikes": self.strikes, "banned_s": round(max(0.0, self.banned_until - now), 1),
                 "last_seen": round(self.last_seen, 3), "last_error": self.last_error}
 
 
-def check_url(url: object) -> str:
-    if not isinstance(url, str) or len(url) > 2048 or not _URL.match(url):
-        raise BadPeer(f"peer URL {url!r:.80} is not an http(s) URL")
-    return url.rstrip("/")
-
-
-def parse_endpoint(text: object) -> Endpoint:
-    if not isinstance(text, str) or len(text) > 300:
-        raise BadPeer(f"BitTorrent endpoint {text!r:.80} is not host:port")
-    host, _, port = text.rpartition(":")
-    host = host.strip("[]")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536 or " " in host:
-        raise BadPeer(f"BitTorrent endpoint {text!r:.80} is not host:port")
-    return host, int(port)
-
-
 def parse_header(value: str) -> tuple[str, Endpoint | None, str | None]:
-    """`<url> <bt host:port|-> [node]` → (url, endpoint, node); raises BadPeer."""
+    """`<url> <bt ip:port|-> [node]` → (url, endpoint, node); raises BadPeer."""
+    if len(value) > 512:
+        raise BadPeer(f"{HEADER} is longer than 512 characters")
     parts = value.split()
     if not 1 <= len(parts) <= 3:
-        raise BadPeer(f"{HEADER} must be '<url> <bt host:port> <node>', got {value!r:.120}")
+        raise BadPeer(f"{HEADER} must be '<url> <bt ip:port> <node>', got {value!r:.120}")
     url = check_url(parts[0])
     bt = parse_endpoint(parts[1]) if len(parts) > 1 and parts[1] != "-" else None
-    node = parts[2] if len(parts) > 2 else None
-    if node is not None and not _NODE.match(node):
-        raise BadPeer(f"node name {node!r:.80} in {HEADER} is invalid")
+    node = check_node(parts[2]) if len(parts) > 2 else None
     return url, bt, node
 
 
-class PeerBook:
-    """Known peers keyed by control URL (this node excluded)."""
+class Signal:
+    """`set()` wakes every subscriber; each clears only its own event."""
 
-    def __init__(self, self_url: str, self_bt: Endpoint, node: str, bootstrap: list[str]) -> None:
-        self.self_url = self_url.rstrip("/")
+    def __init__(self) -> None:
+        self._events: list[asyncio.Event] = []
+
+    def subscribe(self) -> asyncio.Event:
+        ev = asyncio.Event()
+        self._events.append(ev)
+        return ev
+
+    def set(self) -> None:
+        for ev in self._events:
+            ev.set()
+
+
+class PeerBook:
+    """Known peers keyed by control URL (this node excluded), at most `max_peers` of them."""
+
+    def __init__(self, self_url: str, self_bt: Endpoint, node: str, bootstrap: list[str],
+                 max_peers: int) -> None:
+        self.self_url = check_url(self_url)
         self.self_bt = self_bt
         self.node = node
+        self.max_peers = max_peers
         self.peers: dict[str, Peer] = {}
-        self.changed = asyncio.Event()
+        self.bans: dict[str, float] = {}
+        """url → monotonic end of its ban; survives eviction so re-announcing does not unban."""
+        self.changed = Signal()
         self.set_bootstrap(bootstrap)
 
     def header(self) -> str:
         return f"{self.self_url} {self.self_bt[0]}:{self.self_bt[1]} {self.node}"
 
+    def announce(self) -> dict[str, str]:
+        return {HEADER: self.header()}
+
+    def reconfigure(self, bootstrap: list[str], max_peers: int) -> None:
+        self.max_peers = max_peers
+        self.set_bootstrap(bootstrap)
+        extra = sorted((p for p in self.peers.values() if not p.bootstrap), key=Peer.rank)
+        for p in extra[:max(0, len(self.peers) - max_peers)]:
+            del self.peers[p.url]
+        self.changed.set()
+
     def set_bootstrap(self, urls: list[str]) -> None:
         for p in self.peers.values():
             p.bootstrap = False
         for url in urls:
-            peer = self.learn(url)
-            if peer is not None:
-                peer.bootstrap = True
+            url = check_url(url)
+            if url == self.self_url:
+                continue
+            peer = self.peers.get(url) or self._add(url, force=True)
+            peer.bootstrap = True
+            peer.banned_until = 0.0
+
+    def _add(self, url: str, force: bool = False) -> Peer:
+        newcomer = Peer(url, last_seen=time.time(), banned_until=self.bans.get(url, 0.0))
+        others = [p for p in self.peers.values() if not p.bootstrap]
+        if len(self.peers) >= self.max_peers and not force:
+            worst = min(others, key=Peer.rank, default=None)
+            if worst is None or worst.rank() >= newcomer.rank():
+                raise BookFull(f"the peer book is full ({self.max_peers} peers in better "
+                               "standing)")
+            del self.peers[worst.url]
+            log.info("evicted peer %s (failures %d, strikes %d) for %s", worst.url,
+                     worst.failures, worst.strikes, url)
+        self.peers[url] = newcomer
+        log.info("learned peer %s", url)
+        self.changed.set()
+        return newcomer
 
     def learn(self, url: str, bt: Endpoint | None = None, node: str | None = None,
               head: int | None = None) -> Peer | None:
+        """Add or update a peer; None for this node itself. Raises BadPeer (BookFull)."""
         url = check_url(url)
         if url == self.self_url or (node is not None and node == self.node):
             return None
-        peer = self.peers.get(url)
-        if peer is None:
-            peer = self.peers[url] = Peer(url)
-            log.info("learned peer %s", url)
-            self.changed.set()
+        peer = self.peers.get(url) or self._add(url)
         if bt is not None and bt != self.self_bt:
             if peer.bt != bt:
                 self.changed.set()
             peer.bt = bt
         if node is not None:
             peer.node = node
-        if head is not None and (peer.head is None or head > peer.head):
+        if head is not None:
             peer.head = head
         peer.last_seen = time.time()
         return peer
 
     def learn_header(self, value: str) -> Peer | None:
+        """A request's announcement; a full book ignores it (the request itself still counts)."""
         url, bt, node = parse_header(value)
-        return self.learn(url, bt, node)
+        try:
+            return self.learn(url, bt, node)
+        except BookFull:
+            return None
 
+    # --- standing ---------------------------------------------------------------------------
+    def succeeded(self, peer: Peer) -> None:
+        peer.failures, peer.retry_at, peer.last_error = 0, 0.0, ""
+
+    def failed(self, peer: Peer, err: Exception | str) -> None:
+        """Back off and demote; a non-bootstrap peer failing BAN_FAILURES times in a row is
+        banned. The error text shown is ours (exception type and our message), never the
+        peer's reply."""
+        peer.failures += 1
+        peer.last_error = describe(err)
+        backoff = min(BACKOFF_MAX_S, BACKOFF_MIN_S * 2 ** min(peer.failures - 1, 16))
+        peer.retry_at = time.monotonic() + backoff * random.uniform(0.5, 1.0)
+        if peer.failures >= BAN_FAILURES:
+            self.ban(peer, f"{peer.failures} failures in a row")
+
+    def lied(self, peer: Peer, why: str) -> None:
+        """A claim of the peer (its head) was refuted: forget the claim and strike it."""
+        peer.strikes += 1
+        peer.head = None
+        peer.last_error = why
+        log.warning("peer %s: %s (strike %d)", peer.url, why, peer.strikes)
+        if peer.strikes >= BAN_STRIKES:
+            self.ban(peer, f"{peer.strikes} refuted claims")
+        else:
+            self.failed(peer, why)
+
+    def ban(self, peer: Peer, why: str) -> None:
+        if peer.bootstrap:
+            return
+        peer.banned_until = time.monotonic() + BAN_S
+        peer.last_error = f"banned for {BAN_S:.0f}s: {why}"
+        self.bans[peer.url] = peer.banned_until
+        if len(self.bans) > 4 * self.max_peers + 64:
+            now = time.monotonic()
+            self.bans = {u: t for u, t in self.bans.items() if t > now}
+        log.warning("peer %s banned for %.0fs: %s", peer.url, BAN_S, why)
+        self.changed.set()
+
+    # --- queries ----------------------------------------------------------------------------
     def bt_endpoints(self) -> list[Endpoint]:
-        return [p.bt for p in self.peers.values() if p.bt is not None]
+        """Endpoints of trusted, unbanned peers (announced ones are dialled only once proven)."""
+        now = time.monotonic()
+        return [p.bt for p in self.peers.values()
+                if p.bt is not None and p.trusted and not p.banned(now)]
 
-    def best_head(self) -> int | None:
-        return max((p.head for p in self.peers.values() if p.head is not None), default=None)
+    def claimed_head(self) -> int | None:
+        """The newest head a trusted, unbanned peer claims: what sync tries to fetch."""
+        now = time.monotonic()
+        return max((p.head for p in self.peers.values()
+                    if p.head is not None and p.trusted and not p.banned(now)), default=None)
 
     def by_head(self, version: int | None = None) -> list[Peer]:
-        """Peers to ask for data, those holding `version` first, the least failing first."""
-        def rank(p: Peer) -> tuple:
+        """Usable peers to ask for data: those claiming `version` first, then by standing."""
+        now = time.monotonic()
+
+        def key(p: Peer) -> tuple:
             has = version is not None and p.head is not None and p.head >= version
-            return (not has, p.failures, random.random())
-        return sorted(self.peers.values(), key=rank)
+            return (not has, p.strikes, p.failures, random.random())
+        return sorted((p for p in self.peers.values() if p.usable(now)), key=key)
 
     def to_watch(self, limit: int) -> list[Peer]:
-        ordered = sorted(self.peers.values(), key=lambda p: (not p.bootstrap, p.failures))
-        return ordered[:limit]
+        """Trusted, unbanned peers in the best standing, at most `limit`."""
+        now = time.monotonic()
+        live = [p for p in self.peers.values() if p.trusted and not p.banned(now)]
+        return sorted(live, key=Peer.rank, reverse=True)[:limit]
 
     def snapshot(self) -> list[dict]:
         return [p.as_dict() for p in sorted(self.peers.values(), key=lambda p: p.url)]
 
 
-OnHead = Callable[[Peer, dict], Awaitable[None]]
-
-
-class HeadWatcher:
-    """One long-poll loop per watched peer; calls `on_head(peer, reply)` on every reply."""
-
-    def __init__(self, book: PeerBook, session: aiohttp.ClientSession, headers: dict[str, str],
-                 on_head: OnHead, known_head: Callable[[], int | None], max_peers: int,
-                 poll_timeout: float) -> None:
-        self.book = book
-        self.session = session
-        self.headers = headers
-        self.on_head = on_head
-        self.known_head = known_head
-        self.max_peers = max_peers
-        self.poll_timeout = poll_timeout
-        self._tasks: dict[str, asyncio.Task] = {}
-
-    async def run(self) -> None:
-        try:
-            while True:
-                wanted = {p.url for p in self.book.to_watch(self.max_peers)}
-                for url in list(self._tasks):
-                    if url not in wanted or self._tasks[url].done():
-                        await self._stop(url)
-                for url in wanted - self._tasks.keys():
-                    self._tasks[url] = asyncio.create_task(self._watch(url), name=f"head:{url}")
-                self.book.changed.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.book.changed.wait(), 5.0)
-        finally:
-            for url in list(self._tasks):
-                await self._stop(url)
-
-    async def _stop(self, url: str) -> None:
-        task = self._tasks.pop(url)
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
-    async def _watch(self, url: str) -> None:
-        delay = 0.5
-        while True:
-            peer = self.book.peers.get(url)
-            if peer is None:
-                return
-            heads = [h for h in (self.known_head(), peer.head) if h is not None]
-            after = max(heads, default=-1)
-            params = {"timeout": str(self.poll_timeout), "after": str(after)}
-            try:
-                async with self.session.get(
-                    f"{url}/v1/chain/head", params=params, headers=self.headers,
-                    timeout=aiohttp.ClientTimeout(total=self.poll_timeout + 10),
-                ) as r:
-                    if r.status != 200:
-                        raise BadPeer(f"HTTP {r.status}: {(await r.text())[:200]}")
-                    reply = await r.json()
-                if not isinstance(reply, dict):
-                    raise BadPeer("head reply is not a JSON object")
-                version = reply.get("version")
-                if version is not None and (not isinstance(version, int) or version < 0):
-                    raise BadPeer(f"head reply has invalid version {version!r:.40}")
-                bt = parse_endpoint(reply["bt"]) if reply.get("bt") else None
-                node = reply.get("node") if isinstance(reply.get("node"), str) else None
-                self.book.learn(url, bt, node if node and _NODE.match(node) else None, version)
-                peer.failures, peer.last_error = 0, ""
-                delay = 0.5
-                await self.on_head(peer, reply)
-                if version is None or version <= after:
-                    await asyncio.sleep(0.2)
-            except asyncio.CancelledError:
-                raise
-            except (aiohttp.ClientError, TimeoutError, BadPeer, ValueError, KeyError) as e:
-                peer.failures += 1
-                peer.last_error = f"{type(e).__name__}: {e}"[:300]
-                log.debug("head poll of %s failed: %s", url, peer.last_error)
-                await asyncio.sleep(delay * random.uniform(0.5, 1.0))
-                delay = min(delay * 2, 30.0)
+def describe(err: Exception | str) -> str:
+    """Our own words for a failure: PeerError messages never quote a reply."""
+    if isinstance(err, str):
+        return err[:200]
+    if isinstance(err, PeerError):
+        return f"{type(err).__name__}: {err}"[:200]
+    return type(err).__name__

@@ -8,16 +8,15 @@ and seeded, the head bumped (long-polls wake), and retention applied.
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
 
 from chain.errors import BadManifest
-from chain.manifest import Manifest, artifact_name
+from chain.manifest import artifact_name
 from chain.policy import Retention
+from chain.store import ChainStore
 from daemon import torrents
+from daemon.artifacts import Artifacts
+from daemon.board import Board
 from daemon.swarm import SwarmError
-
-if TYPE_CHECKING:
-    from daemon.node import Node
 
 log = logging.getLogger("deltaswarm.publish")
 
@@ -29,23 +28,32 @@ class PublishError(Exception):
 
 
 class Seeder:
-    def __init__(self, node: "Node") -> None:
-        self.node = node
+    """Receives the chain store, the artifact component and the board."""
+
+    def __init__(self, store: ChainStore, artifacts: Artifacts, board: Board,
+                 retention_versions: int) -> None:
+        self.store = store
+        self.artifacts = artifacts
+        self.board = board
+        self.retention_versions = retention_versions
         self.lock = asyncio.Lock()
         self.published: list[dict] = []
 
+    def reconfigure(self, retention_versions: int) -> None:
+        self.retention_versions = retention_versions
+
     async def start(self) -> None:
         """Seed everything already in the chain (a restarted trainer daemon)."""
-        for name in self.node.store.artifacts():
-            m = self.node.store.manifest(name)
-            if self.node.store.has_blocks(m):
-                await asyncio.to_thread(self._seed, m)
+        for name in self.store.artifacts():
+            m = self.store.manifest(name)
+            if self.store.has_blocks(m):
+                await asyncio.to_thread(self.artifacts.seed, m, self.store)
             else:
                 log.warning("%s: blocks missing from the chain dir, not seeding it", name)
 
     async def publish(self, version: int) -> dict:
         async with self.lock:
-            store = self.node.store
+            store = self.store
             head = store.head()
             found = []
             for kind in ("snapshot", "delta"):
@@ -69,48 +77,29 @@ class Seeder:
                     raise PublishError(409, f"{m.artifact}: {len(missing)} blocks missing from "
                                        f"{store.blocks.root}, e.g. {missing[0]}")
                 try:
-                    await asyncio.to_thread(self._seed, m)
+                    await asyncio.to_thread(self.artifacts.seed, m, store)
                 except (SwarmError, torrents.BadTorrent) as e:
                     raise PublishError(409, f"{m.artifact} could not be seeded: {e}") from None
                 seeded.append(m.artifact)
             self.published.append({"version": version, "artifacts": seeded})
             del self.published[:-50]
-            await self.node.board.bump()
+            await self.board.bump()
             dropped = await asyncio.to_thread(
-                store.gc, Retention(versions=self.node.cfg.retention.versions))
+                store.gc, Retention(versions=self.retention_versions))
             for a in dropped:
-                self.node.forget_artifact(a)
+                self.artifacts.forget(a)
             log.info("published v%d: seeding %s%s", version, seeded,
                      f", retention dropped {dropped}" if dropped else "")
             return {"version": version, "artifacts": seeded, "head": store.head(),
                     "dropped": dropped}
 
-    def _seed(self, m: Manifest) -> None:
-        node = self.node
-        if m.artifact in node.swarm.artifacts():
-            return
-        paths = [(b.id, node.store.blocks.path(b.id)) for b in m.blocks]
-        torrents.link_blocks(m.artifact, paths, node.paths.swarm)
-        tpath = node.paths.torrents / f"{m.artifact}.torrent"
-        expected = [(b.id, b.size, b.root) for b in m.blocks]
-        raw = tpath.read_bytes() if tpath.is_file() else None
-        if raw is not None:
-            try:
-                torrents.check_torrent_against(raw, expected, m.artifact)
-            except torrents.BadTorrent:
-                raw = None
-        if raw is None:
-            raw = torrents.make_torrent(m.artifact, paths, node.cfg.bittorrent.piece_size)
-            torrents.check_torrent_against(raw, expected, m.artifact)
-            node.write_file(tpath, raw)
-        node.swarm.seed(m.artifact, raw, node.paths.swarm)
 
-
-def current_of_head(node: "Node") -> dict | None:
-    head = node.store.head()
+def current_of_head(store: ChainStore) -> dict | None:
+    """The trainer's "current": the newest version it seeds (it holds no weight directory)."""
+    head = store.head()
     if head is None:
         return None
-    m = node.store.get(head, "delta") or node.store.get(head, "snapshot")
+    m = store.get(head, "delta") or store.get(head, "snapshot")
     if m is None:
         return None
     return {"version": m.version, "state_digest": m.state_digest, "path": None}

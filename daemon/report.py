@@ -5,9 +5,15 @@ there is one source of truth per number and nothing to keep in step.
 """
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from chain.manifest import parse_artifact
+from chain.store import ChainStore
+from daemon.artifacts import Artifacts
+from daemon.hooks import Notifier
+from daemon.intake import Intake
+from daemon.peers import PeerBook
 from daemon.status import (
     Ban,
     EngineStatus,
@@ -20,29 +26,38 @@ from daemon.status import (
     Transfer,
     Verification,
 )
-
-if TYPE_CHECKING:
-    from daemon.node import Node
+from daemon.sync import Syncer
 
 
-def refusal_kind(error: str, reason: str) -> str:
-    if error == "BadSignature":
-        return "unsigned" if "unsigned" in reason else "bad_signature"
-    if "wrong parent" in reason:
-        return "wrong_parent"
-    if "fork/replay" in reason or "conflicts" in reason:
-        return "replay"
-    if "belongs to run" in reason:
-        return "other_run"
-    return "invalid"
+@dataclass
+class Sources:
+    """What status is read from: the node's parts, never the node."""
+
+    node: str
+    region: str
+    role: str
+    url: str
+    bt: Callable[[], str]
+    started: float
+    store: ChainStore
+    book: PeerBook
+    artifacts: Artifacts
+    current: Callable[[], dict | None]
+    syncer: Syncer | None
+    intake: Intake
+    notifier: Callable[[], Notifier | None]
+    engine_type: str
+    upstream: str | None
+    weights_problem: Callable[[], str | None] = lambda: None
 
 
-def build_status(node: "Node") -> NodeStatus:
-    sw = node.swarm.status() if node.swarm is not None else {"torrents": {}, "uploaded": 0,
-                                                              "downloaded": 0, "banned": {}}
+def build_status(node: Sources) -> NodeStatus:
+    """The head reported is the newest manifest this node verified: a head a peer only claims
+    (maybe 10**12) is a hint for sync, never shown as this node's head."""
+    sw = node.artifacts.status()
     cur = node.current()
     syncer = node.syncer
-    heads = [h for h in (node.store.head(), node.book.best_head()) if h is not None]
+    heads = [h for h in (node.store.head(),) if h is not None]
     applying = syncer.applying if syncer is not None else None
     transfers = syncer.transfers if syncer is not None else {}
 
@@ -94,31 +109,33 @@ def build_status(node: "Node") -> NodeStatus:
             applied += 1
         failures = dict(syncer.failures)
         for r in syncer.refused:
-            kind = refusal_kind(r["error"], r["reason"])
-            refused.append(RefusedManifest(artifact=r["artifact"], source=r["source"], kind=kind,
-                                           reason=r["reason"], at=r["time"]))
+            refused.append(RefusedManifest(artifact=r["artifact"], source=r["source"],
+                                           kind=r["kind"], reason=r["reason"], at=r["time"]))
         refused_by = dict(syncer.refused_counts)
-    if node.piece_failures or sw.get("hash_failures"):
-        failures["piece"] = max(node.piece_failures, sw.get("hash_failures", 0))
+    if sw.get("hash_failures"):
+        failures["piece"] = sw["hash_failures"]
 
-    n = node.notifier
-    engine = EngineStatus(type=node.cfg.engine.type)
+    n = node.notifier()
+    engine = EngineStatus(type=node.engine_type)
     if n is not None:
         engine = EngineStatus(type=n.kind, notifications=n.ok, failures=n.failed,
                               last_version=n.last_version, last_error=n.last_error or None,
                               last_ok_at=n.last_ok_at, last_error_at=n.last_error_at)
-    spool = SpoolStatus(upstream=node.cfg.trajectories.upstream)
-    if node.forwarder is not None and node.spool is not None:
-        f = node.forwarder
-        spool = SpoolStatus(upstream=f.cfg.upstream, depth=node.spool.depth(),
-                            bytes=node.spool.bytes, received=node.spool_accepted,
+    spool = SpoolStatus(upstream=node.upstream)
+    intake = node.intake
+    if intake.forwarder is not None and intake.spool is not None:
+        f = intake.forwarder
+        spool = SpoolStatus(upstream=f.cfg.upstream, depth=intake.spool.depth(),
+                            bytes=intake.spool.bytes, received=intake.accepted,
                             forwarded=f.forwarded, forward_rate=f.rate(),
-                            rejected_full=node.spool_refusals, errors=f.errors,
+                            rejected_full=intake.refusals, errors=f.errors,
+                            rejected_invalid=intake.spool.rejected,
+                            last_rejected=f.last_rejected or None,
                             last_error=f.last_error or None)
 
     return NodeStatus(
-        node=node.cfg.node, region=node.cfg.region, role=node.cfg.role, http_url=node.url,
-        bt_endpoint=node.bt_advertised(), time=time.time(),
+        node=node.node, region=node.region, role=node.role, http_url=node.url,
+        bt_endpoint=node.bt(), time=time.time(),
         uptime_s=time.monotonic() - node.started,
         current_version=cur["version"] if cur else None, head_version=max(heads, default=None),
         state_digest=cur["state_digest"] if cur else None, versions=versions, peers=peers,
@@ -126,11 +143,12 @@ def build_status(node: "Node") -> NodeStatus:
                       payload_bytes=payload, full_bytes=full, versions_applied=applied),
         rates=Rates(download=rate_dn, upload=rate_up),
         verification=Verification(failures_by_kind=failures),
-        bans=[Ban(peer=ip, reason=reason, at=node.bans.get(ip, {}).get("at", 0.0),
-                  node=_node_of(node, ip)) for ip, reason in sw["banned"].items()],
-        refused_manifests=refused, refused_by_kind=refused_by, engine=engine, spool=spool)
+        bans=[Ban(peer=ip, reason=reason, at=node.artifacts.banned_at.get(ip, 0.0),
+                  node=_node_of(node.book, ip)) for ip, reason in sw["banned"].items()],
+        refused_manifests=refused, refused_by_kind=refused_by, engine=engine, spool=spool,
+        weights_problem=node.weights_problem())
 
 
-def _node_of(node: "Node", ip: str) -> str | None:
-    names = {p.node for p in node.book.peers.values() if p.bt and p.bt[0] == ip}
+def _node_of(book: PeerBook, ip: str) -> str | None:
+    names = {p.node for p in book.peers.values() if p.bt and p.bt[0] == ip}
     return names.pop() if len(names) == 1 else None

@@ -124,6 +124,10 @@ class SpoolStatus(_Model):
     forward_rate: float = Field(0.0, ge=0, description="trajectories/s acknowledged, recent")
     rejected_full: int = Field(0, ge=0, description="posts answered 429 (spool full)")
     errors: int = Field(0, ge=0, description="failed forwarding attempts")
+    rejected_invalid: int = Field(
+        0, ge=0, description="trajectories the upstream refused as invalid (set aside, never "
+        "resent; see the spool's rejected store)")
+    last_rejected: str | None = None
     last_error: str | None = None
     last_error_at: float | None = None
 
@@ -153,6 +157,9 @@ class NodeStatus(_Model):
     refused_by_kind: dict[str, int] = Field(default_factory=dict)
     engine: EngineStatus = Field(default_factory=EngineStatus)
     spool: SpoolStatus = Field(default_factory=SpoolStatus)
+    weights_problem: str | None = Field(
+        None, description="what the start-up check of the weights found (the damaged version was "
+        "set aside and the node rebuilds from the best snapshot); None when they verified")
 
     @computed_field
     @property

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import libtorrent as lt
 
+from chain.atomic import write_atomic
 from daemon import torrents
 
 Peer = tuple[str, int]
@@ -186,7 +187,15 @@ class Swarm:
         handle = self._get(artifact).handle
         for host, port in peers:
             if host not in self._banned and (host, port) != self.endpoint:
-                handle.connect_peer((host, int(port)))
+                try:
+                    handle.connect_peer((host, int(port)))
+                except (TypeError, ValueError, RuntimeError) as e:
+                    # libtorrent takes IP literals only (Boost.Python.ArgumentError is a
+                    # TypeError); peers.parse_endpoint refuses names before they get here, so
+                    # this is a last line: skip the endpoint, never kill the caller.
+                    self._pending.append(SwarmEvent("error", artifact,
+                                                    f"not dialling {host!r:.80}:{port}: "
+                                                    f"{type(e).__name__}"))
 
     def progress(self, artifact: str) -> Progress:
         t = self._get(artifact)
@@ -273,8 +282,9 @@ class Swarm:
         Path(directory).mkdir(parents=True, exist_ok=True)
         written = []
         for artifact in sorted(wanted & self._resume.keys()):
-            written.append(_write_atomic(Path(directory) / f"{artifact}.resume",
-                                         self._resume.pop(artifact)))
+            path = Path(directory) / f"{artifact}.resume"
+            write_atomic(path, self._resume.pop(artifact))
+            written.append(path)
         return written
 
     @staticmethod
@@ -389,12 +399,3 @@ class Swarm:
             raise SwarmError("the swarm is closed")
         return self._session
 
-
-def _write_atomic(path: Path, data: bytes) -> Path:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return path

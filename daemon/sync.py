@@ -2,9 +2,11 @@
 blocks → journaled apply → mark current → notify the engine → keep seeding → retention.
 
 Manifests enter only through `ChainStore.add_manifest` (signature, run and parent checks);
-refusals are counted with their reason. The plan's artifacts download concurrently and apply in
-order in a worker thread; a stop request abandons an apply between tensors (the journal makes
-that safe) and downloads keep their resume data.
+refusals are counted with their kind (the exception's type). Peers are asked concurrently
+(`FANOUT` at a time, first answer wins) so a silent peer never holds up one that answers; a peer
+whose claimed head it cannot back with a manifest is struck (daemon/peers.py). The plan's
+artifacts download concurrently and apply in order in a worker thread; a stop request abandons
+an apply between tensors (the journal makes that safe) and downloads keep their resume data.
 """
 
 import asyncio
@@ -13,23 +15,34 @@ import logging
 import shutil
 import time
 from collections import Counter, deque
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-import aiohttp
-
-from chain.errors import BadBlock, BadManifest, ChainError, NoPath
+from chain.errors import (
+    BadBlock,
+    BadManifest,
+    BadSignature,
+    ChainError,
+    NoPath,
+    OtherRun,
+    Replay,
+    Unsigned,
+    WrongParent,
+)
 from chain.manifest import BlockEntry, Manifest, parse_artifact
 from chain.policy import Retention
+from chain.store import ChainStore
+from chain.weights import WeightsDir
 from daemon import torrents
-from daemon.peers import BadPeer, Peer, parse_endpoint
-from daemon.report import refusal_kind
+from daemon.artifacts import Artifacts
+from daemon.asking import first_good
+from daemon.board import Board
+from daemon.peer_client import BadReply, PeerClient, PeerError, torrent_cap
+from daemon.peers import BadPeer, Peer, PeerBook, check_node, parse_endpoint
 from daemon.swarm import SwarmError
 
-if TYPE_CHECKING:
-    from daemon.node import Node
-
 log = logging.getLogger("deltaswarm.sync")
+Notify = Callable[[int, Path, str], Awaitable[object]]
 
 
 class SyncError(RuntimeError):
@@ -41,8 +54,21 @@ class Abandoned(Exception):
 
 
 class Syncer:
-    def __init__(self, node: "Node") -> None:
-        self.node = node
+    """Follows the swarm for a region. Receives what it uses: the chain store, the weights,
+    the peer book and client, the artifact component, the board, and `notify` (the engine)."""
+
+    def __init__(self, *, store: ChainStore, weights: WeightsDir, book: PeerBook,
+                 client: PeerClient, artifacts: Artifacts, board: Board, notify: Notify,
+                 retention_versions: int) -> None:
+        self.store = store
+        self.weights = weights
+        self.book = book
+        self.client = client
+        self.artifacts = artifacts
+        self.board = board
+        self.notify = notify
+        self.retention_versions = retention_versions
+        self.stopping = False
         self.wake = asyncio.Event()
         self.downloads: dict[str, asyncio.Task] = {}
         self.transfers: dict[str, dict] = {}
@@ -57,16 +83,18 @@ class Syncer:
         self._notify_pending: tuple[int, Path, str] | None = None
         self._notify_wake = asyncio.Event()
 
+    def reconfigure(self, retention_versions: int) -> None:
+        self.retention_versions = retention_versions
+
     # --- the loop -------------------------------------------------------------------------
     async def run(self) -> None:
         delay = 1.0
-        while not self.node.stopping:
+        while not self.stopping:
             try:
                 progressed = await self.step()
                 self.last_error = "" if progressed is not None else self.last_error
                 delay = 1.0
-            except (ChainError, SyncError, SwarmError, OSError, aiohttp.ClientError,
-                    TimeoutError) as e:
+            except (ChainError, SyncError, SwarmError, OSError, PeerError) as e:
                 self.last_error = f"{type(e).__name__}: {e}"[:500]
                 log.warning("sync step failed: %s", self.last_error)
                 delay = min(delay * 2, 15.0)
@@ -76,28 +104,27 @@ class Syncer:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.wake.wait(), delay)
 
-    async def on_head(self, peer: Peer, reply: dict) -> None:
+    async def on_head(self, peer: Peer, version: int | None) -> None:
         self.wake.set()
 
     def current_version(self) -> int | None:
-        cur = self.node.weights.current()
+        cur = self.weights.current()
         return None if cur is None else cur.version
 
     async def step(self) -> int | None:
-        node = self.node
-        target = max((h for h in (node.book.best_head(), node.store.head()) if h is not None),
-                     default=None)
+        claimed = self.book.claimed_head()
+        target = max((h for h in (claimed, self.store.head()) if h is not None), default=None)
         cur = self.current_version()
         if target is None or (cur is not None and cur >= target):
             return None
-        if node.store.head() is None or node.store.head() < target:
+        if self.store.head() is None or self.store.head() < target:
             await self.fetch_manifests(target, cur)
-        head = node.store.head()
+        head = self.store.head()
         if head is None or (cur is not None and head <= cur):
-            raise SyncError(f"peers report v{target} but no valid manifest past "
+            raise SyncError(f"peers claim v{target} but no valid manifest past "
                             f"v{cur if cur is not None else 'nothing'} could be fetched")
         try:
-            plan = node.store.plan(cur, head)
+            plan = self.store.plan(cur, head)
         except NoPath as e:
             raise SyncError(str(e)) from None
         log.info("plan v%s → v%d: %s", cur, head, [m.artifact for m in plan])
@@ -118,50 +145,64 @@ class Syncer:
 
     # --- manifests ------------------------------------------------------------------------
     async def fetch_manifests(self, target: int, cur: int | None) -> None:
-        node = self.node
-        for peer in node.book.by_head(target):
-            try:
-                index = await node.get_json(f"{peer.url}/v1/chain/index")
-                self._learn_from_index(peer, index)
-                names = index.get("artifacts")
-                if not isinstance(names, list):
-                    raise BadPeer("index has no artifact list")
-                want = []
-                for name in names:
-                    try:
-                        version, kind = parse_artifact(name)
-                    except (BadManifest, TypeError):
-                        continue
-                    if (version > (cur if cur is not None else -1) and version <= target
-                            and node.store.get(version, kind) is None
-                            and not self._recently_refused(peer.url, name)):
-                        want.append((version, kind, name))
-                for _, _, name in sorted(want):
-                    raw = await node.get_bytes(f"{peer.url}/v1/chain/manifests/{name}")
-                    self._add_manifest(peer.url, name, raw)
-                peer.failures = 0
-            except (aiohttp.ClientError, TimeoutError, BadPeer, ValueError) as e:
-                peer.failures += 1
-                peer.last_error = f"{type(e).__name__}: {e}"[:300]
-                continue
-            if (node.store.head() or -1) >= target:
-                return
+        """Ask peers (claiming `target` first, FANOUT at a time) for their index and the
+        manifests past `cur` we lack; stop once the store reaches `target` or moved forward (a
+        later step chases the rest, so a liar's far claim never delays what honest peers
+        serve). A peer whose own claim stays unbacked after we took everything it listed is
+        struck."""
+        before = self.store.head()
+
+        async def from_peer(peer: Peer) -> bool:
+            index = await self.client.get_json(f"{peer.url}/v1/chain/index", "index",
+                                               timeout=15.0)
+            self._learn_from_index(peer, index)
+            names = index.get("artifacts")
+            if not isinstance(names, list) or len(names) > 1_000_000:
+                raise BadReply(peer.url, "index has no artifact list")
+            want = []
+            for name in names:
+                try:
+                    version, kind = parse_artifact(name)
+                except (BadManifest, TypeError):
+                    continue
+                if (version > (cur if cur is not None else -1) and version <= target
+                        and self.store.get(version, kind) is None
+                        and not self._recently_refused(peer.url, name)):
+                    want.append((version, kind, name))
+            for _, _, name in sorted(want):
+                raw = await self.client.get(f"{peer.url}/v1/chain/manifests/{name}",
+                                            "manifest", timeout=60.0)
+                await asyncio.to_thread(self._add_manifest, peer.url, name, raw)
+            self.book.succeeded(peer)
+            claim, head = peer.head, self.store.head()
+            have = -1 if head is None else head
+            if claim is not None and have < claim:
+                self.book.lied(peer, f"claimed head v{claim} but served no valid manifest "
+                                     "of it")
+            return have >= target or (before is None and head is not None) or (
+                before is not None and have > before)
+
+        await first_good(self.book.by_head(target), from_peer, self.book)
 
     def _learn_from_index(self, peer: Peer, index: dict) -> None:
-        if not isinstance(index, dict):
-            raise BadPeer("index reply is not a JSON object")
         if index.get("bt"):
-            self.node.book.learn(peer.url, parse_endpoint(index["bt"]))
-        for p in index.get("peers") or []:
-            if isinstance(p, dict) and isinstance(p.get("url"), str):
+            try:
+                self.book.learn(peer.url, parse_endpoint(index["bt"]))
+            except BadPeer:
+                raise BadReply(peer.url, "index has a bt endpoint that is not ip:port") from None
+        listed = index.get("peers") or []
+        if not isinstance(listed, list):
+            raise BadReply(peer.url, "index peers is not a list")
+        for p in listed[:self.book.max_peers]:
+            if isinstance(p, dict):
                 with contextlib.suppress(BadPeer):
                     bt = parse_endpoint(p["bt"]) if p.get("bt") else None
-                    node = p.get("node") if isinstance(p.get("node"), str) else None
-                    self.node.book.learn(p["url"], bt, node)
+                    node = check_node(p["node"]) if p.get("node") is not None else None
+                    self.book.learn(p.get("url"), bt, node)
 
     def _add_manifest(self, source: str, name: str, raw: bytes) -> Manifest | None:
         try:
-            m = self.node.store.add_manifest(raw)
+            m = self.store.add_manifest(raw)
             if m.artifact != name:
                 raise BadManifest(f"asked for {name}, the peer served {m.artifact}")
         except BadManifest as e:
@@ -171,11 +212,12 @@ class Syncer:
         return m
 
     def refuse(self, source: str, name: str, err: BadManifest) -> None:
-        error = type(err).__name__
-        self.refused_counts[refusal_kind(error, str(err))] += 1
+        kind = refusal_kind(err)
+        self.refused_counts[kind] += 1
         self._refused_at[(source, name)] = time.monotonic()
-        self.refused.append({"artifact": name, "source": source, "error": error,
-                             "reason": str(err)[:400], "time": round(time.time(), 3)})
+        self.refused.append({"artifact": name, "source": source, "error": type(err).__name__,
+                             "kind": kind, "reason": str(err)[:400],
+                             "time": round(time.time(), 3)})
         log.warning("refused manifest %s from %s: %s", name, source, err)
 
     def _recently_refused(self, source: str, name: str) -> bool:
@@ -184,44 +226,44 @@ class Syncer:
 
     # --- transfer -------------------------------------------------------------------------
     async def torrent_bytes(self, m: Manifest) -> bytes:
-        node = self.node
-        path = node.paths.torrents / f"{m.artifact}.torrent"
-        expected = [(b.id, b.size, b.root) for b in m.blocks]
-        if path.is_file():
-            raw = path.read_bytes()
-            try:
-                torrents.check_torrent_against(raw, expected, m.artifact)
-                return raw
-            except torrents.BadTorrent:
-                path.unlink()
-        for peer in node.book.by_head(m.version):
-            try:
-                raw = await node.get_bytes(f"{peer.url}/v1/chain/torrents/{m.artifact}")
-                torrents.check_torrent_against(raw, expected, m.artifact)
-            except torrents.BadTorrent as e:
-                self.failures["torrent"] += 1
-                log.warning("torrent of %s from %s refused: %s", m.artifact, peer.url, e)
-                continue
-            except (aiohttp.ClientError, TimeoutError, ValueError):
-                continue
-            await asyncio.to_thread(node.write_file, path, raw)
+        raw = await asyncio.to_thread(self.artifacts.held_torrent, m)
+        if raw is not None:
             return raw
-        raise SyncError(f"no peer served a valid torrent for {m.artifact}")
+        cap = torrent_cap([b.size for b in m.blocks], self.artifacts.piece_size)
+
+        async def from_peer(peer: Peer) -> bytes:
+            data = await self.client.get(f"{peer.url}/v1/chain/torrents/{m.artifact}",
+                                         "torrent", cap=cap, timeout=60.0)
+            try:
+                await asyncio.to_thread(self.artifacts.check_torrent, m, data)
+            except torrents.BadTorrent:
+                self.failures["torrent"] += 1
+                raise BadReply(peer.url, f"torrent of {m.artifact} does not match its signed "
+                                         "manifest") from None
+            return data
+
+        got = await first_good(self.book.by_head(m.version), from_peer, self.book,
+                               settle=False)
+        if got is None:
+            raise SyncError(f"no peer served a valid torrent for {m.artifact}")
+        await asyncio.to_thread(self.artifacts.keep_torrent, m.artifact, got)
+        return got
 
     async def download(self, m: Manifest) -> None:
-        node, swarm = self.node, self.node.swarm
-        save = node.paths.swarm
+        arts, swarm = self.artifacts, self.artifacts.swarm
+        assert swarm is not None
+        save = arts.swarm_dir
         tb = await self.torrent_bytes(m)
-        held = [(b.id, node.store.blocks.path(b.id)) for b in m.blocks
-                if node.store.blocks.has(b.id)]
+        held = [(b.id, self.store.blocks.path(b.id)) for b in m.blocks
+                if self.store.blocks.has(b.id)]
         if held:
             await asyncio.to_thread(torrents.link_blocks, m.artifact, held, save)
         info = self.transfers.setdefault(m.artifact, {"artifact": m.artifact, "total": 0,
                                                       "resumed_bytes": None, "started": time.time(),
                                                       "seconds": None, "downloaded": 0})
         if m.artifact not in swarm.artifacts():
-            resume = swarm.load_resume_data(node.paths.resume, m.artifact)
-            swarm.download(m.artifact, tb, save, peers=node.book.bt_endpoints(),
+            resume = swarm.load_resume_data(arts.resume_dir, m.artifact)
+            swarm.download(m.artifact, tb, save, peers=self.book.bt_endpoints(),
                            resume_data=resume)
             log.info("downloading %s (%d bytes, resume data: %s)", m.artifact, m.payload_bytes,
                      resume is not None)
@@ -234,7 +276,7 @@ class Syncer:
                 info["resumed_bytes"] = p.done
             if p.finished:
                 break
-            endpoints = set(node.book.bt_endpoints())
+            endpoints = set(self.book.bt_endpoints())
             if endpoints - known:
                 swarm.add_peers(m.artifact, endpoints - known)
                 known = endpoints
@@ -255,13 +297,12 @@ class Syncer:
                  info["seconds"], info["downloaded"])
 
     def _adopt(self, m: Manifest) -> None:
-        save = self.node.paths.swarm
+        save = self.artifacts.swarm_dir
         for b in m.blocks:
-            self.node.store.blocks.adopt(b.id, torrents.block_path(save, m.artifact, b.id), b.size)
+            self.store.blocks.adopt(b.id, torrents.block_path(save, m.artifact, b.id), b.size)
 
     # --- apply ----------------------------------------------------------------------------
     async def apply(self, m: Manifest) -> None:
-        node = self.node
         cur = self.current_version()
         if cur is not None and cur >= m.version:
             return
@@ -269,15 +310,15 @@ class Syncer:
 
         def progress(artifact: str, done: int, total: int) -> None:
             self.applying = {"artifact": artifact, "done": done, "total": total}
-            if node.stopping:
+            if self.stopping:
                 raise Abandoned(f"stopping during {artifact} at tensor {done}/{total}")
 
         def get_block(b: BlockEntry) -> bytes:
-            return node.store.blocks.get(b.id, b.size)
+            return self.store.blocks.get(b.id, b.size)
 
         t0 = time.monotonic()
         try:
-            current = await asyncio.to_thread(node.weights.apply, [m], get_block, progress)
+            current = await asyncio.to_thread(self.weights.apply, [m], get_block, progress)
         except Abandoned:
             log.info("apply of %s abandoned for shutdown; the journal resumes it", m.artifact)
             raise
@@ -295,7 +336,7 @@ class Syncer:
                              "apply_seconds": round(seconds, 3), "time": round(time.time(), 3)})
         log.info("v%d current (%s, digest %s…, %.2fs)", current.version, m.artifact,
                  current.state_digest[:12], seconds)
-        await node.board.bump()
+        await self.board.bump()
         self._notify_pending = (current.version, current.path, current.state_digest)
         self._notify_wake.set()
 
@@ -306,19 +347,18 @@ class Syncer:
             self._notify_wake.clear()
             pending, self._notify_pending = self._notify_pending, None
             if pending is not None:
-                await self.node.notifier.notify(*pending)
+                await self.notify(*pending)
 
     # --- retention ------------------------------------------------------------------------
     async def gc(self) -> None:
-        node = self.node
         cur = self.current_version()
         protect = set(self.downloads)
         if cur is not None:
-            protect |= {a for a in node.store.artifacts() if parse_artifact(a)[0] == cur}
+            protect |= {a for a in self.store.artifacts() if parse_artifact(a)[0] == cur}
         dropped = await asyncio.to_thread(
-            node.store.gc, Retention(versions=node.cfg.retention.versions), protect)
+            self.store.gc, Retention(versions=self.retention_versions), protect)
         for a in dropped:
-            node.forget_artifact(a)
+            self.artifacts.forget(a)
             self.transfers.pop(a, None)
         if dropped:
             log.info("retention dropped %s", dropped)
@@ -329,3 +369,12 @@ class Syncer:
                 "applied": list(self.applied), "bytes_saved": self.bytes_saved,
                 "applying": self.applying, "transfers": dict(self.transfers),
                 "last_error": self.last_error}
+
+
+def refusal_kind(err: BadManifest) -> str:
+    """The kind of a refused manifest, from the exception's type (chain/errors.py)."""
+    for cls, kind in ((Unsigned, "unsigned"), (BadSignature, "bad_signature"),
+                      (WrongParent, "wrong_parent"), (Replay, "replay"), (OtherRun, "other_run")):
+        if isinstance(err, cls):
+            return kind
+    return "invalid"

@@ -15,6 +15,8 @@ import shutil
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from chain.digest import pieces_root
+
 LEAF = 16 * 1024
 _ZERO = b"\0" * 32
 _ID = re.compile(r"[0-9a-f]{32}")
@@ -31,19 +33,24 @@ def block_path(save_path: str | os.PathLike, artifact: str, block: str) -> Path:
     return Path(save_path) / artifact / block[:2] / block
 
 
-def make_torrent(artifact: str, block_paths: Sequence[tuple[str, str | os.PathLike]],
+def make_torrent(artifact: str, block_paths: Sequence[tuple[str, str | os.PathLike]]
+                 | Sequence[tuple[str, str | os.PathLike, str]],
                  piece_size: int = 1 << 18) -> bytes:
     """Bencoded v2-only torrent over the block files; same blocks and piece size → same bytes.
 
-    `block_paths` is (block id, path of its file) in any order; duplicates of one id are merged.
+    `block_paths` is (block id, path of its file[, pieces root hex]) in any order; duplicates of
+    one id are merged. The pieces root is the manifest's (`chain.digest.pieces_root`, the one
+    BEP 52 root in the project); given, it is not recomputed, and only blocks larger than a
+    piece are hashed here, for their piece layer (`check_torrent_against` ties layer to root).
     """
     _check_piece_size(piece_size)
     _check_name(artifact)
     entries: dict[str, tuple[int, bytes, bytes]] = {}
-    for block, path in block_paths:
+    for block, path, *given in block_paths:
         _check_id(block)
         data = Path(path).read_bytes()
-        root, layer = _merkle(data, piece_size)
+        root = bytes.fromhex(given[0] if given else pieces_root(data))
+        layer = _piece_layer(data, piece_size) if len(data) > piece_size else b""
         entries[block] = (len(data), root, layer)
     if not entries:
         raise BadTorrent(f"{artifact}: no blocks given; an artifact needs at least one block")
@@ -180,16 +187,14 @@ def _files(info: dict, name: str) -> dict[str, tuple[int, bytes]]:
     return out
 
 
-def _merkle(data: bytes, piece_size: int) -> tuple[bytes, bytes]:
-    """(pieces root, piece layer) of one file, BEP 52: leaves zero-padded to a power of two."""
-    if not data:
-        return b"", b""
+def _piece_layer(data: bytes, piece_size: int) -> bytes:
+    """BEP 52 piece layer of one file: the root of each piece's subtree of 16 KiB leaves, the
+    last piece's zero-padded to a full piece."""
     view = memoryview(data)
     leaves = [hashlib.sha256(view[i:i + LEAF]).digest() for i in range(0, len(view), LEAF)]
     per_piece = piece_size // LEAF
-    layer = b"".join(_root(leaves[i:i + per_piece], per_piece)
-                     for i in range(0, len(leaves), per_piece))
-    return _root(leaves, _pow2(len(leaves))), layer
+    return b"".join(_root(leaves[i:i + per_piece], per_piece)
+                    for i in range(0, len(leaves), per_piece))
 
 
 def _layer_root(layer: bytes, size: int, piece_size: int) -> bytes:

@@ -118,9 +118,10 @@ class Daemon:
     def write_config(self) -> None:
         self.cfg_path.write_text(yaml.safe_dump(self.config))
 
-    def start(self) -> None:
+    def start(self, env_extra: dict[str, str] | None = None) -> None:
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         env.pop("NOTIFY_SOCKET", None)
+        env.update(env_extra or {})
         log = open(self.log_path, "ab")  # noqa: SIM115 (owned by the child)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "daemon.main", "--config", str(self.cfg_path)],
@@ -268,3 +269,47 @@ class Cluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop_all()
+
+
+class Hostile:
+    """A hostile peer process (tests/integration/hostile.py) on its own loopback address."""
+
+    def __init__(self, root: Path, host: str, mode: str, chain_dir: Path | None = None) -> None:
+        self.mode, self.host = mode, host
+        self.port = free_port(host)
+        self.url = f"http://{host}:{self.port}"
+        self.dir = Path(root) / f"hostile-{mode}-{host}"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = self.dir / "requests.log"
+        self.log_path.touch()
+        argv = [sys.executable, "-m", "tests.integration.hostile", "--host", host, "--port",
+                str(self.port), "--mode", mode, "--token", TOKEN, "--log", str(self.log_path)]
+        if chain_dir is not None:
+            argv += ["--chain-dir", str(chain_dir)]
+        out = open(self.dir / "server.log", "ab")  # noqa: SIM115 (owned by the child)
+        self.proc = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                                     stdout=out, stderr=subprocess.STDOUT)
+        out.close()
+
+    def wait_ready(self) -> "Hostile":
+        wait_until(self._up, 30, f"hostile peer {self.mode} to listen")
+        return self
+
+    def _up(self) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"hostile {self.mode} exited {self.proc.returncode}")
+        with socket.socket() as s:
+            s.settimeout(1)
+            return s.connect_ex((self.host, self.port)) == 0
+
+    def requests(self) -> list[str]:
+        return self.log_path.read_text().splitlines()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()  # holds no state; its never-answering handlers would stall a drain
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()

@@ -25,14 +25,14 @@ def test_stop_abandons_apply_safely_and_the_next_apply_resumes(tmp_path: Path) -
     async def apply_once() -> None:
         await node.syncer.apply(m)
 
-    node.stopping = True
+    node.syncer.stopping = True
     with pytest.raises(Abandoned):
         asyncio.run(apply_once())
     assert node.weights.current() is None
     staging = node.weights.staging()
     assert len(staging) == 1 and (staging[0] / "JOURNAL").read_text().count("\n") == 1
 
-    node.stopping = False
+    node.syncer.stopping = False
     asyncio.run(apply_once())
     cur = node.weights.verify()
     assert cur.version == 0 and cur.state_digest == m.state_digest

@@ -79,7 +79,7 @@ def test_bad_manifests_are_refused_reported_and_change_nothing(tmp_path: Path) -
         sorted(f"{a}.json" for a in before)
 
     async def fetch_status() -> dict:
-        async with TestClient(TestServer(build_app(node))) as client:
+        async with TestClient(TestServer(build_app(node.parts))) as client:
             r = await client.get("/v1/status", headers={"Authorization": f"Bearer {TOKEN}"})
             assert r.status == 200
             unauth = await client.get("/v1/status")

@@ -9,14 +9,15 @@ from daemon.app import build_app
 from daemon.publish import PublishError
 
 
-class RefusingSeeder:
+class RefusingRole:
+    name = "trainer"
+
     async def publish(self, version: int) -> dict:
         raise PublishError(404, f"no manifest for v{version} under /x; write it first")
 
 
 def test_a_refused_publish_answers_its_status_and_reason() -> None:
-    node = SimpleNamespace(token="t", seeder=RefusingSeeder(), book=None,
-                           cfg=SimpleNamespace(http=SimpleNamespace(max_body_bytes=1 << 20)))
+    node = SimpleNamespace(token="t", role=RefusingRole(), book=None, max_body_bytes=1 << 20)
 
     async def main() -> tuple[int, dict]:
         async with TestClient(TestServer(build_app(node))) as client:

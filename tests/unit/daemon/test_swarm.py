@@ -160,3 +160,12 @@ def test_rate_limits_change_at_runtime_and_bad_calls_are_refused(tmp_path, swarm
     node.ban("127.0.0.99", "test")
     assert node.status()["banned"] == {"127.0.0.99": "test"}
     assert [e.kind for e in node.pump()] == ["banned"]
+
+
+def test_a_host_name_endpoint_is_skipped_with_an_event_not_raised(tmp_path, swarms):
+    _, tb = _store(tmp_path, 1, 1 << 16)
+    node = swarms("127.0.0.2")
+    node.download(ART, tb, tmp_path / "n", [("evil.example", 6881)])
+    node.add_peers(ART, [("localhost", 6881), ("127.0.0.9", 6881)])
+    errors = [e for e in node.pump() if e.kind == "error"]
+    assert len([e for e in errors if "not dialling" in e.detail]) == 2, errors

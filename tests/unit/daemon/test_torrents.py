@@ -132,3 +132,18 @@ def test_make_torrent_refuses_bad_input(tmp_path):
         torrents.make_torrent("../x", pairs, 1 << 16)
     with pytest.raises(BadTorrent, match="no blocks"):
         torrents.make_torrent(ART, [], 1 << 16)
+
+
+def test_a_given_manifest_root_gives_the_same_torrent_as_computing_it(tmp_path):
+    datas = [os.urandom(n) for n in (1, 16384, 70_000, 300_000)]
+    paths = []
+    for i, d in enumerate(datas):
+        p = tmp_path / f"b{i}"
+        p.write_bytes(d)
+        paths.append((block_id(d), p, pieces_root(d)))
+    assert torrents.make_torrent(ART, paths, 1 << 16) == \
+        torrents.make_torrent(ART, [(b, p) for b, p, _ in paths], 1 << 16)
+    wrong = [(b, p, "00" * 32) for b, p, _ in paths]
+    pins = [(b, len(d), r) for (b, _, r), d in zip(paths, datas, strict=True)]
+    with pytest.raises(torrents.BadTorrent):
+        torrents.check_torrent_against(torrents.make_torrent(ART, wrong, 1 << 16), pins, ART)

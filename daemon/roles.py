@@ -1,0 +1,103 @@
+"""Trainer and region behaviour, chosen once at start (`node.build_role`), not by `if role ==`.
+
+A role says what "current" means, what runs in the background, what publish does and what it
+adds to status. The trainer seeds what its local publisher wrote; a region follows the swarm.
+"""
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Coroutine
+
+from chain.store import ChainStore
+from chain.weights import WeightsDir
+from daemon.artifacts import Artifacts
+from daemon.asking import HeadWatcher
+from daemon.publish import PublishError, Seeder, current_of_head
+from daemon.sync import Syncer
+from daemon.tasks import stop as stop_task
+
+Spawn = Callable[[Coroutine, str], asyncio.Task]
+
+
+class TrainerRole:
+    name = "trainer"
+    syncer: Syncer | None = None
+
+    def __init__(self, seeder: Seeder, store: ChainStore) -> None:
+        self.seeder = seeder
+        self.store = store
+
+    def current(self) -> dict | None:
+        return current_of_head(self.store)
+
+    async def start(self, spawn: Spawn) -> None:
+        await self.seeder.start()
+
+    async def stop(self, timeout: float) -> None:
+        return None
+
+    async def publish(self, version: int) -> dict:
+        return await self.seeder.publish(version)
+
+    def downloading(self) -> bool:
+        return False
+
+    def reconfigure(self, retention_versions: int, max_peers: int, poll_timeout: float) -> None:
+        self.seeder.reconfigure(retention_versions)
+
+    def detail(self) -> dict:
+        return {"published": self.seeder.published[-10:]}
+
+
+class RegionRole:
+    name = "region"
+    seeder: Seeder | None = None
+
+    def __init__(self, syncer: Syncer, watcher: HeadWatcher, weights: WeightsDir,
+                 store: ChainStore, artifacts: Artifacts, node: str) -> None:
+        self.syncer = syncer
+        self.watcher = watcher
+        self.weights = weights
+        self.store = store
+        self.artifacts = artifacts
+        self.node = node
+        self._tasks: list[asyncio.Task] = []
+        self._loop: asyncio.Task | None = None
+
+    def current(self) -> dict | None:
+        cur = self.weights.current()
+        if cur is None:
+            return None
+        return {"version": cur.version, "state_digest": cur.state_digest, "path": str(cur.path)}
+
+    async def start(self, spawn: Spawn) -> None:
+        await asyncio.to_thread(self.artifacts.reseed, self.store)
+        self._tasks = [spawn(self.watcher.run(), "heads"),
+                       spawn(self.syncer.notify_loop(), "notify")]
+        self._loop = spawn(self.syncer.run(), "sync")
+
+    async def stop(self, timeout: float) -> None:
+        self.syncer.stopping = True
+        self.syncer.wake.set()
+        for task in self._tasks:
+            task.cancel()
+        if self._loop is not None:
+            with contextlib.suppress(asyncio.CancelledError, Exception):  # timeout or a crash
+                await asyncio.wait_for(asyncio.shield(self._loop), timeout)
+        loop = [self._loop] if self._loop is not None else []
+        for task in [*self._tasks, *loop, *self.syncer.downloads.values()]:
+            await stop_task(task)
+
+    async def publish(self, version: int) -> dict:
+        raise PublishError(409, f"{self.node} is a region daemon; only role: trainer accepts "
+                                "publish")
+
+    def downloading(self) -> bool:
+        return bool(self.syncer.downloads)
+
+    def reconfigure(self, retention_versions: int, max_peers: int, poll_timeout: float) -> None:
+        self.syncer.reconfigure(retention_versions)
+        self.watcher.reconfigure(max_peers, poll_timeout)
+
+    def detail(self) -> dict:
+        return {"sync": self.syncer.status()}
