@@ -17,7 +17,7 @@ TOKEN = "secret-token"
 
 def daemon_app(tmp_path) -> tuple[web.Application, str]:
     node = SimpleNamespace(token=TOKEN, book=None, status=lambda: {"ok": True},
-                           cfg=SimpleNamespace(http=SimpleNamespace(max_body_bytes=1 << 20)))
+                           max_body_bytes=1 << 20)
     return build_app(node), "/v1/status"
 
 
