@@ -149,12 +149,13 @@ class Child:
 
 
 def code_rev() -> str:
+    """The last commit that changed the measured code (chain, daemon, trainer)."""
     def git(*a: str) -> str:
         return subprocess.run(["git", "-C", str(ROOT), *a], capture_output=True, text=True
                               ).stdout.strip()
-    return git("rev-parse", "--short", "HEAD") + (" (+ uncommitted changes)"
-                                                  if git("status", "--porcelain", "--",
-                                                         "chain", "daemon", "trainer") else "")
+    parts = ("chain", "daemon", "trainer")
+    return (git("log", "-1", "--format=%h %s", "--", *parts)[:60]
+            + (" (+ uncommitted changes)" if git("status", "--porcelain", "--", *parts) else ""))
 
 
 def verdict(key: str, value: float) -> str:
@@ -241,7 +242,7 @@ def report(out: dict, rows: list[dict], e2e: list[dict]) -> None:
                   f"{e['end_to_end_s']:.1f}" if e else "-")
     console.print(t)
     console.print(f"baselines: one scan {out['scan_s']:.2f}s, one sequential read "
-                  f"{out['read_s']:.2f}s (page cache, file just written), save_file "
+                  f"{out['read_s']:.2f}s (warm page cache), save_file "
                   f"{out['save_s']:.2f}s; measured density {out['density']:.4f}")
     g = Table(title="goals (delta versions: median time, worst memory and disk)")
     for col in ("figure", "value", "goal", "", "also"):
