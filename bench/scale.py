@@ -83,7 +83,8 @@ class Child:
         self.role = role
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         self.proc = subprocess.Popen([sys.executable, str(WORK), role, str(work)], cwd=ROOT,
-                                     env=env, stdout=subprocess.PIPE, text=True, bufsize=1)
+                                     env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, bufsize=1)
         self.lock = threading.Lock()
         self.now: dict[str, int] = {}
         self.peak: dict[str, int] = {}
@@ -116,7 +117,7 @@ class Child:
 
     def run(self) -> "Child":
         start: dict[str, int] = {}
-        assert self.proc.stdout is not None
+        assert self.proc.stdout is not None and self.proc.stdin is not None
         for line in self.proc.stdout:
             if not line.startswith("@@ "):
                 console.print(f"  [dim]{self.role}: {line.rstrip()}[/dim]")
@@ -142,6 +143,9 @@ class Child:
                     "wchar": end["wchar"] - start["wchar"]})
             elif "result" in doc:
                 self.results.append(doc["result"])
+            if "mark" in doc:
+                self.proc.stdin.write("\n")
+                self.proc.stdin.flush()
         if self.proc.wait() != 0:
             raise SystemExit(f"bench/scale_work.py {self.role} failed with exit code "
                              f"{self.proc.returncode}")
