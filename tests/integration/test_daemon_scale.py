@@ -19,7 +19,7 @@ from trainer.publisher import Publisher
 def fast_root(tmp_path: Path) -> Iterator[Path]:
     """State dirs on tmpfs when the host has a roomy one (a container's default 64 MB is not):
     the property is reply sizes, and ~10,000 block files fsync'd on a busy disk take minutes
-    (on tmpfs an fsync costs nothing). The test uses about 200 MB there."""
+    (on tmpfs an fsync costs nothing). The test peaks at about 100 MB there."""
     shm = Path("/dev/shm")
     if not shm.is_dir() or shutil.disk_usage(shm).free < 1 << 30:
         yield tmp_path
