@@ -153,6 +153,9 @@ class Syncer:
         before = self.store.head()
 
         async def from_peer(peer: Peer) -> bool:
+            # The claim as it stood before asking: the head watcher may raise it meanwhile
+            # (a version published while we read the index), which refutes nothing.
+            claim = peer.head
             index = await self.client.get_json(f"{peer.url}/v1/chain/index", "index",
                                                timeout=15.0)
             self._learn_from_index(peer, index)
@@ -174,7 +177,7 @@ class Syncer:
                                             "manifest", timeout=60.0)
                 await asyncio.to_thread(self._add_manifest, peer.url, name, raw)
             self.book.succeeded(peer)
-            claim, head = peer.head, self.store.head()
+            head = self.store.head()
             have = -1 if head is None else head
             if claim is not None and have < claim:
                 self.book.lied(peer, f"claimed head v{claim} but served no valid manifest "
