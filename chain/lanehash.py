@@ -98,47 +98,6 @@ def diff_pairs(old, oldw, new, neww, pos, sh, width):
 
 
 @njit(nogil=True, cache=True)
-def put(target, tw, pos, val, sh, width):
-    """target[pos] = val (pos sorted, absolute) in place; returns the digest change, computed
-    from the words as they were before and after, so it is exact whatever target held."""
-    a = np.uint64(0)
-    b = np.uint64(0)
-    j = 0
-    n = pos.size
-    while j < n:
-        w = pos[j] >> sh
-        xo = _word(target, tw, w, sh, width)
-        while j < n and (pos[j] >> sh) == w:
-            target[pos[j]] = val[j]
-            j += 1
-        xn = _word(target, tw, w, sh, width)
-        uw = np.uint64(w)
-        a += _mix0(uw, xn) - _mix0(uw, xo)
-        b += _mix1(uw, xn) - _mix1(uw, xo)
-    return a, b
-
-
-@njit(nogil=True, cache=True)
-def pull(target, tw, source, pos, sh, width):
-    """target[pos] = source[pos] (pos sorted) in place; returns the digest change of target."""
-    a = np.uint64(0)
-    b = np.uint64(0)
-    j = 0
-    n = pos.size
-    while j < n:
-        w = pos[j] >> sh
-        xo = _word(target, tw, w, sh, width)
-        while j < n and (pos[j] >> sh) == w:
-            target[pos[j]] = source[pos[j]]
-            j += 1
-        xn = _word(target, tw, w, sh, width)
-        uw = np.uint64(w)
-        a += _mix0(uw, xn) - _mix0(uw, xo)
-        b += _mix1(uw, xn) - _mix1(uw, xo)
-    return a, b
-
-
-@njit(nogil=True, cache=True)
 def pull_put(target, tw, source, ppos, pos, val, sh, width):
     """target[ppos] = source[ppos], then target[pos] = val (both sorted), in one walk over the
     touched words; returns the digest change of target."""
@@ -165,6 +124,19 @@ def pull_put(target, tw, source, ppos, pos, val, sh, width):
         a += _mix0(uw, xn) - _mix0(uw, xo)
         b += _mix1(uw, xn) - _mix1(uw, xo)
     return a, b
+
+
+@njit(nogil=True, cache=True)
+def put(target, tw, pos, val, sh, width):
+    """target[pos] = val (pos sorted, absolute) in place; returns the digest change, computed
+    from the words as they were before and after, so it is exact whatever target held."""
+    return pull_put(target, tw, target, pos[:0], pos, val, sh, width)
+
+
+@njit(nogil=True, cache=True)
+def pull(target, tw, source, pos, sh, width):
+    """target[pos] = source[pos] (pos sorted) in place; returns the digest change of target."""
+    return pull_put(target, tw, source, pos, pos[:0], source[:0], sh, width)
 
 
 @njit(nogil=True, cache=True)

@@ -5,7 +5,9 @@ on every change, written as YAML for a real process) and one wait-until helper (
 """
 
 import asyncio
+import threading
 import time
+import urllib.request
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -88,3 +90,19 @@ async def async_wait_until(pred: Callable[[], Any | Awaitable[Any]], timeout: fl
         await asyncio.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}"
                          + (f" (last error: {last_exc})" if last_exc else ""))
+
+
+class HealthProbe(threading.Thread):
+    """Times GET /healthz from its own thread, back to back, until stopped."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url, self.times, self.done = url, [], threading.Event()
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            t0 = time.monotonic()
+            with urllib.request.urlopen(self.url, timeout=30) as r:
+                assert r.status == 200
+            self.times.append(time.monotonic() - t0)
+            time.sleep(0.01)

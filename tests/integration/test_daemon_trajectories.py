@@ -10,7 +10,6 @@ import io
 import json
 import resource
 import threading
-import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +18,7 @@ from aiohttp import web
 
 from daemon.spool import Spool
 from tests.integration.harness import TOKEN, Cluster, free_port, http, wait_until
+from tests.support import HealthProbe
 from tests.trajectories import DROP, ids, ndjson, trajectory
 from tests.trajectories import batch as make_batch
 
@@ -207,22 +207,6 @@ def test_a_trajectory_the_upstream_refuses_is_set_aside_and_the_stream_moves_on(
     [kept] = spool.rejected_items()
     assert kept["id"] == poison["id"] and kept["status"] == 400
     assert "field worker" in kept["reason"]
-
-
-class HealthProbe(threading.Thread):
-    """Times GET /healthz from its own thread, back to back, until stopped."""
-
-    def __init__(self, url: str) -> None:
-        super().__init__(daemon=True)
-        self.url, self.times, self.done = url, [], threading.Event()
-
-    def run(self) -> None:
-        while not self.done.is_set():
-            t0 = time.monotonic()
-            with urllib.request.urlopen(self.url, timeout=30) as r:
-                assert r.status == 200
-            self.times.append(time.monotonic() - t0)
-            time.sleep(0.01)
 
 
 def test_a_64mb_batch_does_not_stall_healthz(tmp_path: Path) -> None:

@@ -8,15 +8,13 @@ import json
 import os
 import subprocess
 import sys
-import threading
-import time
-import urllib.request
 from pathlib import Path
 
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
+from tests.support import HealthProbe
 from tests.trajectories import DROP, batch, ids, ndjson, rows, trajectory
 from trainer.ingest import IngestStore, make_ingest_app
 
@@ -207,22 +205,6 @@ def test_an_append_failing_half_way_leaves_nothing_and_restart_holds_each_once(
     assert again.held_ids() == ids(a) + ids(c) + ids(b)
     taken = asyncio.run(again.take(1000, timeout=0, whole_groups=False))
     assert [t["id"] for t in taken] == ids(a) + ids(c) + ids(b)
-
-
-class HealthProbe(threading.Thread):
-    """Times GET /healthz from its own thread, back to back, until stopped."""
-
-    def __init__(self, url: str) -> None:
-        super().__init__(daemon=True)
-        self.url, self.times, self.done = url, [], threading.Event()
-
-    def run(self) -> None:
-        while not self.done.is_set():
-            t0 = time.monotonic()
-            with urllib.request.urlopen(self.url, timeout=30) as r:
-                assert r.status == 200
-            self.times.append(time.monotonic() - t0)
-            time.sleep(0.01)
 
 
 def test_a_big_batch_is_parsed_off_the_event_loop(tmp_path: Path) -> None:
