@@ -206,6 +206,10 @@ class Node:
         """Verify the current weights at start, off the loop (`WeightsDir.check_at_start`
         recomputes every digest: one pass over memory). A damaged version is set aside, so the
         planner rebuilds from the best snapshot; the problem is shown in status."""
+        held = await asyncio.to_thread(_dir_bytes, self.weights.root)
+        # The check reads every held weight file once; from a cold disk at a pessimistic
+        # 200 MB/s that can outlast TimeoutStartSec (120 s in the unit) for a 70B model.
+        sdnotify.extend_timeout(60 + held / 200e6)
         _, problem = await asyncio.to_thread(self.weights.check_at_start)
         if problem:
             self.weights_problem = str(problem)[:500]
@@ -293,6 +297,11 @@ async def _swarm(app: web.Application) -> AsyncIterator[None]:
     for task in (saver, pump):
         await stop_task(task)
     await node.artifacts.close()
+
+
+def _dir_bytes(root: Path) -> int:
+    """Bytes of the regular files under `root` (links are not followed)."""
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and not p.is_symlink())
 
 
 async def _role(app: web.Application) -> AsyncIterator[None]:

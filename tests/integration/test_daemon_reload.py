@@ -1,5 +1,6 @@
 """SIGHUP on a real daemon: reloadable parts take the new values (token, peers, long-poll bound),
-the rest is listed as "restart to apply", and systemd hears RELOADING=1 then READY=1."""
+the rest is listed as "restart to apply", and systemd hears RELOADING=1 then READY=1 (and
+EXTEND_TIMEOUT_USEC before the start-up weights check)."""
 
 import signal
 import socket
@@ -30,6 +31,10 @@ def test_sighup_applies_reloadable_parts_lists_the_rest_and_notifies_systemd(tmp
                         return messages
 
             wait_until(lambda: any("READY=1" in m for m in drain()), 20, "READY=1 at start")
+            # The start-up weights check asks systemd for time first (the unit promises it).
+            extend = [i for i, m in enumerate(messages) if "EXTEND_TIMEOUT_USEC=" in m]
+            assert extend and extend[0] < next(i for i, m in enumerate(messages)
+                                               if "READY=1" in m), messages
             messages.clear()
             r.config |= {"token": "a-new-swarm-token", "region": "elsewhere",
                          "long_poll_timeout_s": 1}
