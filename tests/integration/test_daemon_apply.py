@@ -2,7 +2,6 @@
 partial version current; the next apply resumes from the journal and verifies (in process,
 through the region's real Syncer)."""
 
-import asyncio
 from pathlib import Path
 
 import pytest
@@ -15,25 +14,22 @@ from tests.integration.harness import tiny_model
 from tests.integration.test_daemon_manifests import region_node
 
 
-def test_stop_abandons_apply_safely_and_the_next_apply_resumes(tmp_path: Path) -> None:
+async def test_stop_abandons_apply_safely_and_the_next_apply_resumes(tmp_path: Path) -> None:
     key = keys.generate(tmp_path / "trainer.key")
     node = region_node(tmp_path, keys.public_hex(key))
     m, _ = write_artifact(node.store.blocks, key, run="r", version=0, kind="snapshot",
                           new=StateDictSource(tiny_model(0, tensors=4, rows=64, cols=64)))
     node.store.add(m)
 
-    async def apply_once() -> None:
-        await node.syncer.apply(m)
-
     node.syncer.stopping = True
     with pytest.raises(Abandoned):
-        asyncio.run(apply_once())
+        await node.syncer.apply(m)
     assert node.weights.current() is None
     staging = node.weights.staging()
     assert len(staging) == 1 and (staging[0] / "JOURNAL").read_text().count("\n") == 1
 
     node.syncer.stopping = False
-    asyncio.run(apply_once())
+    await node.syncer.apply(m)
     cur = node.weights.verify()
     assert cur.version == 0 and cur.state_digest == m.state_digest
     assert node.weights.staging() == []

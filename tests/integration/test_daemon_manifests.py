@@ -2,7 +2,6 @@
 an artifact already held) and wrong-parent ones never change the stored chain, and each refusal
 is reported with its kind in /v1/status (in process, through the real aiohttp app)."""
 
-import asyncio
 import json
 from pathlib import Path
 
@@ -43,7 +42,7 @@ def region_node(tmp_path: Path, public_hex: str) -> Node:
     return Node(load_config(cfg_path), cfg_path)
 
 
-def test_bad_manifests_are_refused_reported_and_change_nothing(tmp_path: Path) -> None:
+async def test_bad_manifests_are_refused_reported_and_change_nothing(tmp_path: Path) -> None:
     key = keys.generate(tmp_path / "trainer.key")
     other = keys.generate(tmp_path / "other.key")
     blocks = BlockStore(tmp_path / "scratch")
@@ -78,15 +77,12 @@ def test_bad_manifests_are_refused_reported_and_change_nothing(tmp_path: Path) -
     assert sorted(p.name for p in node.paths.chain.joinpath("manifests").iterdir()) == \
         sorted(f"{a}.json" for a in before)
 
-    async def fetch_status() -> dict:
-        async with TestClient(TestServer(build_app(node.parts))) as client:
-            r = await client.get("/v1/status", headers={"Authorization": f"Bearer {TOKEN}"})
-            assert r.status == 200
-            unauth = await client.get("/v1/status")
-            assert unauth.status == 401
-            return await r.json()
-
-    status = asyncio.run(fetch_status())
+    async with TestClient(TestServer(build_app(node.parts))) as client:
+        r = await client.get("/v1/status", headers={"Authorization": f"Bearer {TOKEN}"})
+        assert r.status == 200
+        unauth = await client.get("/v1/status")
+        assert unauth.status == 401
+        status = await r.json()
     by_kind = status["refused_by_kind"]
     for kind in ("unsigned", "bad_signature", "replay", "wrong_parent"):
         assert by_kind.get(kind) == 1, (kind, by_kind)

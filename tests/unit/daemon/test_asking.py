@@ -16,32 +16,29 @@ def book_of(n: int) -> PeerBook:
     return b
 
 
-def test_silent_peers_cost_only_the_grace_and_failures_are_booked() -> None:
-    async def main() -> tuple[object, float, PeerBook, list[str]]:
-        book = book_of(4)
-        peers = list(book.peers.values())
-        finished: list[str] = []
+async def test_silent_peers_cost_only_the_grace_and_failures_are_booked() -> None:
+    book = book_of(4)
+    peers = list(book.peers.values())
+    finished: list[str] = []
 
-        async def ask(p):
-            if p is peers[0] or p is peers[1]:
-                await asyncio.sleep(3600)  # silent
-            if p is peers[2]:
-                raise PeerUnreachable(p.url, "refused")
-            await asyncio.sleep(0.05)
-            finished.append(p.url)
-            return False
+    async def ask(p):
+        if p is peers[0] or p is peers[1]:
+            await asyncio.sleep(3600)  # silent
+        if p is peers[2]:
+            raise PeerUnreachable(p.url, "refused")
+        await asyncio.sleep(0.05)
+        finished.append(p.url)
+        return False
 
-        t0 = time.monotonic()
-        got = await first_good(peers, ask, book, fanout=3, grace=0.3)
-        return got, time.monotonic() - t0, book, finished
-
-    got, took, book, finished = asyncio.run(main())
+    t0 = time.monotonic()
+    got = await first_good(peers, ask, book, fanout=3, grace=0.3)
+    took = time.monotonic() - t0
     assert got is None and took < 2.0 and len(finished) == 1
     failed = [p for p in book.peers.values() if p.failures]
     assert len(failed) == 1 and "PeerUnreachable" in failed[0].last_error
 
 
-def test_a_good_answer_lets_running_peers_settle_unless_told_not_to() -> None:
+async def test_a_good_answer_lets_running_peers_settle_unless_told_not_to() -> None:
     async def main(settle: bool) -> tuple[object, list[str]]:
         book = book_of(2)
         peers = list(book.peers.values())
@@ -54,7 +51,7 @@ def test_a_good_answer_lets_running_peers_settle_unless_told_not_to() -> None:
 
         return await first_good(peers, ask, book, grace=1.0, settle=settle), finished
 
-    got, finished = asyncio.run(main(True))
+    got, finished = await main(True)
     assert got.endswith("10.0.0.1:7000") and len(finished) == 2
-    got, finished = asyncio.run(main(False))
+    got, finished = await main(False)
     assert got.endswith("10.0.0.1:7000") and len(finished) == 1

@@ -44,7 +44,7 @@ async def forward(spool: Spool, upstream, until, seconds: float, **cfg: object) 
         await server.close()
 
 
-def test_trajectories_the_upstream_refuses_are_set_aside_and_the_rest_arrive(
+async def test_trajectories_the_upstream_refuses_are_set_aside_and_the_rest_arrive(
         tmp_path: Path) -> None:
     trajs = batch(20)
     for i in (5, 13):
@@ -61,7 +61,7 @@ def test_trajectories_the_upstream_refuses_are_set_aside_and_the_rest_arrive(
         held.extend(t["id"] for t in lines)
         return web.json_response({"held": [t["id"] for t in lines]})
 
-    f = asyncio.run(forward(spool, upstream, lambda: spool.depth() == 0, 10))
+    f = await forward(spool, upstream, lambda: spool.depth() == 0, 10)
     poisoned = [trajs[i]["id"] for i in (5, 13)]
     assert spool.depth() == 0 and spool.bytes == 0
     assert sorted(held) == sorted(set(ids(trajs)) - set(poisoned)) and len(held) == 18
@@ -71,7 +71,7 @@ def test_trajectories_the_upstream_refuses_are_set_aside_and_the_rest_arrive(
     assert all("field worker" in r["reason"] for r in spool.rejected_items())
 
 
-def test_a_misconfigured_forwarder_keeps_the_stream_instead_of_rejecting_it(
+async def test_a_misconfigured_forwarder_keeps_the_stream_instead_of_rejecting_it(
         tmp_path: Path) -> None:
     spool = Spool(tmp_path, 1 << 20)
     spool.append(parse_batch(ndjson(batch(5))))
@@ -79,14 +79,14 @@ def test_a_misconfigured_forwarder_keeps_the_stream_instead_of_rejecting_it(
     async def upstream(request: web.Request) -> web.Response:
         return web.json_response({"error": "missing or wrong bearer token"}, status=401)
 
-    f = asyncio.run(forward(spool, upstream, lambda: False, 0.5))
+    f = await forward(spool, upstream, lambda: False, 0.5)
     assert spool.depth() == 5 and spool.rejected == 0
     assert f.errors >= 2 and "HTTP 401" in f.last_error
 
 
 @pytest.mark.parametrize("retry_after", ["nan", "-1", "0", "Fri, 01 Jan 9999 00:00:00 GMT"])
-def test_hostile_retry_after_neither_kills_nor_spins_the_forwarder(tmp_path: Path,
-                                                                   retry_after: str) -> None:
+async def test_hostile_retry_after_neither_kills_nor_spins_the_forwarder(
+        tmp_path: Path, retry_after: str) -> None:
     """Issue 10 item 2: `nan` killed the forwarder, `-1` made thousands of resends. (More values:
     tests/unit/chain/test_trajectory.py.)"""
     spool = Spool(tmp_path, 1 << 20)
@@ -98,14 +98,14 @@ def test_hostile_retry_after_neither_kills_nor_spins_the_forwarder(tmp_path: Pat
         return web.json_response({"error": "full"}, status=429,
                                  headers={"Retry-After": retry_after})
 
-    f = asyncio.run(forward(spool, upstream, lambda: False, 0.8, retry_initial_s=0.1,
-                            retry_max_s=0.3))
+    f = await forward(spool, upstream, lambda: False, 0.8, retry_initial_s=0.1,
+                      retry_max_s=0.3)
     # waits stay within [retry_initial_s, retry_max_s]: 0.8 s holds about 3-9 posts
     assert 2 <= len(posts) <= 10, posts
     assert 0.1 <= f.backoff_s <= 0.3 and spool.depth() == 3
 
 
-def test_a_region_stuck_on_a_bad_trajectory_drains_into_the_real_ingest_after_upgrade(
+async def test_a_region_stuck_on_a_bad_trajectory_drains_into_the_real_ingest_after_upgrade(
         tmp_path: Path) -> None:
     """Issue 10 item 6 as a region upgraded from the old spool would see it: its segment files
     hold a `-Infinity` log-prob the old spool took. The real ingest names that trajectory in its
@@ -125,7 +125,7 @@ def test_a_region_stuck_on_a_bad_trajectory_drains_into_the_real_ingest_after_up
 
     ingest = make_ingest_app(store, "token-123456")
     ingest.middlewares.append(count)
-    f = asyncio.run(forward(spool, ingest, lambda: spool.depth() == 0, 10, batch_size=100))
+    f = await forward(spool, ingest, lambda: spool.depth() == 0, 10, batch_size=100)
     assert spool.depth() == 0 and spool.rejected == 1 and f.forwarded == 11
     assert store.held_ids() == [t["id"] for i, t in enumerate(trajs) if i != 4]
     assert [r["id"] for r in spool.rejected_items()] == [trajs[4]["id"]]
@@ -133,15 +133,15 @@ def test_a_region_stuck_on_a_bad_trajectory_drains_into_the_real_ingest_after_up
 
 
 @pytest.mark.parametrize("status", [200, 400])
-def test_a_hostile_reply_body_is_a_retried_error_not_a_dead_forwarder(tmp_path: Path,
-                                                                     status: int) -> None:
+async def test_a_hostile_reply_body_is_a_retried_error_not_a_dead_forwarder(
+        tmp_path: Path, status: int) -> None:
     spool = Spool(tmp_path, 1 << 20)
     spool.append(parse_batch(ndjson(batch(3))))
 
     async def upstream(request: web.Request) -> web.Response:
         return web.Response(body=b"[" * 4000, status=status, content_type="application/json")
 
-    f = asyncio.run(forward(spool, upstream, lambda: False, 0.4))
+    f = await forward(spool, upstream, lambda: False, 0.4)
     if status == 200:
         assert f.errors >= 1 and "nested too deeply" in f.last_error and spool.depth() == 3
     else:  # a refusal that names no trajectory: each is tried alone, then set aside

@@ -60,51 +60,50 @@ def app() -> web.Application:
     return a
 
 
-def run(coro_fn):
-    async def main():
-        async with TestServer(app(), host="127.0.0.1") as server, aiohttp.ClientSession() as s:
-            client = PeerClient(s, "tok-12345", lambda: {"X-Deltaswarm-Peer": "x"})
-            return await coro_fn(client, str(server.make_url("")).rstrip("/"))
-    return asyncio.run(main())
+async def run(coro_fn):
+    """`coro_fn(client, url)` against a fresh server, with a fresh PeerClient."""
+    async with TestServer(app(), host="127.0.0.1") as server, aiohttp.ClientSession() as s:
+        client = PeerClient(s, "tok-12345", lambda: {"X-Deltaswarm-Peer": "x"})
+        return await coro_fn(client, str(server.make_url("")).rstrip("/"))
 
 
 @pytest.mark.parametrize("n", [300_000, 5_000_000])
-def test_a_streamed_reply_is_read_whole(n: int) -> None:
-    got = run(lambda c, u: c.get(f"{u}/body/{n}", "manifest"))
+async def test_a_streamed_reply_is_read_whole(n: int) -> None:
+    got = await run(lambda c, u: c.get(f"{u}/body/{n}", "manifest"))
     assert len(got) == n
 
 
-def test_a_reply_past_its_cap_is_refused_whether_streamed_or_sized() -> None:
+async def test_a_reply_past_its_cap_is_refused_whether_streamed_or_sized() -> None:
     with pytest.raises(ReplyTooLarge):
-        run(lambda c, u: c.get(f"{u}/body/{CAPS['head'] + 1}", "head"))
+        await run(lambda c, u: c.get(f"{u}/body/{CAPS['head'] + 1}", "head"))
     with pytest.raises(ReplyTooLarge):
-        run(lambda c, u: c.get(f"{u}/sized/{CAPS['head'] + 1}", "head"))
-    assert len(run(lambda c, u: c.get(f"{u}/sized/{CAPS['head']}", "head"))) == CAPS["head"]
+        await run(lambda c, u: c.get(f"{u}/sized/{CAPS['head'] + 1}", "head"))
+    assert len(await run(lambda c, u: c.get(f"{u}/sized/{CAPS['head']}", "head"))) == CAPS["head"]
 
 
-def test_an_error_status_is_typed_bounded_and_its_text_not_in_the_message() -> None:
+async def test_an_error_status_is_typed_bounded_and_its_text_not_in_the_message() -> None:
     with pytest.raises(PeerHttpError) as e:
-        run(lambda c, u: c.get(f"{u}/err", "head"))
+        await run(lambda c, u: c.get(f"{u}/err", "head"))
     assert e.value.status == 500
     assert len(e.value.body) <= CAPS["error"]
     assert SECRET not in str(e.value)
 
 
-def test_unreachable_and_hostile_json_are_typed() -> None:
+async def test_unreachable_and_hostile_json_are_typed() -> None:
     with pytest.raises(PeerUnreachable):
-        run(lambda c, u: c.get("http://127.0.0.1:1/x", "head", timeout=2))
+        await run(lambda c, u: c.get("http://127.0.0.1:1/x", "head", timeout=2))
     with pytest.raises(BadReply):
-        run(lambda c, u: c.get_json(f"{u}/deep", "head"))
+        await run(lambda c, u: c.get_json(f"{u}/deep", "head"))
 
 
-def test_the_hello_proof_is_checked_and_sends_no_token() -> None:
+async def test_the_hello_proof_is_checked_and_sends_no_token() -> None:
     async def both(c: PeerClient, u: str):
         ok = await c.prove(u)
         raw = await c.get_json(f"{u}/healthz", "hello", auth=False, params={"challenge": "0"})
         c.reconfigure("another-token")
         return ok, raw["auth"], await c.prove(u)
 
-    ok, auth, after = run(both)
+    ok, auth, after = await run(both)
     assert ok and auth is None and not after
 
 

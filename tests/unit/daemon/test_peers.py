@@ -1,8 +1,6 @@
 """Peer announcements and standing: API-shaped URLs, IP-only BitTorrent endpoints, node names,
 a bounded book that evicts the worst, backoff, strikes and bans."""
 
-import asyncio
-
 import pytest
 
 from daemon.asking import parse_head
@@ -57,66 +55,53 @@ def test_header_node_names_are_bounded_and_plain() -> None:
         parse_header("http://10.0.0.1:7000 10.0.0.1:6881 " + "n" * 65)
 
 
-def test_the_book_holds_at_most_max_peers_and_evicts_the_worst() -> None:
-    async def main() -> PeerBook:
-        book = new_book(max_peers=3, bootstrap=("http://10.0.0.9:7000",))
-        a = book.learn("http://10.0.0.1:7000")
-        book.learn("http://10.0.0.2:7000")
-        for _ in range(3):
-            book.failed(a, "down")
-        book.learn("http://10.0.0.3:7000")  # evicts a, the worst
-        assert "http://10.0.0.1:7000" not in book.peers
-        for p in book.peers.values():
-            p.proven = True
-        with pytest.raises(BookFull):
-            book.learn("http://10.0.0.4:7000")  # everyone is in better standing
-        assert book.learn_header("http://10.0.0.5:7000 10.0.0.5:6881 x") is None
-        return book
-
-    book = asyncio.run(main())
+async def test_the_book_holds_at_most_max_peers_and_evicts_the_worst() -> None:
+    book = new_book(max_peers=3, bootstrap=("http://10.0.0.9:7000",))
+    a = book.learn("http://10.0.0.1:7000")
+    book.learn("http://10.0.0.2:7000")
+    for _ in range(3):
+        book.failed(a, "down")
+    book.learn("http://10.0.0.3:7000")  # evicts a, the worst
+    assert "http://10.0.0.1:7000" not in book.peers
+    for p in book.peers.values():
+        p.proven = True
+    with pytest.raises(BookFull):
+        book.learn("http://10.0.0.4:7000")  # everyone is in better standing
+    assert book.learn_header("http://10.0.0.5:7000 10.0.0.5:6881 x") is None
     assert len(book.peers) == 3 and "http://10.0.0.9:7000" in book.peers
 
 
-def test_failures_back_off_then_ban_and_bans_survive_eviction() -> None:
-    async def main() -> None:
-        book = new_book(max_peers=2)
-        p = book.learn("http://10.0.0.1:7000", ("10.0.0.1", 6881))
-        p.proven = True
-        assert book.bt_endpoints() == [("10.0.0.1", 6881)]
+async def test_failures_back_off_then_ban_and_bans_survive_eviction() -> None:
+    book = new_book(max_peers=2)
+    p = book.learn("http://10.0.0.1:7000", ("10.0.0.1", 6881))
+    p.proven = True
+    assert book.bt_endpoints() == [("10.0.0.1", 6881)]
+    book.failed(p, "x")
+    assert not p.usable() and not p.banned()
+    for _ in range(BAN_FAILURES):
         book.failed(p, "x")
-        assert not p.usable() and not p.banned()
-        for _ in range(BAN_FAILURES):
-            book.failed(p, "x")
-        assert p.banned() and book.bt_endpoints() == []
-        del book.peers[p.url]
-        assert book.learn(p.url).banned()
-
-    asyncio.run(main())
+    assert p.banned() and book.bt_endpoints() == []
+    del book.peers[p.url]
+    assert book.learn(p.url).banned()
 
 
-def test_a_refuted_claim_is_forgotten_and_two_ban() -> None:
-    async def main() -> None:
-        book = new_book()
-        p = book.learn("http://10.0.0.1:7000", head=10**12)
-        p.proven = True
-        assert book.claimed_head() == 10**12
-        book.lied(p, "claimed v1000000000000")
-        assert p.head is None and book.claimed_head() is None and not p.banned()
-        book.learn(p.url, head=10**12)
-        book.lied(p, "again")
-        assert p.banned() and book.claimed_head() is None
-
-    asyncio.run(main())
+async def test_a_refuted_claim_is_forgotten_and_two_ban() -> None:
+    book = new_book()
+    p = book.learn("http://10.0.0.1:7000", head=10**12)
+    p.proven = True
+    assert book.claimed_head() == 10**12
+    book.lied(p, "claimed v1000000000000")
+    assert p.head is None and book.claimed_head() is None and not p.banned()
+    book.learn(p.url, head=10**12)
+    book.lied(p, "again")
+    assert p.banned() and book.claimed_head() is None
 
 
-def test_unproven_peers_are_not_dialled_nor_counted_for_heads() -> None:
-    async def main() -> None:
-        book = new_book()
-        book.learn("http://10.0.0.1:7000", ("10.0.0.1", 6881), head=5)
-        assert book.bt_endpoints() == [] and book.claimed_head() is None
-        assert book.to_watch(10) == [] and book.by_head(5) == []
-
-    asyncio.run(main())
+async def test_unproven_peers_are_not_dialled_nor_counted_for_heads() -> None:
+    book = new_book()
+    book.learn("http://10.0.0.1:7000", ("10.0.0.1", 6881), head=5)
+    assert book.bt_endpoints() == [] and book.claimed_head() is None
+    assert book.to_watch(10) == [] and book.by_head(5) == []
 
 
 def test_head_replies_are_validated_in_our_own_words() -> None:

@@ -16,6 +16,7 @@ from aiohttp.test_utils import TestServer
 from rollout.engine_torch import TorchEngine
 from rollout.tasks import load_task
 from rollout.worker import RejectedError, RolloutWorker, WorkerConfig
+from tests.support import async_wait_until
 
 TOKEN = "tok"
 
@@ -79,26 +80,24 @@ def config(url: str, **over: object) -> WorkerConfig:
     return WorkerConfig(**base)
 
 
-def run_worker(versions: dict[int, Path], script: list[str], **over: object
-               ) -> tuple[StandInDaemon, RolloutWorker]:
-    async def main() -> tuple[StandInDaemon, RolloutWorker]:
-        daemon = StandInDaemon(versions, script)
-        server = TestServer(daemon.app())
-        await server.start_server()
-        try:
-            engine = TorchEngine()
-            worker = RolloutWorker(config(str(server.make_url("")), **over), engine,
-                                   load_task("rollout.tasks.arithmetic"))
-            await asyncio.wait_for(worker.run(), 60)
-            return daemon, worker
-        finally:
-            await server.close()
-
-    return asyncio.run(main())
+async def run_worker(versions: dict[int, Path], script: list[str], **over: object
+                     ) -> tuple[StandInDaemon, RolloutWorker]:
+    daemon = StandInDaemon(versions, script)
+    server = TestServer(daemon.app())
+    await server.start_server()
+    try:
+        engine = TorchEngine()
+        worker = RolloutWorker(config(str(server.make_url("")), **over), engine,
+                               load_task("rollout.tasks.arithmetic"))
+        await asyncio.wait_for(worker.run(), 60)
+        return daemon, worker
+    finally:
+        await server.close()
 
 
-def test_worker_switches_version_between_batches_and_tags_trajectories(hf_versions) -> None:
-    daemon, worker = run_worker(hf_versions, [])
+async def test_worker_switches_version_between_batches_and_tags_trajectories(
+        hf_versions) -> None:
+    daemon, worker = await run_worker(hf_versions, [])
     versions = [t["version"] for t in daemon.accepted]
     assert len(daemon.accepted) == 3 * 2 * 3
     assert versions[:6] == [0] * 6 and versions[-6:] == [1] * 6
@@ -112,8 +111,8 @@ def test_worker_switches_version_between_batches_and_tags_trajectories(hf_versio
     assert all(groups.count(g) == 3 for g in groups) and len(set(groups)) == 6
 
 
-def test_pushback_and_dropped_connections_resend_the_same_ids(hf_versions) -> None:
-    daemon, worker = run_worker(hf_versions, ["429", "drop", "ok", "500", "ok"])
+async def test_pushback_and_dropped_connections_resend_the_same_ids(hf_versions) -> None:
+    daemon, worker = await run_worker(hf_versions, ["429", "drop", "ok", "500", "ok"])
     assert daemon.attempts[0] == daemon.attempts[1] == daemon.attempts[2]
     assert daemon.attempts[3] == daemon.attempts[4]
     ids = [t["id"] for t in daemon.accepted]
@@ -122,37 +121,30 @@ def test_pushback_and_dropped_connections_resend_the_same_ids(hf_versions) -> No
     assert worker.stats["posted"] == 18 and worker.stats["undelivered"] == 0
 
 
-def test_a_rejected_batch_stops_the_worker_with_the_reason(hf_versions) -> None:
+async def test_a_rejected_batch_stops_the_worker_with_the_reason(hf_versions) -> None:
     with pytest.raises(RejectedError, match="field reward"):
-        run_worker(hf_versions, ["400"])
+        await run_worker(hf_versions, ["400"])
 
 
-def test_sigterm_stops_the_worker_process_cleanly(hf_versions) -> None:
-    async def main() -> tuple[int, int]:
-        daemon = StandInDaemon(hf_versions, [])
-        daemon.flip_after_first_batch = False
-        server = TestServer(daemon.app())
-        await server.start_server()
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "rollout.worker", "--daemon", str(server.make_url("")),
-            "--token", TOKEN, "--prompts-per-batch", "2", "--group-size", "2",
-            "--max-tokens", "4", "--threads", "1",
-            cwd=Path(__file__).resolve().parents[3], stderr=asyncio.subprocess.PIPE,
-            env={**os.environ, "OMP_NUM_THREADS": "1"})
-        try:
-            for _ in range(1800):
-                if daemon.accepted:
-                    break
-                await asyncio.sleep(0.05)
-            assert daemon.accepted, "the worker posted nothing within 90 s"
-            proc.send_signal(signal.SIGTERM)
-            rc = await asyncio.wait_for(proc.wait(), 20)
-            return rc, len(daemon.accepted)
-        finally:
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
-            await server.close()
-
-    rc, n = asyncio.run(main())
+async def test_sigterm_stops_the_worker_process_cleanly(hf_versions) -> None:
+    daemon = StandInDaemon(hf_versions, [])
+    daemon.flip_after_first_batch = False
+    server = TestServer(daemon.app())
+    await server.start_server()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "rollout.worker", "--daemon", str(server.make_url("")),
+        "--token", TOKEN, "--prompts-per-batch", "2", "--group-size", "2",
+        "--max-tokens", "4", "--threads", "1",
+        cwd=Path(__file__).resolve().parents[3], stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        await async_wait_until(lambda: daemon.accepted, 90, "the worker to post a batch")
+        proc.send_signal(signal.SIGTERM)
+        rc = await asyncio.wait_for(proc.wait(), 20)
+        n = len(daemon.accepted)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await server.close()
     assert rc == 0 and n % 4 == 0

@@ -38,19 +38,19 @@ async def post(root: Path, body: bytes, headers: dict | None = None) -> tuple[in
         store.close()
 
 
-def test_ingest_acknowledges_held_ids_and_dedupes(tmp_path: Path) -> None:
+async def test_ingest_acknowledges_held_ids_and_dedupes(tmp_path: Path) -> None:
     a, b = trajectory(), trajectory()
-    status, reply, stats = asyncio.run(post(tmp_path, ndjson([a, b, a])))
+    status, reply, stats = await post(tmp_path, ndjson([a, b, a]))
     assert status == 200
     assert reply == {"held": [a["id"], b["id"]]}
     assert stats["held"] == 2 and stats["pending"] == 2
 
 
-def test_ids_survive_restart_and_are_acknowledged_again_without_storing_twice(
+async def test_ids_survive_restart_and_are_acknowledged_again_without_storing_twice(
         tmp_path: Path) -> None:
     a, b = trajectory(), trajectory()
-    asyncio.run(post(tmp_path, ndjson([a])))
-    status, reply, stats = asyncio.run(post(tmp_path, ndjson([a, b])))
+    await post(tmp_path, ndjson([a]))
+    status, reply, stats = await post(tmp_path, ndjson([a, b]))
     assert status == 200 and reply["held"] == [a["id"], b["id"]]
     assert stats["held"] == 2
     assert IngestStore(tmp_path).held_ids() == [a["id"], b["id"]]
@@ -65,34 +65,35 @@ def test_ids_survive_restart_and_are_acknowledged_again_without_storing_twice(
     (trajectory(group=DROP), "field group: Field required"),
     (b'{"extra": ' + b"[" * 5000 + b"]" * 5000 + b"}", "not valid JSON"),
 ])
-def test_bad_line_is_rejected_naming_line_and_field_and_nothing_is_stored(
+async def test_bad_line_is_rejected_naming_line_and_field_and_nothing_is_stored(
         tmp_path: Path, bad: dict | bytes, message: str) -> None:
     line = bad if isinstance(bad, bytes) else ndjson([bad])
-    status, reply, stats = asyncio.run(post(tmp_path, ndjson([trajectory()]) + line))
+    status, reply, stats = await post(tmp_path, ndjson([trajectory()]) + line)
     assert status == 400, reply
     assert "line 2 (trajectory 1)" in reply["error"] and message in reply["error"]
     assert stats["held"] == 0
     assert IngestStore(tmp_path).stats()["held"] == 0
 
 
-def test_not_json_and_empty_bodies_are_rejected(tmp_path: Path) -> None:
-    status, reply, _ = asyncio.run(post(tmp_path, ndjson([trajectory()]) + b"{not json\n"))
+async def test_not_json_and_empty_bodies_are_rejected(tmp_path: Path) -> None:
+    status, reply, _ = await post(tmp_path, ndjson([trajectory()]) + b"{not json\n")
     assert status == 400 and "line 2" in reply["error"] and "not valid JSON" in reply["error"]
-    status, reply, _ = asyncio.run(post(tmp_path, b"\n\n"))
+    status, reply, _ = await post(tmp_path, b"\n\n")
     assert status == 400 and "empty body" in reply["error"]
 
 
-def test_wrong_or_missing_token_is_refused(tmp_path: Path) -> None:
-    status, _, stats = asyncio.run(post(tmp_path, ndjson([trajectory()]), headers={}))
+async def test_wrong_or_missing_token_is_refused(tmp_path: Path) -> None:
+    status, _, stats = await post(tmp_path, ndjson([trajectory()]), headers={})
     assert status == 401 and stats["held"] == 0
-    status, _, _ = asyncio.run(post(tmp_path, ndjson([trajectory()]),
-                                    headers={"Authorization": "Bearer nope"}))
+    status, _, _ = await post(tmp_path, ndjson([trajectory()]),
+                              headers={"Authorization": "Bearer nope"})
     assert status == 401
 
 
-def test_take_returns_arrival_order_and_consumption_survives_restart(tmp_path: Path) -> None:
+async def test_take_returns_arrival_order_and_consumption_survives_restart(
+        tmp_path: Path) -> None:
     items = [trajectory(group=f"g{i}") for i in range(5)]
-    asyncio.run(post(tmp_path, ndjson(items)))
+    await post(tmp_path, ndjson(items))
 
     async def take(n: int, commit: bool = True) -> list[str]:
         store = IngestStore(tmp_path)
@@ -101,40 +102,32 @@ def test_take_returns_arrival_order_and_consumption_survives_restart(tmp_path: P
         finally:
             store.close()
 
-    assert asyncio.run(take(2)) == [items[0]["id"], items[1]["id"]]
-    assert asyncio.run(take(1, commit=False)) == [items[2]["id"]]
-    assert asyncio.run(take(10)) == [t["id"] for t in items[2:]]
-    assert asyncio.run(take(10)) == []
+    assert await take(2) == [items[0]["id"], items[1]["id"]]
+    assert await take(1, commit=False) == [items[2]["id"]]
+    assert await take(10) == [t["id"] for t in items[2:]]
+    assert await take(10) == []
 
 
-def test_take_waits_for_a_trajectory_to_arrive(tmp_path: Path) -> None:
-    async def run() -> list[dict]:
-        store = IngestStore(tmp_path)
-        waiter = asyncio.create_task(store.take(4, timeout=5.0))
-        await asyncio.sleep(0.05)
-        assert not waiter.done()
-        await store.append(rows([trajectory()]))
-        return await asyncio.wait_for(waiter, 2.0)
-
-    assert len(asyncio.run(run())) == 1
+async def test_take_waits_for_a_trajectory_to_arrive(tmp_path: Path) -> None:
+    store = IngestStore(tmp_path)
+    waiter = asyncio.create_task(store.take(4, timeout=5.0))
+    await asyncio.sleep(0.05)
+    assert not waiter.done()
+    await store.append(rows([trajectory()]))
+    assert len(await asyncio.wait_for(waiter, 2.0)) == 1
 
 
-def test_take_completes_a_cut_group_and_waits_for_min_n(tmp_path: Path) -> None:
+async def test_take_completes_a_cut_group_and_waits_for_min_n(tmp_path: Path) -> None:
     items = [trajectory(group=g) for g in "aabbc"]
-
-    async def run() -> tuple[list[str], list[str], float]:
-        store = IngestStore(tmp_path)
-        await store.append(rows(items))
-        first = [t["group"] for t in await store.take(1, timeout=0.1)]
-        second = [t["group"] for t in await store.take(3, timeout=0.1, whole_groups=False)]
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        await store.take(10, timeout=0.3, min_n=5)
-        return first, second, loop.time() - t0
-
-    first, second, waited = asyncio.run(run())
+    store = IngestStore(tmp_path)
+    await store.append(rows(items))
+    first = [t["group"] for t in await store.take(1, timeout=0.1)]
+    second = [t["group"] for t in await store.take(3, timeout=0.1, whole_groups=False)]
     assert first == ["a", "a"] and second == ["b", "b", "c"]
-    assert waited >= 0.25
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    await store.take(10, timeout=0.3, min_n=5)
+    assert loop.time() - t0 >= 0.25
 
 
 def test_a_store_written_by_an_older_deltaswarm_is_imported_each_id_once(tmp_path: Path) -> None:
@@ -183,7 +176,7 @@ os._exit(0)  # as after kill -9: nothing closed or flushed on the way out
 """
 
 
-def test_an_append_failing_half_way_leaves_nothing_and_restart_holds_each_once(
+async def test_an_append_failing_half_way_leaves_nothing_and_restart_holds_each_once(
         tmp_path: Path) -> None:
     """Issue 10 item 7: B's write hits the file-size limit half-way (a real child process under
     RLIMIT_FSIZE), C is then stored fine. The restarted store opens, holds A and C, and the
@@ -199,38 +192,34 @@ def test_an_append_failing_half_way_leaves_nothing_and_restart_holds_each_once(
 
     store = IngestStore(tmp_path)
     assert store.held_ids() == ids(a) + ids(c)
-    assert asyncio.run(store.append(rows(b))) == ids(b)
+    assert await store.append(rows(b)) == ids(b)
     store.close()
     again = IngestStore(tmp_path)
     assert again.held_ids() == ids(a) + ids(c) + ids(b)
-    taken = asyncio.run(again.take(1000, timeout=0, whole_groups=False))
+    taken = await again.take(1000, timeout=0, whole_groups=False)
     assert [t["id"] for t in taken] == ids(a) + ids(c) + ids(b)
 
 
-def test_a_big_batch_is_parsed_off_the_event_loop(tmp_path: Path) -> None:
+async def test_a_big_batch_is_parsed_off_the_event_loop(tmp_path: Path) -> None:
     """While a ~32 MB batch of 45,000 trajectories is validated and stored, /healthz on the
     same server still answers within a second; parsing on the loop held every other request for
     the whole parse (seconds). A behavioural check with a generous bound, not a speed test."""
     body = ndjson(batch(45_000, pad=450))
-
-    async def run() -> tuple[int, list[float]]:
-        store = IngestStore(tmp_path)
-        server = TestServer(make_ingest_app(store, TOKEN), host="127.0.0.1")
-        await server.start_server()
-        probe = HealthProbe(str(server.make_url("/healthz")))
-        probe.start()
-        try:
-            async with aiohttp.ClientSession() as s, s.post(
-                    server.make_url("/v1/ingest"), data=io.BytesIO(body), headers=AUTH) as r:
-                assert r.status == 200, await r.text()
-            return store.total, probe.times
-        finally:
-            probe.done.set()
-            await asyncio.to_thread(probe.join, 30)
-            await server.close()
-            store.close()
-
-    total, times = asyncio.run(run())
+    store = IngestStore(tmp_path)
+    server = TestServer(make_ingest_app(store, TOKEN), host="127.0.0.1")
+    await server.start_server()
+    probe = HealthProbe(str(server.make_url("/healthz")))
+    probe.start()
+    try:
+        async with aiohttp.ClientSession() as s, s.post(
+                server.make_url("/v1/ingest"), data=io.BytesIO(body), headers=AUTH) as r:
+            assert r.status == 200, await r.text()
+        total, times = store.total, probe.times
+    finally:
+        probe.done.set()
+        await asyncio.to_thread(probe.join, 30)
+        await server.close()
+        store.close()
     assert total == 45_000 and len(times) >= 3, times
     print(f"/healthz during a {len(body) >> 20} MiB batch: {len(times)} probes, worst "
           f"{max(times):.3f} s")
