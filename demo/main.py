@@ -45,6 +45,7 @@ def run(cfg: DemoConfig, out: Path) -> int:
     from rich.live import Live
 
     from chain import keys
+    from demo.heldout import Evaluator, HeldOut
     from demo.view import render_live, render_summary, verdict, write_plot
 
     console = Console()
@@ -66,6 +67,12 @@ def run(cfg: DemoConfig, out: Path) -> int:
     console.print(f"[bold]deltaswarm demo[/] — state in {out}")
     statuses: dict[str, dict | None] = {}
     ok = False
+    h = cfg.heldout
+    evaluator = Evaluator(
+        lambda: HeldOut(cfg.task, h.prompts, h.samples, h.seed, cfg.rollout.max_tokens,
+                        cfg.grpo.temperature),
+        urls[cfg.regions[0]], token, h.every, cfg.steps)
+    started = time.monotonic()
     try:
         procs.start("trainer-daemon", "daemon.main", "--config", str(paths["trainer-daemon"]))
         trainer = procs.start("trainer", "trainer.main", "--config", str(paths["trainer"]))
@@ -74,6 +81,7 @@ def run(cfg: DemoConfig, out: Path) -> int:
                         str(paths[f"{region}-daemon"]))
             procs.start(f"{region}-worker", "rollout.worker", "--config",
                         str(paths[f"{region}-worker"]), "--threads", "1")
+        evaluator.start()
         metrics_path = out / "trainer" / "metrics.jsonl"
         deadline = time.monotonic() + cfg.timeout_s
         final_seen_at = None
@@ -87,7 +95,7 @@ def run(cfg: DemoConfig, out: Path) -> int:
                     if cur is not None:
                         seen.setdefault((r, cur), now)
                 metrics = read_metrics(metrics_path)
-                live.update(render_live(cfg, metrics, statuses, procs))
+                live.update(render_live(cfg, metrics, statuses, procs, evaluator.scores))
                 dead = [p for p in procs.procs if not p.alive() and p is not trainer]
                 if dead or (not trainer.alive() and trainer.popen.returncode != 0):
                     bad = dead[0] if dead else trainer
@@ -97,22 +105,32 @@ def run(cfg: DemoConfig, out: Path) -> int:
                 done = any(m.get("event") == "done" for m in metrics)
                 regions_at = [(statuses.get(r) or {}).get("current_version")
                               for r in cfg.regions]
-                if done and all(v == cfg.steps for v in regions_at):
+                scored = bool(evaluator.scores) and evaluator.scores[-1].version >= cfg.steps
+                if done and all(v == cfg.steps for v in regions_at) and (
+                        scored or not evaluator.is_alive()):
                     final_seen_at = final_seen_at or time.monotonic()
                     if time.monotonic() - final_seen_at > 2:
                         break
                 time.sleep(0.5)
         metrics = read_metrics(metrics_path)
         statuses = {n: fetch_status(u, token) for n, u in urls.items()}
-        ok, reasons = verdict(cfg, metrics, statuses, out)
-        console.print(render_summary(cfg, metrics, statuses, seen))
-        png = write_plot(metrics, out / "demo.png")
+        evaluator.stop()
+        scores = list(evaluator.scores)
+        wall = time.monotonic() - started
+        (out / "heldout.json").write_text(json.dumps(
+            {"prompts": evaluator.prompts, "scores": [x.as_dict() for x in scores],
+             "error": evaluator.error}, indent=1))
+        ok, reasons = verdict(cfg, metrics, statuses, out, scores)
+        summary = render_summary(cfg, metrics, statuses, seen, scores, wall)
+        console.print(summary)
+        png = write_plot(cfg, metrics, statuses, seen, scores, out / "demo.png")
         console.print(f"plot: {png}")
         for r in reasons:
             console.print(("[green]✓[/] " if r[0] else "[red]✗[/] ") + r[1])
     except KeyboardInterrupt:
         console.print("[yellow]interrupted; stopping every process[/]")
     finally:
+        evaluator.stop()
         procs.stop_all()
     if stop["asked"]:
         console.print("[yellow]stopped by signal[/]")
