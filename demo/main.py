@@ -75,7 +75,10 @@ def run(cfg: DemoConfig, out: Path) -> int:
     started = time.monotonic()
     try:
         procs.start("trainer-daemon", "daemon.main", "--config", str(paths["trainer-daemon"]))
-        trainer = procs.start("trainer", "trainer.main", "--config", str(paths["trainer"]))
+        # One torch thread: eight processes share the machine's cores, and a second intra-op
+        # thread only spins against the workers' generation.
+        trainer = procs.start("trainer", "trainer.main", "--config", str(paths["trainer"]),
+                              env={"OMP_NUM_THREADS": "1"})
         for region in cfg.regions:
             procs.start(f"{region}-daemon", "daemon.main", "--config",
                         str(paths[f"{region}-daemon"]))
