@@ -4,10 +4,14 @@
 
 A trainer (GRPO + its daemon) and three regions (a daemon and a rollout worker each) run as
 separate processes on loopback, state in a fresh directory. Each region bootstraps from the
-peer before it, so heads and blocks travel peer to peer. A live view shows the run; at the end a
-summary table and a PNG of reward and delta size per version. Exit 0 only if every region ends
-on the final version with the trainer's state digest and the reward clearly rose. Ctrl-C stops
-every process cleanly.
+peer before it, so heads and blocks travel peer to peer. Workers pace themselves to the trainer
+(their share of each version's batch, one version ahead), so none of their trajectories go
+stale. A thread scores a fixed held-out prompt set on the first region's weights at v0, during
+RL and at the last version. A live view shows the run; at the end a summary table and a PNG
+(held-out reward, bytes per version against the full checkpoint, publish-to-current time per
+region, bytes the regions served each other). Exit 0 only if every region ends on the final
+version with the trainer's state digest and the held-out reward rose by `min_reward_gain`.
+Ctrl-C stops every process cleanly.
 """
 
 import argparse
