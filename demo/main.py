@@ -78,6 +78,7 @@ def run(cfg: DemoConfig, out: Path) -> int:
         urls[cfg.regions[0]], token, h.every, cfg.steps)
     started = time.monotonic()
     try:
+        evaluator.start()  # first, so its torch import overlaps the processes' start-up
         procs.start("trainer-daemon", "daemon.main", "--config", str(paths["trainer-daemon"]))
         # One torch thread: eight processes share the machine's cores, and a second intra-op
         # thread only spins against the workers' generation.
@@ -88,7 +89,6 @@ def run(cfg: DemoConfig, out: Path) -> int:
                         str(paths[f"{region}-daemon"]))
             procs.start(f"{region}-worker", "rollout.worker", "--config",
                         str(paths[f"{region}-worker"]), "--threads", "1")
-        evaluator.start()
         metrics_path = out / "trainer" / "metrics.jsonl"
         deadline = time.monotonic() + cfg.timeout_s
         final_seen_at = None
