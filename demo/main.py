@@ -87,14 +87,21 @@ def run(cfg: DemoConfig, out: Path) -> int:
         for region in cfg.regions:
             procs.start(f"{region}-daemon", "daemon.main", "--config",
                         str(paths[f"{region}-daemon"]))
-            procs.start(f"{region}-worker", "rollout.worker", "--config",
-                        str(paths[f"{region}-worker"]), "--threads", "1")
+        workers_started = False
         metrics_path = out / "trainer" / "metrics.jsonl"
         deadline = time.monotonic() + cfg.timeout_s
         final_seen_at = None
         seen: dict[tuple[str, int], float] = {}
         with Live(console=console, refresh_per_second=2, transient=False) as live:
             while not stop["asked"] and time.monotonic() < deadline:
+                # Workers start once v0 is scored: "before RL" is then exactly v0, however fast
+                # the first versions follow (a region keeps only its last two weight dirs).
+                if not workers_started and (evaluator.scores or not evaluator.is_alive()
+                                            or time.monotonic() - started > 120):
+                    for region in cfg.regions:
+                        procs.start(f"{region}-worker", "rollout.worker", "--config",
+                                    str(paths[f"{region}-worker"]), "--threads", "1")
+                    workers_started = True
                 statuses = {n: fetch_status(u, token) for n, u in urls.items()}
                 now = time.time()
                 for r in cfg.regions:
