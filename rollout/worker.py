@@ -107,12 +107,12 @@ class RolloutWorker:
                         self._new_version.clear()
                         await self._wait_any(self._new_version.wait())
                         continue
+            self.pacing["generated"] += cfg.prompts_per_batch * cfg.group_size
             prompts = self.task.sample_prompts(rng, cfg.prompts_per_batch)
             seed = rng.getrandbits(63)
             completions = await asyncio.to_thread(
                 self.engine.generate, prompts, cfg.group_size, cfg.max_tokens,
                 cfg.temperature, seed)
-            self.pacing["generated"] += len(completions)
             trajs = build_trajectories(completions, self.task, cfg.group_size, cfg.region,
                                        cfg.worker)
             await self._post(session, trajs)
