@@ -38,6 +38,17 @@ class RolloutSection(Section):
     """Most tokens per completion."""
 
 
+class HeldOutSection(Section):
+    prompts: int = Field(128, ge=1, le=100_000)
+    """Prompts in the fixed held-out set (drawn once from the task with `seed`)."""
+    samples: int = Field(8, ge=1, le=256)
+    """Completions per prompt for the score at the sampling temperature."""
+    seed: int = Field(1234, ge=0, le=2**63 - 1)
+    """Seed of the prompt draw and of the sampling generator: the same set every run."""
+    every: int = Field(5, ge=1, le=100_000)
+    """Score every this many versions during RL (v0 and the last version always)."""
+
+
 class DemoConfig(Section):
     out_dir: Path = Path("runs")
     """Where each run's directory (demo-<time>) is created; relative to this file."""
@@ -62,13 +73,18 @@ class DemoConfig(Section):
     """Trajectories per optimizer step (whole groups)."""
     rollout: RolloutSection = RolloutSection()
     """The workers' batch shape."""
+    pace_ahead: int | None = Field(1, ge=0, le=1000)
+    """Workers generate their share of each version's batch (batch / regions) plus this many
+    versions ahead, then wait for a newer version (null: unpaced, they outrun the trainer)."""
+    heldout: HeldOutSection = HeldOutSection()
+    """The fixed prompt set the run is judged on."""
     snapshot_every: int = Field(8, ge=1, le=1_000_000)
     """A full snapshot every this many versions."""
     timeout_s: float = Field(900, gt=0, le=86400)
     """The whole demo fails if it takes longer."""
-    min_reward_gain: float = Field(0.05, ge=-1, le=1)
-    """The run passes only if the mean reward of the last third of the steps beats the first
-    third by this much (-1 turns the check off)."""
+    min_reward_gain: float = Field(0.03, ge=-1, le=1)
+    """The run passes only if the held-out reward (sampling temperature, fixed seed) of the
+    last version beats v0's by this much (-1 turns the check off)."""
 
     @model_validator(mode="after")
     def _ports_fit(self) -> "DemoConfig":
@@ -126,9 +142,11 @@ def build_layout(cfg: DemoConfig, out: Path, public_key_hex: str, token: str | N
             bittorrent=BtListen(host="127.0.0.1", port=rport + 1, piece_size=PIECE_SIZE),
             bootstrap=[prev], trajectories=Trajectories(upstream=f"{trainer_http}/v1/trajectories"),
             long_poll_timeout_s=10, **common)
+        pace = {} if cfg.pace_ahead is None else {
+            "pace_per_version": -(-cfg.batch // len(cfg.regions)), "pace_ahead": cfg.pace_ahead}
         workers[region] = WorkerConfig(
             daemon=daemons[region].http.url(), token=token, task=cfg.task, region=region,
-            worker=f"{region}-worker", seed=i, **cfg.rollout.model_dump())
+            worker=f"{region}-worker", seed=i, **cfg.rollout.model_dump(), **pace)
         prev = daemons[region].http.url()
     trainer = TrainerConfig(
         run=f"demo-{out.name}", state_dir=out / "trainer",

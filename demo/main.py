@@ -4,10 +4,14 @@
 
 A trainer (GRPO + its daemon) and three regions (a daemon and a rollout worker each) run as
 separate processes on loopback, state in a fresh directory. Each region bootstraps from the
-peer before it, so heads and blocks travel peer to peer. A live view shows the run; at the end a
-summary table and a PNG of reward and delta size per version. Exit 0 only if every region ends
-on the final version with the trainer's state digest and the reward clearly rose. Ctrl-C stops
-every process cleanly.
+peer before it, so heads and blocks travel peer to peer. Workers pace themselves to the trainer
+(their share of each version's batch, one version ahead), so none of their trajectories go
+stale. A thread scores a fixed held-out prompt set on the first region's weights at v0, during
+RL and at the last version. A live view shows the run; at the end a summary table and a PNG
+(held-out reward, bytes per version against the full checkpoint, publish-to-current time per
+region, bytes the regions served each other). Exit 0 only if every region ends on the final
+version with the trainer's state digest and the held-out reward rose by `min_reward_gain`.
+Ctrl-C stops every process cleanly.
 """
 
 import argparse
@@ -45,6 +49,7 @@ def run(cfg: DemoConfig, out: Path) -> int:
     from rich.live import Live
 
     from chain import keys
+    from demo.heldout import Evaluator, HeldOut
     from demo.view import render_live, render_summary, verdict, write_plot
 
     console = Console()
@@ -66,20 +71,37 @@ def run(cfg: DemoConfig, out: Path) -> int:
     console.print(f"[bold]deltaswarm demo[/] — state in {out}")
     statuses: dict[str, dict | None] = {}
     ok = False
+    h = cfg.heldout
+    evaluator = Evaluator(
+        lambda: HeldOut(cfg.task, h.prompts, h.samples, h.seed, cfg.rollout.max_tokens,
+                        cfg.grpo.temperature),
+        urls[cfg.regions[0]], token, h.every, cfg.steps)
+    started = time.monotonic()
     try:
+        evaluator.start()  # first, so its torch import overlaps the processes' start-up
         procs.start("trainer-daemon", "daemon.main", "--config", str(paths["trainer-daemon"]))
-        trainer = procs.start("trainer", "trainer.main", "--config", str(paths["trainer"]))
+        # One torch thread: eight processes share the machine's cores, and a second intra-op
+        # thread only spins against the workers' generation.
+        trainer = procs.start("trainer", "trainer.main", "--config", str(paths["trainer"]),
+                              env={"OMP_NUM_THREADS": "1"})
         for region in cfg.regions:
             procs.start(f"{region}-daemon", "daemon.main", "--config",
                         str(paths[f"{region}-daemon"]))
-            procs.start(f"{region}-worker", "rollout.worker", "--config",
-                        str(paths[f"{region}-worker"]), "--threads", "1")
+        workers_started = False
         metrics_path = out / "trainer" / "metrics.jsonl"
         deadline = time.monotonic() + cfg.timeout_s
         final_seen_at = None
         seen: dict[tuple[str, int], float] = {}
         with Live(console=console, refresh_per_second=2, transient=False) as live:
             while not stop["asked"] and time.monotonic() < deadline:
+                # Workers start once v0 is scored: "before RL" is then exactly v0, however fast
+                # the first versions follow (a region keeps only its last two weight dirs).
+                if not workers_started and (evaluator.scores or not evaluator.is_alive()
+                                            or time.monotonic() - started > 120):
+                    for region in cfg.regions:
+                        procs.start(f"{region}-worker", "rollout.worker", "--config",
+                                    str(paths[f"{region}-worker"]), "--threads", "1")
+                    workers_started = True
                 statuses = {n: fetch_status(u, token) for n, u in urls.items()}
                 now = time.time()
                 for r in cfg.regions:
@@ -87,7 +109,7 @@ def run(cfg: DemoConfig, out: Path) -> int:
                     if cur is not None:
                         seen.setdefault((r, cur), now)
                 metrics = read_metrics(metrics_path)
-                live.update(render_live(cfg, metrics, statuses, procs))
+                live.update(render_live(cfg, metrics, statuses, procs, evaluator.scores))
                 dead = [p for p in procs.procs if not p.alive() and p is not trainer]
                 if dead or (not trainer.alive() and trainer.popen.returncode != 0):
                     bad = dead[0] if dead else trainer
@@ -97,22 +119,32 @@ def run(cfg: DemoConfig, out: Path) -> int:
                 done = any(m.get("event") == "done" for m in metrics)
                 regions_at = [(statuses.get(r) or {}).get("current_version")
                               for r in cfg.regions]
-                if done and all(v == cfg.steps for v in regions_at):
+                scored = bool(evaluator.scores) and evaluator.scores[-1].version >= cfg.steps
+                if done and all(v == cfg.steps for v in regions_at) and (
+                        scored or not evaluator.is_alive()):
                     final_seen_at = final_seen_at or time.monotonic()
                     if time.monotonic() - final_seen_at > 2:
                         break
                 time.sleep(0.5)
         metrics = read_metrics(metrics_path)
         statuses = {n: fetch_status(u, token) for n, u in urls.items()}
-        ok, reasons = verdict(cfg, metrics, statuses, out)
-        console.print(render_summary(cfg, metrics, statuses, seen))
-        png = write_plot(metrics, out / "demo.png")
+        evaluator.stop()
+        scores = list(evaluator.scores)
+        wall = time.monotonic() - started
+        (out / "heldout.json").write_text(json.dumps(
+            {"prompts": evaluator.prompts, "scores": [x.as_dict() for x in scores],
+             "error": evaluator.error}, indent=1))
+        ok, reasons = verdict(cfg, metrics, statuses, out, scores)
+        summary = render_summary(cfg, metrics, statuses, seen, scores, wall)
+        console.print(summary)
+        png = write_plot(cfg, metrics, statuses, seen, scores, out / "demo.png")
         console.print(f"plot: {png}")
         for r in reasons:
             console.print(("[green]✓[/] " if r[0] else "[red]✗[/] ") + r[1])
     except KeyboardInterrupt:
         console.print("[yellow]interrupted; stopping every process[/]")
     finally:
+        evaluator.stop()
         procs.stop_all()
     if stop["asked"]:
         console.print("[yellow]stopped by signal[/]")

@@ -48,6 +48,13 @@ class WorkerConfig(Section):
     """After a stop signal, keep delivering the current batch this long."""
     max_batches: int | None = Field(default=None, ge=1)
     """Stop after this many batches (tests, benchmarks); None runs until signalled."""
+    pace_per_version: int | None = Field(default=None, ge=1, le=10_000_000)
+    """Trajectories this worker may generate per version the trainer publishes: its share of
+    the trainer's batch. The worker then waits for a newer version instead of generating
+    trajectories the trainer would drop as stale. None generates without pause."""
+    pace_ahead: int = Field(default=1, ge=0, le=1000)
+    """With `pace_per_version`: versions of credit beyond the latest one seen, so the next
+    batch is generated while the trainer trains (0 = strictly one share per version)."""
 
 
 def _flag_type(annotation: Any) -> type:

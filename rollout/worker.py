@@ -87,6 +87,8 @@ class RolloutWorker:
         self._stop_at: float | None = None
         self.stats = {"batches": 0, "posted": 0, "retries": 0, "pushbacks": 0, "loads": 0,
                       "undelivered": 0, "clamped_logprobs": 0, "dropped_invalid": 0}
+        self.pacing = {"generated": 0, "waits": 0}
+        self._pace_from: int | None = None
 
     def request_stop(self) -> None:
         if not self.stop.is_set():
@@ -112,6 +114,9 @@ class RolloutWorker:
         while not self.stop.is_set():
             if cfg.max_batches is not None and self.stats["batches"] >= cfg.max_batches:
                 return
+            await self._paced()
+            if self.stop.is_set():
+                return
             if self.latest is None or self.latest[0] != self.engine.version:
                 if self.latest is None:
                     await self._wait_any(self._new_version.wait())
@@ -127,6 +132,7 @@ class RolloutWorker:
                         self._new_version.clear()
                         await self._wait_any(self._new_version.wait())
                         continue
+            self.pacing["generated"] += cfg.prompts_per_batch * cfg.group_size
             prompts = self.task.sample_prompts(rng, cfg.prompts_per_batch)
             seed = rng.getrandbits(63)
             completions = await asyncio.to_thread(
@@ -137,6 +143,29 @@ class RolloutWorker:
             if trajs:
                 await self._post(session, trajs)
             self.stats["batches"] += 1
+
+    def has_credit(self) -> bool:
+        """Pacing: may another batch start? Each version seen since the first grants
+        `pace_per_version` trajectories, plus `pace_ahead` versions' worth up front; a batch
+        starts while the worker is under its credit (so the first always does)."""
+        cfg = self.config
+        if cfg.pace_per_version is None or self.latest is None:
+            return True
+        if self._pace_from is None:
+            self._pace_from = self.latest[0]
+        versions = self.latest[0] - self._pace_from + 1 + cfg.pace_ahead
+        return self.pacing["generated"] < cfg.pace_per_version * versions
+
+    async def _paced(self) -> None:
+        """Wait (for a newer version, or stop) until pacing allows another batch: the trainer
+        consumes a batch per version, so trajectories generated beyond that share would queue
+        up and be dropped as stale."""
+        while not self.stop.is_set():
+            self._new_version.clear()
+            if self.has_credit():
+                return
+            self.pacing["waits"] += 1
+            await self._wait_any(self._new_version.wait())
 
     async def _wait_any(self, aw: Any) -> None:
         """Wait for `aw` or for stop, whichever first."""
@@ -249,7 +278,7 @@ async def _amain(config: WorkerConfig, threads: int) -> int:
     except asyncio.CancelledError:
         log.error("forced exit: %s", worker.stats)
         return 1
-    log.info("stopped: %s", stats)
+    log.info("stopped: %s, pacing %s", stats, worker.pacing)
     return 0
 
 

@@ -1,8 +1,11 @@
 """A shortened `deltaswarm demo` as real processes: trainer + daemon, three regions with
-daemons and rollout workers; every region must end on the final version with the trainer's
-state digest, and the demo must leave no process behind."""
+daemons and paced rollout workers; every region must end on the final version with the
+trainer's state digest, the held-out set must be scored before and after RL, no trajectory may
+be dropped as stale, and the demo must leave no process behind."""
 
+import json
 import random
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -29,14 +32,30 @@ def _processes_mentioning(text: str) -> list[int]:
     return pids
 
 
+def _free_base_port() -> int:
+    """A base port whose 40 ports (trainer, ingest, three regions: http and BitTorrent) are
+    free now; a fixed or blindly random base collided with other tests on a shared host."""
+    for _ in range(50):
+        base = random.randrange(20000, 40000, 100)
+        try:
+            for port in range(base, base + 40):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise AssertionError("no free block of 40 ports in 20000-40000")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_short_demo_converges_every_region_and_cleans_up(tmp_path):
     shipped = load_demo_config(REPO / "configs" / "demo.yaml")
     cfg = with_overrides(
-        shipped, out_dir=tmp_path, steps=3, base_port=random.randrange(20000, 40000, 100),
+        shipped, out_dir=tmp_path, steps=3, base_port=_free_base_port(),
         batch=32, warmup=WarmupConfig(steps=20, lr=0.003, batch=32), timeout_s=600,
-        min_reward_gain=-1.0, rollout={"prompts_per_batch": 4, "group_size": 4})
+        min_reward_gain=-1.0, rollout={"prompts_per_batch": 4, "group_size": 4},
+        heldout={"prompts": 16, "samples": 2, "every": 2})
     config = tmp_path / "demo.yaml"
     config.write_text(to_yaml(cfg))
     run_dir = tmp_path / "run"
@@ -49,4 +68,14 @@ def test_short_demo_converges_every_region_and_cleans_up(tmp_path):
     for region in ("us-east", "eu-west", "ap-south"):
         assert f"{region} is on v3 with the trainer's state digest" in out
     assert (run_dir / "demo.png").stat().st_size > 10_000
+    # the held-out set was scored on a region's weights before RL (v0) and on the last version
+    scores = json.loads((run_dir / "heldout.json").read_text())["scores"]
+    assert scores[0]["version"] == 0 and scores[-1]["version"] == 3
+    # paced workers: each generates while under its credit of ceil(32 / 3) = 11 trajectories
+    # per version seen plus one version ahead, so at most 48 + one batch of 16 each by v3
+    # (unpaced, they generate until the demo stops them)
+    segments = (run_dir / "trainer" / "ingest" / "segments").glob("*.jsonl")
+    held = sum(len(f.read_text().splitlines()) for f in segments)
+    assert 96 <= held <= 3 * 64, held
+    assert "trajectories dropped as stale" in out and "codec bench" in out
     assert _processes_mentioning(str(run_dir)) == []

@@ -120,3 +120,13 @@ def test_demo_overrides_are_validated():
     with pytest.raises(ConfigError, match="steps"):
         with_overrides(cfg, steps=0)
     assert to_yaml(with_overrides(cfg, steps=5)).count("steps: 5") == 1
+
+
+def test_demo_workers_share_the_trainer_batch_when_paced():
+    cfg = with_overrides(load_demo_config(CONFIGS / "demo.yaml"), batch=100, pace_ahead=2)
+    workers = build_layout(cfg, Path("/tmp/x"), KEY, token="demo-token-1234").workers.values()
+    assert [w.pace_per_version for w in workers] == [34, 34, 34]  # ceil(100 / 3) each
+    assert {w.pace_ahead for w in workers} == {2}
+    unpaced = build_layout(with_overrides(cfg, pace_ahead=None), Path("/tmp/x"), KEY,
+                           token="demo-token-1234").workers.values()
+    assert {w.pace_per_version for w in unpaced} == {None}
