@@ -14,6 +14,7 @@ import pytest
 
 from chain.config_base import to_yaml
 from demo.config import WarmupConfig, load_demo_config, with_overrides
+from trainer.ingest import IngestStore
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -74,8 +75,9 @@ def test_short_demo_converges_every_region_and_cleans_up(tmp_path):
     # paced workers: each generates while under its credit of ceil(32 / 3) = 11 trajectories
     # per version seen plus one version ahead, so at most 48 + one batch of 16 each by v3
     # (unpaced, they generate until the demo stops them)
-    segments = (run_dir / "trainer" / "ingest" / "segments").glob("*.jsonl")
-    held = sum(len(f.read_text().splitlines()) for f in segments)
+    store = IngestStore(run_dir / "trainer" / "ingest")
+    held = len(store.held_ids())
+    store.close()
     assert 96 <= held <= 3 * 64, held
     assert "trajectories dropped as stale" in out and "codec bench" in out
     assert _processes_mentioning(str(run_dir)) == []
