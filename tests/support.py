@@ -5,6 +5,10 @@ on every change, written as YAML for a real process) and one wait-until helper (
 """
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -106,3 +110,15 @@ class HealthProbe(threading.Thread):
                 assert r.status == 200
             self.times.append(time.monotonic() - t0)
             time.sleep(0.01)
+
+
+def run_child_appends(child: str, root: Path, plan: list) -> list[str]:
+    """Run `child` (a script taking a store root and a JSON plan of (batch, fail) appends, the
+    failing ones under RLIMIT_FSIZE) in a fresh interpreter; its stdout lines, one per append."""
+    repo = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", child, str(root), json.dumps(plan)],
+                         cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)},
+                         capture_output=True, text=True, timeout=60)
+    lines = out.stdout.splitlines()
+    assert out.returncode == 0 and len(lines) == len(plan), out.stdout + out.stderr
+    return lines

@@ -16,7 +16,6 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ import torch
 import yaml
 
 from chain import keys
+from tests.support import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "integration-test-token"
@@ -68,21 +68,6 @@ def http(url: str, body: bytes | None = None, token: str | None = TOKEN, timeout
             return r.status, r.read(), dict(r.headers)
     except urllib.error.HTTPError as e:
         return e.code, e.read(), dict(e.headers)
-
-
-def wait_until(pred: Callable[[], Any], timeout: float, what: str, interval: float = 0.2) -> Any:
-    deadline = time.monotonic() + timeout
-    last_exc: Exception | None = None
-    while time.monotonic() < deadline:
-        try:
-            value = pred()
-            if value:
-                return value
-        except (OSError, ValueError, KeyError) as e:
-            last_exc = e
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}"
-                         + (f" (last error: {last_exc})" if last_exc else ""))
 
 
 class Daemon:

@@ -3,14 +3,12 @@ upstream acknowledged it or refused it as invalid (then kept in the rejected sto
 and exactly-once across a write that fails half-way and a restart."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from daemon.spool import BadTrajectory, Spool, SpoolFull, parse_batch
+from tests.support import run_child_appends
 from tests.trajectories import DROP, batch, ids, ndjson, trajectory
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -171,11 +169,7 @@ def test_an_append_failing_half_way_leaves_nothing_and_the_next_survives_restart
     refused, so its sender resends it), and a resend of B is stored once."""
     a, b, c = batch(3), batch(40, pad=2000), batch(3)
     plan = [(ndjson(a).decode(), False), (ndjson(b).decode(), True), (ndjson(c).decode(), False)]
-    out = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path), json.dumps(plan)],
-                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                         capture_output=True, text=True, timeout=60)
-    lines = out.stdout.splitlines()
-    assert out.returncode == 0 and len(lines) == 3, out.stdout + out.stderr
+    lines = run_child_appends(CHILD, tmp_path, plan)
     assert lines[0] == "ok" and lines[1].startswith("failed") and lines[2] == "ok", lines
 
     s = Spool(tmp_path, 1 << 30)

@@ -5,16 +5,13 @@ event loop."""
 import asyncio
 import io
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
-from tests.support import HealthProbe
+from tests.support import HealthProbe, run_child_appends
 from tests.trajectories import DROP, batch, ids, ndjson, rows, trajectory
 from trainer.ingest import IngestStore, make_ingest_app
 
@@ -183,11 +180,7 @@ async def test_an_append_failing_half_way_leaves_nothing_and_restart_holds_each_
     forwarder's resend of B stores each of B once: nothing trains twice."""
     a, b, c = batch(2), batch(40, pad=2000), batch(2)
     plan = [(a, False), (b, True), (c, False)]
-    out = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path), json.dumps(plan)],
-                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                         capture_output=True, text=True, timeout=60)
-    lines = out.stdout.splitlines()
-    assert out.returncode == 0 and len(lines) == 3, out.stdout + out.stderr
+    lines = run_child_appends(CHILD, tmp_path, plan)
     assert lines[0] == "ok" and lines[1].startswith("failed") and lines[2] == "ok", lines
 
     store = IngestStore(tmp_path)
