@@ -10,6 +10,7 @@ import asyncio
 import json
 import logging
 import re
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -22,9 +23,20 @@ from chain.manifest import parse_artifact
 from chain.store import ChainStore
 from daemon.artifacts import Artifacts
 from daemon.board import Board
+from daemon.fleet import REPORT_MAX_BYTES, BadReport, parse_report
+from daemon.fleet_link import FleetParts
 from daemon.intake import Intake
 from daemon.peer_client import hello_proof
-from daemon.peers import HEADER, BadPeer, BookFull, PeerBook, check_node, check_url, parse_endpoint
+from daemon.peers import (
+    HEADER,
+    BadPeer,
+    BookFull,
+    PeerBook,
+    check_node,
+    check_url,
+    parse_endpoint,
+    parse_header,
+)
 from daemon.publish import PublishError
 from daemon.spool import BadTrajectory, Spool, SpoolFull, SpoolWriteError, parse_batch
 
@@ -59,6 +71,7 @@ class Parts:
     status: Callable[[], dict]
     metrics: Callable[[], tuple[bytes, str]]
     stopping: Callable[[], bool]
+    fleet: FleetParts | None = None
 
 
 NODE: web.AppKey[Parts] = web.AppKey("node")
@@ -284,6 +297,52 @@ async def peers_announce(request: web.Request) -> web.Response:
     return web.json_response({"ok": True, "peers": len(node.book.peers)})
 
 
+async def fleet_report(request: web.Request) -> web.Response:
+    """A node's fleet report (its own entry and those it forwards, daemon/fleet.py). The
+    sender must announce itself (X-Deltaswarm-Peer) as the node of the report's own entry, and
+    its URL must prove that name (fleet_link.Verifier): a node reports only for itself."""
+    node = request.app[NODE]
+    fleet = node.fleet
+    if fleet is None:
+        raise fail(503, "this daemon keeps no fleet board")
+    announce = request.headers.get(HEADER)
+    if not announce:
+        raise fail(400, f"a fleet report must carry {HEADER}: <url> <bt ip:port> <node> naming "
+                        "the reporting node")
+    try:
+        url, _, name = parse_header(announce)
+    except BadPeer as e:
+        raise fail(400, str(e)) from None
+    if name is None:
+        raise fail(400, f"{HEADER} must name the reporting node (third field)")
+    if request.content_length is not None and request.content_length > REPORT_MAX_BYTES:
+        raise fail(400, f"fleet report larger than {REPORT_MAX_BYTES} bytes")
+    body = await request.read()
+    try:
+        report = await asyncio.to_thread(parse_report, body)
+    except BadReport as e:
+        raise fail(400, str(e)) from None
+    why = await fleet.verifier.check(url, name)
+    if why is not None:
+        raise web.HTTPForbidden(text=json.dumps({"error": f"fleet report from {name} refused: "
+                                                          f"{why}"}),
+                                content_type="application/json")
+    try:
+        accepted = fleet.board.accept(name, url, report.reports, time.time())
+    except BadReport as e:
+        raise fail(400, str(e)) from None
+    return web.json_response({"stored": accepted.stored, "refused": accepted.refused[:100],
+                              **fleet.identity()})
+
+
+async def fleet_view(request: web.Request) -> web.Response:
+    """The whole fleet as this daemon knows it, by region (daemon/fleet.py `FleetBoard.view`)."""
+    fleet = request.app[NODE].fleet
+    if fleet is None:
+        raise fail(503, "this daemon keeps no fleet board")
+    return web.json_response(fleet.view())
+
+
 def build_app(node: Parts) -> web.Application:
     app = web.Application(middlewares=[auth], client_max_size=node.max_body_bytes)
     app[NODE] = node
@@ -300,5 +359,7 @@ def build_app(node: Parts) -> web.Application:
         web.post("/v1/publish", publish),
         web.get("/v1/peers", peers_list),
         web.post("/v1/peers", peers_announce),
+        web.post("/v1/fleet/report", fleet_report),
+        web.get("/v1/fleet", fleet_view),
     ])
     return app

@@ -158,6 +158,31 @@ class Trajectories(_Section):
         return self
 
 
+class FleetConfig(_Section):
+    report_to: list[Url] | None = Field(None, max_length=64)
+    """Daemons this one sends its fleet report (and the ones it holds) to; default: the
+    bootstrap list. The trainer's daemon usually has none; a region's gateways list the trainer
+    and the other nodes of the region list their gateways (docs/SCALE.md)."""
+    interval_s: float = Field(10.0, ge=1, le=3600)
+    """Seconds between reports (jittered ±10 %); nodes older than 3x this show as stale."""
+    forget_s: float = Field(120.0, ge=10, le=86_400)
+    """A node not heard from for this long is dropped from the fleet board (and not forwarded)."""
+    max_nodes: int = Field(20_000, ge=1, le=100_000)
+    """Most nodes the fleet board holds (reports for new names past it are refused)."""
+
+    @field_validator("report_to")
+    @classmethod
+    def _roots(cls, urls: list[str] | None) -> list[str] | None:
+        return None if urls is None else [_daemon_url(u) for u in urls]
+
+    @model_validator(mode="after")
+    def _forget_after_interval(self) -> "FleetConfig":
+        if self.forget_s < 3 * self.interval_s:
+            raise ValueError("forget_s must be >= 3 x interval_s (a node missing one report is "
+                             "stale, not gone)")
+        return self
+
+
 class Config(_Section):
     node: str = Field(pattern=NODE_NAME)
     """This daemon's name (unique in the swarm; shown in status and logs)."""
@@ -196,6 +221,8 @@ class Config(_Section):
     """Most peers whose heads are long-polled at once (bootstrap peers first)."""
     shutdown_timeout_s: float = Field(20.0, gt=0, le=600)
     """Bound on a graceful stop (drain, save resume data, abandon an apply)."""
+    fleet: FleetConfig = FleetConfig()
+    """Fleet reports: where this daemon sends them and how often (daemon/fleet.py)."""
 
     @field_validator("bootstrap")
     @classmethod

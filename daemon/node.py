@@ -37,6 +37,8 @@ from daemon.artifacts import Artifacts
 from daemon.asking import HeadWatcher, prove_loop
 from daemon.board import Board
 from daemon.config import Config, ConfigError, load_config
+from daemon.fleet import FleetBoard
+from daemon.fleet_link import FleetParts, Reporter, Verifier
 from daemon.hooks import Notifier, build_hook
 from daemon.intake import Intake
 from daemon.peer_client import PeerClient
@@ -133,12 +135,14 @@ class Node:
         self.notifier: Notifier | None = None
         self.weights_problem: str | None = None
         self.role = self._role()
+        self.fleet = self._fleet()
         self.parts = Parts(
             node=cfg.node, url=self.url, token=self.client.token, bt=self.bt_advertised,
             long_poll_timeout_s=cfg.long_poll_timeout_s,
             max_body_bytes=cfg.http.max_body_bytes, store=self.store, book=self.book,
             board=self.board, artifacts=self.artifacts, role=self.role, intake=self.intake,
-            status=self.status, metrics=self.metrics_text, stopping=lambda: self.stopping)
+            status=self.status, metrics=self.metrics_text, stopping=lambda: self.stopping,
+            fleet=self.fleet)
         self._registry = metrics.build_registry(self.status_model)
         self._forwarding: asyncio.Task | None = None
 
@@ -155,6 +159,28 @@ class Node:
                               self.cfg.max_peers, self.cfg.long_poll_timeout_s)
         return RegionRole(syncer, watcher, self.weights, self.store, self.artifacts,
                           self.cfg.node)
+
+    def _fleet(self) -> FleetParts:
+        """The fleet board and the reports this daemon sends upstream (daemon/fleet.py)."""
+        f = self.cfg.fleet
+        book = self.book
+
+        def peers_at(ip: str) -> list[tuple[str | None, str | None]]:
+            return [(p.node, getattr(p, "region", None)) for p in book.peers.values()
+                    if p.bt is not None and p.bt[0] == ip]
+
+        parts = FleetParts(
+            node=self.cfg.node, region=self.cfg.region, role=self.role.name, url=self.url,
+            board=FleetBoard(self.cfg.node, f.max_nodes, f.forget_s),
+            verifier=Verifier(self.client), current=self.role.current, head=self.store.head,
+            torrents=lambda: self.artifacts.status()["torrents"], peers_at=peers_at,
+            waiting=lambda: self.intake.spool.depth() if self.intake.spool is not None else 0)
+        parts.reporter = Reporter(
+            board=parts.board, client=self.client, directory=parts.directory,
+            own=parts.own_report, interval_s=f.interval_s, tick=parts.tick,
+            upstreams=lambda: list(self.cfg.fleet.report_to if self.cfg.fleet.report_to
+                                   is not None else self.cfg.bootstrap))
+        return parts
 
     @property
     def syncer(self) -> Syncer | None:
@@ -184,7 +210,8 @@ class Node:
         return build_status(self.sources())
 
     def status(self) -> dict:
-        return self.status_model().model_dump(mode="json") | {"detail": self.detail()}
+        return self.status_model().model_dump(mode="json") | {
+            "detail": self.detail(), "fleet": self.fleet.board.summary(self.fleet.view())}
 
     def detail(self) -> dict:
         return {"url": self.url, "peer_book": self.book.snapshot(),
@@ -325,6 +352,14 @@ async def _spool(app: web.Application) -> AsyncIterator[None]:
     node.intake.spool.close()
 
 
+async def _fleet(app: web.Application) -> AsyncIterator[None]:
+    node = _node(app)
+    assert node.fleet.reporter is not None
+    task = node.spawn(node.fleet.reporter.run(), "fleet-reports")
+    yield
+    await stop_task(task)
+
+
 async def _systemd(app: web.Application) -> AsyncIterator[None]:
     node = _node(app)
 
@@ -347,7 +382,7 @@ async def serve(cfg: Config, config_path: Path) -> int:
     node = Node(cfg, config_path, await asyncio.to_thread(bt_host, cfg, config_path))
     app = build_app(node.parts)
     app[NODE_OBJ] = node
-    app.cleanup_ctx.extend([_http_client, _swarm, _role, _spool, _systemd])
+    app.cleanup_ctx.extend([_http_client, _swarm, _role, _spool, _fleet, _systemd])
     runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=3.0, access_log=None)
     loop = asyncio.get_running_loop()
     signals = {"n": 0}
