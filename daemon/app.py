@@ -24,7 +24,7 @@ from chain.store import ChainStore
 from daemon.artifacts import Artifacts
 from daemon.board import Board
 from daemon.fleet import REPORT_MAX_BYTES, BadReport, parse_report
-from daemon.fleet_link import FleetParts
+from daemon.fleet_link import FleetParts, report_digest
 from daemon.intake import Intake
 from daemon.peer_client import hello_proof
 from daemon.peers import (
@@ -42,6 +42,7 @@ from daemon.spool import BadTrajectory, Spool, SpoolFull, SpoolWriteError, parse
 
 log = logging.getLogger("deltaswarm.http")
 _CHALLENGE = re.compile(r"^[0-9a-f]{32}$")
+_DIGEST = re.compile(r"^[0-9a-f]{64}$")
 
 
 class RoleView(Protocol):
@@ -322,7 +323,8 @@ async def fleet_report(request: web.Request) -> web.Response:
         report = await asyncio.to_thread(parse_report, body)
     except BadReport as e:
         raise fail(400, str(e)) from None
-    why = await fleet.verifier.check(url, name)
+    why = await fleet.verifier.check(url, name) or await fleet.verifier.confirm(
+        url, report_digest(body))
     if why is not None:
         raise web.HTTPForbidden(text=json.dumps({"error": f"fleet report from {name} refused: "
                                                           f"{why}"}),
@@ -333,6 +335,18 @@ async def fleet_report(request: web.Request) -> web.Response:
         raise fail(400, str(e)) from None
     return web.json_response({"stored": accepted.stored, "refused": accepted.refused[:100],
                               **fleet.identity()})
+
+
+async def fleet_sent(request: web.Request) -> web.Response:
+    """Whether this daemon sent the fleet report with this sha256 recently: the receiver asks,
+    so a report announcing this daemon's URL from anywhere else is refused."""
+    fleet = request.app[NODE].fleet
+    digest = request.match_info["digest"]
+    if not _DIGEST.match(digest):
+        raise fail(400, "digest must be 64 lowercase hex digits (sha256 of the report body)")
+    if fleet is None or fleet.reporter is None or not fleet.reporter.did_send(digest):
+        raise fail(404, "this daemon did not send a fleet report with that digest recently")
+    return web.json_response({"sent": True})
 
 
 async def fleet_view(request: web.Request) -> web.Response:
@@ -361,5 +375,6 @@ def build_app(node: Parts) -> web.Application:
         web.post("/v1/peers", peers_announce),
         web.post("/v1/fleet/report", fleet_report),
         web.get("/v1/fleet", fleet_view),
+        web.get("/v1/fleet/sent/{digest}", fleet_sent),
     ])
     return app

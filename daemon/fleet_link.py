@@ -10,6 +10,7 @@ and which region each upstream is in without trusting anything unsigned for data
 """
 
 import asyncio
+import hashlib
 import json
 import logging
 import random
@@ -29,6 +30,9 @@ SAMPLE_S = 1.0
 two samples are lost; at 1 s that is at most a second's worth per connection)."""
 PROOF_TTL_S = 600.0
 PROOF_RETRY_S = 5.0
+SENT_KEEP_S = 120.0
+"""How long a reporter remembers the digests of the reports it sent (for the receiver's
+confirmation request, which follows at once)."""
 MAX_METERED_IPS = 4096
 FLEET_REPLY_CAP = 1 << 20
 
@@ -134,6 +138,17 @@ class Verifier:
             self.tried[url] = (now, why)
         return why
 
+    async def confirm(self, url: str, digest: str) -> str | None:
+        """Ask the (proven) reporter whether it sent the report with this digest: a token
+        holder elsewhere that announces the reporter's URL cannot make it say yes."""
+        try:
+            await self.client.request("GET", f"{url}/v1/fleet/sent/{digest}", "hello",
+                                      auth=True, timeout=5.0)
+        except PeerError as e:
+            return (f"the node at {url} did not confirm sending this report ({e}); a node "
+                    "reports only for itself")
+        return None
+
     async def _prove(self, url: str, node: str) -> str | None:
         nonce = secrets.token_hex(16)
         try:
@@ -148,6 +163,10 @@ class Verifier:
         if doc.get("node") != node:
             return f"{url} calls itself {str(doc.get('node'))[:64]!r}, not {node!r}"
         return None
+
+
+def report_digest(body: bytes) -> str:
+    return hashlib.sha256(body).hexdigest()
 
 
 @dataclass
@@ -174,6 +193,11 @@ class Reporter:
     interval_s: float
     tick: Callable[[], None] = lambda: None
     state: dict[str, Upstream] = field(default_factory=dict)
+    sent: dict[str, float] = field(default_factory=dict)
+    """sha256 of each report body sent recently → monotonic time (see Verifier.confirm)."""
+
+    def did_send(self, digest: str) -> bool:
+        return self.sent.get(digest, -1e18) > time.monotonic() - SENT_KEEP_S
 
     async def run(self) -> None:
         due = time.monotonic() + min(2.0, self.interval_s) * random.uniform(0.5, 1.0)
@@ -196,6 +220,10 @@ class Reporter:
         body = json.dumps({"reports": [own.model_dump(mode="json")]
                            + [r.model_dump(mode="json") for r in fwd]},
                           separators=(",", ":")).encode()
+        now = time.monotonic()
+        if len(self.sent) > 1024:
+            self.sent = {d: t for d, t in self.sent.items() if t > now - SENT_KEEP_S}
+        self.sent[report_digest(body)] = now
         try:
             reply = await self.client.request(
                 "POST", f"{up.url}/v1/fleet/report", "fleet", auth=True,

@@ -1,7 +1,8 @@
 """`deltaswarm status`: fetch a daemon's `GET /v1/status` and show it as rich tables, once or live.
 
     deltaswarm status [--url http://127.0.0.1:8700 | --config /etc/deltaswarm/REGION.yaml]
-                      [--token T] [--peers] [--versions] [--json] [--watch [--interval 2]]
+                      [--token T] [--peers] [--versions] [--fleet] [--json]
+                      [--watch [--interval 2]]
 
 From a config only `http.host`, `http.port`, `http.advertise_url`, `token` and `token_file` are
 read. The token may also come from $DELTASWARM_TOKEN.
@@ -24,6 +25,7 @@ from rich.table import Table
 from rich.text import Text
 
 from daemon.status import NodeStatus
+from daemon.status_fleet import fleet_render
 
 DEFAULT_URL = "http://127.0.0.1:8700"
 
@@ -162,15 +164,14 @@ def render(s: NodeStatus, peers: bool = False, versions: bool = False) -> Group:
     return Group(*parts)
 
 
-def fetch(url: str, token: str | None, timeout: float = 5.0) -> tuple[dict, NodeStatus]:
-    """GET {url}/v1/status -> (raw JSON, parsed). Raises StatusError saying what to check."""
-    target = url.rstrip("/") + "/v1/status"
+def _get(target: str, token: str | None, timeout: float) -> bytes:
+    """GET `target` with the token; StatusError saying what to check."""
     req = urllib.request.Request(target, headers={"Accept": "application/json"})
     if token:
         req.add_header("Authorization", f"Bearer {token}")
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
-            body = resp.read()
+            return resp.read()
     except urllib.error.HTTPError as e:
         if e.code in (401, 403):
             raise StatusError(f"{target} refused the request (HTTP {e.code}): pass the swarm's "
@@ -183,11 +184,30 @@ def fetch(url: str, token: str | None, timeout: float = 5.0) -> tuple[dict, Node
             f"cannot reach the deltaswarm daemon at {target}: {reason}. Is it running "
             "(systemctl status 'deltaswarm-daemon@*') and listening there? Point at it with "
             "--url http://HOST:PORT or --config /etc/deltaswarm/REGION.yaml") from None
+
+
+def fetch(url: str, token: str | None, timeout: float = 5.0) -> tuple[dict, NodeStatus]:
+    """GET {url}/v1/status -> (raw JSON, parsed). Raises StatusError saying what to check."""
+    target = url.rstrip("/") + "/v1/status"
+    body = _get(target, token, timeout)
     try:
         raw = json.loads(body)
         return raw, NodeStatus.model_validate(raw)
     except (ValueError, ValidationError) as e:
         raise StatusError(f"{target} did not return a deltaswarm status: {e}") from None
+
+
+def fetch_fleet(url: str, token: str | None, timeout: float = 10.0) -> dict:
+    """GET {url}/v1/fleet -> the fleet view (daemon/fleet.py). Raises StatusError."""
+    target = url.rstrip("/") + "/v1/fleet"
+    try:
+        doc = json.loads(_get(target, token, timeout))
+    except ValueError as e:
+        raise StatusError(f"{target} did not return JSON: {e}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("regions"), dict):
+        raise StatusError(f"{target} did not return a deltaswarm fleet view (an older daemon "
+                          "without /v1/fleet?)")
+    return doc
 
 
 def from_config(path: Path) -> tuple[str, str | None]:
@@ -225,6 +245,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--peers", action="store_true", help="one line per peer (and bans)")
     ap.add_argument("--versions", action="store_true",
                     help="one line per version transfer (and refused manifests)")
+    ap.add_argument("--fleet", action="store_true",
+                    help="the whole fleet as this daemon knows it (GET /v1/fleet): each region, "
+                    "its nodes, versions, lag, bytes per link class, trajectories waiting")
     ap.add_argument("--json", action="store_true", help="print the raw JSON and exit")
     ap.add_argument("--watch", action="store_true", help="refresh until Ctrl-C")
     ap.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
@@ -239,6 +262,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def watch(args: argparse.Namespace, url: str, token: str | None, console: Console) -> int:
     def frame():
         try:
+            if args.fleet:
+                return fleet_render(fetch_fleet(url, token))
             return render(fetch(url, token)[1], args.peers, args.versions)
         except StatusError as e:
             return Panel(Text(str(e), style="red"),
@@ -270,11 +295,16 @@ def main(argv: list[str] | None = None, console: Console | None = None) -> int:
     if args.watch and not args.json:
         return watch(args, url, token, console)
     try:
-        raw, status = fetch(url, token)
+        if args.fleet:
+            raw = fetch_fleet(url, token)
+        else:
+            raw, status = fetch(url, token)
     except StatusError as e:
         print(f"deltaswarm status: {e}", file=sys.stderr)
         return 1
-    if args.json:
+    if args.fleet and not args.json:
+        console.print(fleet_render(raw))
+    elif args.json:
         print(json.dumps(raw, indent=2, sort_keys=True))
     else:
         console.print(render(status, args.peers, args.versions))
