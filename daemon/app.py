@@ -26,6 +26,7 @@ from daemon.board import Board
 from daemon.fleet import REPORT_MAX_BYTES, BadReport, parse_report
 from daemon.fleet_link import FleetParts, report_digest
 from daemon.intake import Intake
+from daemon.metrics import render_fleet
 from daemon.peer_client import hello_proof
 from daemon.peers import (
     HEADER,
@@ -157,8 +158,12 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
+    """This node's series; a scrape with the token also gets the fleet's per-region series."""
     node = request.app[NODE]
     body, content_type = node.metrics()
+    if node.fleet is not None and bearer_matches(request.headers.get("Authorization"),
+                                                 node.token):
+        body += render_fleet(node.fleet.view)[0]
     return web.Response(body=body, headers={"Content-Type": content_type})
 
 

@@ -193,3 +193,55 @@ def metrics_handler(
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     return handle
+
+
+MAX_FLEET_REGIONS = 1000
+"""Regions exported per scrape (sorted by name); label cardinality is per region, never per
+node: 100 regions x ~17 series = ~1,700 series however many nodes each region has."""
+
+
+class FleetCollector(Collector):
+    """Per-region series from the fleet view (daemon/fleet.py), for authenticated scrapes only:
+    region names and node counts are the operator's, not for anonymous scrapers."""
+
+    def __init__(self, view: Callable[[], dict]):
+        self.view = view
+
+    def collect(self) -> Iterator[Metric]:
+        v = self.view()
+        regions = sorted(v.get("regions", {}).items())[:MAX_FLEET_REGIONS]
+
+        def fam(name: str, doc: str, key: str) -> Metric:
+            g = GaugeMetricFamily(f"deltaswarm_fleet_{name}", doc, labels=["region"])
+            for region, r in regions:
+                if r.get(key) is not None:
+                    g.add_metric([region], r[key])
+            return g
+
+        yield fam("nodes", "Nodes reporting (fresh and stale)", "node_count")
+        yield fam("stale_nodes", "Nodes not heard from within 3 report intervals", "stale")
+        yield fam("nodes_at_head", "Fresh nodes holding this daemon's head", "at_head")
+        yield fam("min_version", "Oldest version a fresh node holds", "min_version")
+        yield fam("max_lag_versions", "Versions the furthest-behind fresh node lacks",
+                  "max_lag_versions")
+        yield fam("max_lag_seconds", "Seconds the furthest-behind fresh node has been behind",
+                  "max_lag_s")
+        yield fam("trajectories_waiting", "Trajectories spooled, not yet acknowledged",
+                  "trajectories_waiting")
+        links = GaugeMetricFamily(
+            "deltaswarm_fleet_link_bytes", "Bytes moved since each node started, summed over "
+            "the region's nodes, by link class (intra|cross|trainer|unknown) and direction",
+            labels=["region", "link_class", "direction"])
+        for region, r in regions:
+            for cls, flow in sorted(r.get("links", {}).items()):
+                links.add_metric([region, cls, "in"], flow.get("bytes_in", 0))
+                links.add_metric([region, cls, "out"], flow.get("bytes_out", 0))
+        yield links
+        yield CounterMetricFamily("deltaswarm_fleet_refused_entries",
+                                  "Fleet report entries refused", value=v.get("refused", 0))
+
+
+def render_fleet(view: Callable[[], dict], accept: str = "") -> tuple[bytes, str]:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(FleetCollector(view))
+    return render(registry, accept)

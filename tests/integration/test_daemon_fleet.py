@@ -145,5 +145,13 @@ def http_with_header(c: Cluster, doc: dict, announce: str) -> tuple[int, bytes, 
         return e.code, e.read(), dict(e.headers)
 
 
-def test_the_fleet_routes_need_the_token(cluster: Cluster) -> None:
-    assert http(f"{cluster.daemons['trainer'].url}/v1/fleet", token=None)[0] == 401
+def test_the_fleet_routes_need_the_token_and_metrics_show_regions_only_with_it(
+        cluster: Cluster) -> None:
+    url = cluster.daemons["trainer"].url
+    assert http(f"{url}/v1/fleet", token=None)[0] == 401
+    assert http(f"{url}/v1/fleet/sent/{'0' * 64}", token=None)[0] == 401
+    code, open_text, _ = http(f"{url}/metrics", token=None)
+    assert code == 200 and b"deltaswarm_fleet_" not in open_text
+    code, text, _ = http(f"{url}/metrics")
+    assert code == 200 and b'deltaswarm_fleet_nodes{region="west"} 1.0' in text
+    assert b"deltaswarm_current_version" in text and b'"r2"' not in text
