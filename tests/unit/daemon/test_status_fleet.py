@@ -1,0 +1,69 @@
+"""`deltaswarm status --fleet` renders the fleet view as tables: one line per region with its
+lag and link bytes, one per node; and refuses a reply that is not a fleet view."""
+
+import io
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+from rich.console import Console
+
+from daemon.fleet import FleetBoard, NodeReport
+from daemon.status_cli import main
+from daemon.status_fleet import fleet_render
+
+
+def view() -> dict:
+    board = FleetBoard("trainer")
+    for v, t in ((3, 100.0), (4, 110.0)):
+        board.note_head(v, t)
+    links = {"cross": {"bytes_in": 3 << 20, "bytes_out": 0}}
+    a = NodeReport.model_validate({"node": "a", "region": "east", "role": "region", "version": 3,
+                                   "url": "http://10.0.0.1:1", "held_s": 30.0, "links": links})
+    b = NodeReport(node="b", region="west", role="region", version=4, url="http://10.0.0.2:1")
+    board.accept("a", a.url, [a, b], 130.0)
+    return board.view(head=4, now=130.0)
+
+
+def test_the_fleet_tables_show_each_region_and_node_with_lag_and_bytes() -> None:
+    out = io.StringIO()
+    Console(file=out, width=250, color_system=None).print(fleet_render(view()))
+    text = out.getvalue()
+    assert "fleet seen from trainer · head v4 · 2 nodes" in text
+    east = next(line for line in text.splitlines() if line.strip("│ ").startswith("east")
+                and "MiB" in line)
+    assert "3.0 MiB / 0 B" in east and " 20s" in east  # lag: v4 became head 20 s ago
+    assert any(" b " in line and "west" in line for line in text.splitlines())
+
+
+def serve(body: bytes) -> tuple[HTTPServer, str]:
+    class H(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a: object) -> None:
+            pass
+
+    srv = HTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv, f"http://127.0.0.1:{srv.server_address[1]}"
+
+
+def test_status_fleet_json_prints_the_view_and_refuses_what_is_not_one(capsys) -> None:
+    srv, url = serve(json.dumps(view()).encode())
+    try:
+        assert main(["--fleet", "--json", "--url", url, "--token", "t"]) == 0
+        assert set(json.loads(capsys.readouterr().out)["regions"]) == {"east", "west"}
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    srv, url = serve(b'{"node": "x"}')
+    try:
+        assert main(["--fleet", "--url", url]) == 1
+        assert "not return a deltaswarm fleet view" in capsys.readouterr().err
+    finally:
+        srv.shutdown()
+        srv.server_close()
