@@ -17,9 +17,19 @@ that is as far as identity goes (THREAT_MODEL.md).
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    ValidationError,
+    field_validator,
+    with_config,
+)
+from typing_extensions import TypedDict
 
 from daemon.names import NODE_NAME, BadName, check_url
 
@@ -48,18 +58,29 @@ class _Wire(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
-class Flow(_Wire):
-    bytes_in: Count = 0
-    bytes_out: Count = 0
+@with_config(ConfigDict(extra="forbid", strict=True))
+class Flow(TypedDict, total=False):
+    """Bytes in and out over one link class (a missing count is 0). TypedDicts, not models:
+    four nested models per entry were a third of a report's validation time (bench/fleet.py)."""
+
+    bytes_in: Count
+    bytes_out: Count
 
 
-class Links(_Wire):
+@with_config(ConfigDict(extra="forbid", strict=True))
+class Links(TypedDict, total=False):
     """Bytes since the daemon started, per link class, from libtorrent's per-peer counters."""
 
-    intra: Flow = Flow()
-    cross: Flow = Flow()
-    trainer: Flow = Flow()
-    unknown: Flow = Flow()
+    intra: Flow
+    cross: Flow
+    trainer: Flow
+    unknown: Flow
+
+
+def flows(links: Links) -> dict[str, dict[str, int]]:
+    """Every link class with both counts (0 where the report left one out)."""
+    return {c: {"bytes_in": links.get(c, {}).get("bytes_in", 0),
+                "bytes_out": links.get(c, {}).get("bytes_out", 0)} for c in LINK_CLASSES}
 
 
 class NodeReport(_Wire):
@@ -78,16 +99,23 @@ class NodeReport(_Wire):
     age_s: float = Field(0.0, ge=0, le=MAX_AGE_S)
     """Seconds since the node made this report (0 from the node itself; each hop adds)."""
     hops: StrictInt = Field(0, ge=0, le=MAX_HOPS)
-    links: Links = Links()
+    links: Links = Field(default_factory=dict)
     trajectories_waiting: Count = 0
 
     @field_validator("url")
     @classmethod
     def _url(cls, v: str) -> str:
         try:
-            return check_url(v)
+            return _checked_url(v)
         except BadName as e:
             raise ValueError(str(e)) from None
+
+
+@lru_cache(maxsize=65_536)
+def _checked_url(url: str) -> str:
+    """check_url, remembered: a gateway sends the same 10k URLs every interval, and yarl's
+    parse was two thirds of a report's validation (bench/fleet.py)."""
+    return check_url(url)
 
 
 class Report(_Wire):
@@ -207,9 +235,9 @@ class FleetBoard:
         need to catch up); None for a node that holds no version yet."""
         return [e.report.version for e in self.live(now, within_s)]
 
-    def forwardable(self, now: float, to: str | None) -> list[NodeReport]:
-        """Fresh entries to pass up, aged by their time here; never one back to the node it
-        came from or about the receiver itself."""
+    def forwardable(self, now: float, to: str | None) -> list[dict]:
+        """Fresh entries to pass up (as JSON-ready dicts), aged by their time here; never one
+        back to the node it came from or about the receiver itself."""
         out = []
         for e in self.entries.values():
             age = now - e.seen
@@ -217,7 +245,8 @@ class FleetBoard:
             if (age >= self.forget_s or r.hops >= MAX_HOPS or r.node == to
                     or (to is not None and e.via == to)):
                 continue
-            out.append(r.model_copy(update={"age_s": max(0.0, age), "hops": r.hops + 1}))
+            out.append(r.model_dump(mode="json") | {"age_s": round(max(0.0, age), 3),
+                                                    "hops": r.hops + 1})
         return out
 
     def lag_s(self, version: int | None, head: int | None, now: float) -> float | None:
@@ -238,7 +267,7 @@ class FleetBoard:
                 "last_seen": round(seen, 3), "age_s": round(max(0.0, now - seen), 1),
                 "via": via, "hops": r.hops, "lag_versions": lag,
                 "lag_s": self.lag_s(r.version, head, now),
-                "links": r.links.model_dump(), "trajectories_waiting": r.trajectories_waiting}
+                "links": flows(r.links), "trajectories_waiting": r.trajectories_waiting}
 
     def view(self, head: int | None, now: float, me: NodeReport | None = None,
              stale_s: float = 30.0) -> dict:

@@ -95,14 +95,14 @@ def test_live_versions_lists_the_versions_of_nodes_heard_from_within_the_window(
 def test_forwardable_ages_entries_adds_a_hop_and_never_sends_one_back() -> None:
     board = FleetBoard("r1")
     board.accept("a", rep("a").url, [rep("a"), rep("b", age_s=2.0, hops=1)], T0)
-    fwd = {r.node: r for r in board.forwardable(T0 + 3, to="up")}
+    fwd = {r["node"]: NodeReport.model_validate(r) for r in board.forwardable(T0 + 3, to="up")}
     assert fwd["a"].age_s == pytest.approx(3.0) and fwd["a"].hops == 1
     assert fwd["b"].age_s == pytest.approx(5.0) and fwd["b"].hops == 2
     assert board.forwardable(T0 + 3, to="a") == []  # both came via or from a
     deep = rep("d", hops=MAX_HOPS)
     board.accept("d", deep.url, [deep.model_copy(update={"hops": 0})], T0)
     board.entries["d"].report = deep
-    assert "d" not in {r.node for r in board.forwardable(T0, to="up")}
+    assert "d" not in {r["node"] for r in board.forwardable(T0, to="up")}
 
 
 def test_lag_counts_versions_and_seconds_since_the_first_missing_version_was_head() -> None:

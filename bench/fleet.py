@@ -1,0 +1,168 @@
+"""What the fleet view costs the trainer's daemon at 100 regions x 100 nodes, measured on a real
+daemon process, and the figures docs/SCALE.md derives from them.
+
+Starts one trainer daemon (tests/integration/harness.py) and a stand-in region gateway (an
+aiohttp server that answers the hello challenge and the sent-digest confirmation like a daemon),
+then POSTs fleet reports the way a gateway forwards its region: one report holding the whole
+fleet (`--nodes` entries over `--regions` regions), and a run of one-entry reports (what every
+node reporting straight to the trainer would cost). Prints bytes per entry, the trainer's time
+per report and per entry, its RSS before and after, and the size and time of GET /v1/fleet.
+
+    python bench/fleet.py                      # 10,000 nodes in 100 regions, ~1 min
+    python bench/fleet.py --nodes 1000 --json
+"""
+
+import argparse
+import asyncio
+import hashlib
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from daemon.fleet import NodeReport  # noqa: E402
+from daemon.peer_client import hello_proof  # noqa: E402
+from tests.integration.harness import TOKEN, Cluster, free_port  # noqa: E402
+
+GW_HOST = "127.0.0.77"
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+def entries(nodes: int, regions: int, gw_url: str) -> list[dict]:
+    """The gateway's own entry, then one forwarded entry per other node, with realistic
+    counters (terabytes moved, long uptimes) so the JSON is as long as it gets."""
+    big = {"bytes_in": 987_654_321_012, "bytes_out": 123_456_789_012}
+    links = {c: big for c in ("intra", "cross", "trainer", "unknown")}
+    out = [NodeReport(node="gw", region="region-000", role="region", url=gw_url, version=41,
+                      held_s=12.5, head=42, links=links,
+                      trajectories_waiting=1234).model_dump(mode="json")]
+    for i in range(1, nodes):
+        out.append(NodeReport(
+            node=f"node-{i:05d}.region-{i % regions:03d}", region=f"region-{i % regions:03d}",
+            role="region", url=f"http://10.{i // 65536}.{i // 256 % 256}.{i % 256}:8700",
+            version=41, held_s=12.5, head=42, age_s=3.2, hops=1, links=links,
+            trajectories_waiting=1234).model_dump(mode="json"))
+    return out
+
+
+class Gateway:
+    """Answers what the trainer asks a reporter: the hello proof and 'did you send this?'."""
+
+    def __init__(self) -> None:
+        self.port = free_port(GW_HOST)
+        self.url = f"http://{GW_HOST}:{self.port}"
+        self.sent: set[str] = set()
+
+    def app(self) -> web.Application:
+        async def healthz(request: web.Request) -> web.Response:
+            return web.json_response({"ok": True, "node": "gw", "url": self.url, "proof":
+                                      hello_proof(TOKEN, request.query["challenge"], self.url)})
+
+        async def sent(request: web.Request) -> web.Response:
+            ok = request.match_info["digest"] in self.sent
+            return web.json_response({"sent": ok}, status=200 if ok else 404)
+
+        app = web.Application()
+        app.add_routes([web.get("/healthz", healthz),
+                        web.get("/v1/fleet/sent/{digest}", sent)])
+        return app
+
+    async def post(self, session: aiohttp.ClientSession, trainer: str, body: bytes) -> float:
+        self.sent.add(hashlib.sha256(body).hexdigest())
+        t0 = time.perf_counter()
+        async with session.post(f"{trainer}/v1/fleet/report", data=body, headers={
+                "Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json",
+                "X-Deltaswarm-Peer": f"{self.url} - gw"}) as r:
+            reply = await r.read()
+            if r.status != 200:
+                raise SystemExit(f"report refused: {r.status} {reply[:300]!r}")
+        return time.perf_counter() - t0
+
+
+async def measure(trainer_url: str, pid: int, nodes: int, regions: int, small: int) -> dict:
+    gw = Gateway()
+    runner = web.AppRunner(gw.app(), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, GW_HOST, gw.port).start()
+    try:
+        async with aiohttp.ClientSession() as s:
+            rss0 = rss_kib(pid)
+            one = entries(1, 1, gw.url)
+            small_times = []
+            for i in range(small):  # one-entry reports: a node reporting straight to the trainer
+                one[0]["held_s"] = float(i)
+                small_times.append(await gw.post(s, trainer_url, json.dumps(
+                    {"reports": one}).encode()))
+            docs = entries(nodes, regions, gw.url)
+            big_times, body = [], b""
+            for i in range(5):
+                docs[0]["held_s"] = float(i)
+                body = json.dumps({"reports": docs}, separators=(",", ":")).encode()
+                big_times.append(await gw.post(s, trainer_url, body))
+            rss1 = rss_kib(pid)
+            auth = {"Authorization": f"Bearer {TOKEN}"}
+            t0 = time.perf_counter()
+            async with s.get(f"{trainer_url}/v1/fleet", headers=auth) as r:
+                view = await r.read()
+            view_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            async with s.get(f"{trainer_url}/v1/status", headers=auth) as r:
+                status = await r.read()
+            status_s = time.perf_counter() - t0
+            rss2 = rss_kib(pid)
+            shown = json.loads(view)["nodes"]
+    finally:
+        await runner.cleanup()
+    big = statistics.median(big_times[1:])  # the first also proves the gateway's URL
+    return {
+        "nodes": nodes, "regions": regions, "nodes_shown": shown,
+        "entry_bytes": round(len(body) / nodes, 1), "report_bytes": len(body),
+        "one_entry_report_s": round(statistics.median(small_times[1:]), 5),
+        "one_entry_reports_per_s": round(1 / statistics.median(small_times[1:]), 1),
+        "whole_fleet_report_s": round(big, 3),
+        "per_entry_us": round(1e6 * big / nodes, 1),
+        "rss_idle_mib": round(rss0 / 1024, 1), "rss_with_board_mib": round(rss1 / 1024, 1),
+        "board_kib_per_node": round((rss1 - rss0) / nodes, 2),
+        "rss_after_view_mib": round(rss2 / 1024, 1),
+        "fleet_view_bytes": len(view), "fleet_view_s": round(view_s, 3),
+        "status_bytes": len(status), "status_s": round(status_s, 3),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nodes", type=int, default=10_000)
+    ap.add_argument("--regions", type=int, default=100)
+    ap.add_argument("--small", type=int, default=200, help="one-entry reports to time")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp, Cluster(Path(tmp)) as c:
+        t = c.trainer(fleet={"max_nodes": max(a.nodes + 10, 20_000)})
+        t.start()
+        t.wait_ready()
+        assert t.proc is not None
+        out = asyncio.run(measure(t.url, t.proc.pid, a.nodes, a.regions, a.small))
+    if a.json:
+        print(json.dumps(out))
+    else:
+        for k, v in out.items():
+            print(f"{k:>26}: {v}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
