@@ -1,6 +1,8 @@
 """What the fleet view costs the trainer's daemon at 100 regions x 100 nodes, measured on a real
 daemon process, and the figures docs/SCALE.md derives from them.
 
+Also sizes the manifests a 1 TB model's delta and snapshot have (HTTP bytes per node per version).
+
 Starts one trainer daemon (tests/integration/harness.py) and a stand-in region gateway (an
 aiohttp server that answers the hello challenge and the sent-digest confirmation like a daemon),
 then POSTs fleet reports the way a gateway forwards its region: one report holding the whole
@@ -20,6 +22,7 @@ import statistics
 import sys
 import tempfile
 import time
+import tracemalloc
 from pathlib import Path
 
 import aiohttp
@@ -28,6 +31,8 @@ from aiohttp import web
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from chain.digest import state_digest  # noqa: E402
+from chain.manifest import Manifest, canonical_json  # noqa: E402
 from daemon.fleet import NodeReport  # noqa: E402
 from daemon.peer_client import hello_proof  # noqa: E402
 from tests.integration.harness import TOKEN, Cluster, free_port  # noqa: E402
@@ -143,19 +148,51 @@ async def measure(trainer_url: str, pid: int, nodes: int, regions: int, small: i
     }
 
 
+def manifest_figures(tensors: int, blocks: int) -> dict:
+    """Bytes of a manifest with `tensors` MoE-style tensor entries and `blocks` block entries,
+    and the memory its parsed `Manifest` holds (tracemalloc): what each node fetches over HTTP
+    per version, and what a daemon keeps per manifest it has parsed."""
+    experts = max(1, tensors // (61 * 3))
+    names = sorted(f"model.layers.{i // (experts * 3)}.mlp.experts.{i // 3 % experts}."
+                   f"{('gate', 'up', 'down')[i % 3]}_proj.weight" for i in range(tensors))
+    ts = [{"name": n, "dtype": "bfloat16", "shape": [2048, 7168], "digest": f"{i:032x}"}
+          for i, n in enumerate(names)]
+    doc = {"format": 2, "run": "run-2026-11-30", "version": 1234, "kind": "delta",
+           "parent": {"version": 1233, "state_digest": "0" * 32},
+           "state_digest": state_digest({t["name"]: t["digest"] for t in ts}), "tensors": ts,
+           "blocks": [{"id": f"{i:032x}", "size": 8 << 20, "root": f"{i:064x}"}
+                      for i in range(blocks)], "files": [], "stats": {}, "created": 1.7e9}
+    raw = canonical_json(doc)
+    del ts
+    tracemalloc.start()
+    m = Manifest.model_validate(json.loads(raw))
+    held = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    del m
+    return {"tensors": tensors, "blocks": blocks, "bytes": len(raw),
+            "parsed_mib": round(held / 2**20, 1)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nodes", type=int, default=10_000)
     ap.add_argument("--regions", type=int, default=100)
     ap.add_argument("--small", type=int, default=200, help="one-entry reports to time")
+    ap.add_argument("--manifest-tensors", type=int, default=50_000,
+                    help="tensors of the model whose manifests are sized (0: skip)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    man = {}
+    if a.manifest_tensors:
+        # 8 MiB blocks: a 6.28 GB delta (docs/SCALE.md) and a 1 TB snapshot
+        man = {"manifest_delta": manifest_figures(a.manifest_tensors, -(-6_280_000_000 >> 23)),
+               "manifest_snapshot": manifest_figures(a.manifest_tensors, -(-10**12 >> 23))}
     with tempfile.TemporaryDirectory() as tmp, Cluster(Path(tmp)) as c:
         t = c.trainer(fleet={"max_nodes": max(a.nodes + 10, 20_000)})
         t.start()
         t.wait_ready()
         assert t.proc is not None
-        out = asyncio.run(measure(t.url, t.proc.pid, a.nodes, a.regions, a.small))
+        out = asyncio.run(measure(t.url, t.proc.pid, a.nodes, a.regions, a.small)) | man
     if a.json:
         print(json.dumps(out))
     else:
