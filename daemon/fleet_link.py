@@ -263,8 +263,8 @@ class FleetParts:
     current: Callable[[], dict | None]
     head: Callable[[], int | None]
     torrents: Callable[[], dict]
-    peers_at: Callable[[str], list[tuple[str | None, str | None]]]
-    """ip → [(node name, region announced)] of the book's peers at that address."""
+    peers_at: Callable[[str], list[tuple[str | None, str | None, str | None]]]
+    """ip → [(node name, region, role announced)] of the book's peers at that address."""
     waiting: Callable[[], int]
     directory: Directory = field(default_factory=Directory)
     meter: LinkMeter = field(default_factory=LinkMeter)
@@ -286,10 +286,11 @@ class FleetParts:
         if self.role == "trainer":
             return "trainer"
         regions = set()
-        for name, region in self.peers_at(ip):
+        for name, region, role in self.peers_at(ip):
             known = self.directory.nodes.get(name or "")
             entry = self.board.entries.get(name or "")
-            if (known and known[1] == "trainer") or (entry and entry.report.role == "trainer"):
+            if role == "trainer" or (known and known[1] == "trainer") or (
+                    entry and entry.report.role == "trainer"):
                 return "trainer"
             region = region or (known[0] if known else None) or (
                 entry.report.region if entry else None)

@@ -165,9 +165,10 @@ class Node:
         f = self.cfg.fleet
         book = self.book
 
-        def peers_at(ip: str) -> list[tuple[str | None, str | None]]:
-            return [(p.node, getattr(p, "region", None)) for p in book.peers.values()
-                    if p.bt is not None and p.bt[0] == ip]
+        def peers_at(ip: str) -> list[tuple[str | None, str | None, str | None]]:
+            # region and role as announced (topo's Peer.region / Peer.role, where merged)
+            return [(p.node, getattr(p, "region", None), getattr(p, "role", None))
+                    for p in book.peers.values() if p.bt is not None and p.bt[0] == ip]
 
         parts = FleetParts(
             node=self.cfg.node, region=self.cfg.region, role=self.role.name, url=self.url,

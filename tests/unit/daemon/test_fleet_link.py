@@ -34,7 +34,8 @@ def test_the_meter_sums_connections_and_survives_reconnects_and_closed_ones() ->
 
 
 def parts(role: str = "region", region: str = "east",
-          at: dict[str, list[tuple[str | None, str | None]]] | None = None) -> FleetParts:
+          at: dict[str, list[tuple[str | None, str | None, str | None]]] | None = None
+          ) -> FleetParts:
     at = at or {}
     return FleetParts(node="me", region=region, role=role, url="http://10.0.0.9:8700",
                       board=FleetBoard("me"), verifier=Verifier(PeerClient(None, TOKEN)),
@@ -43,22 +44,23 @@ def parts(role: str = "region", region: str = "east",
 
 
 def test_peers_are_classified_by_announced_region_reports_and_the_trainer_role() -> None:
-    p = parts(at={"10.0.0.1": [("a", "east")], "10.0.0.2": [("b", None)],
-                  "10.0.0.3": [("t", None)], "10.0.0.4": [(None, None)],
-                  "10.0.0.5": [("c", None)]})
+    p = parts(at={"10.0.0.1": [("a", "east", None)], "10.0.0.2": [("b", None, None)],
+                  "10.0.0.3": [("t", None, None)], "10.0.0.4": [(None, None, None)],
+                  "10.0.0.5": [("c", None, None)], "10.0.0.7": [("t2", "east", "trainer")]})
     p.directory.learn("t", "home", "trainer")
     p.directory.learn("b", "west", "region")
     p.board.accept("c", "http://10.0.0.5:8700", [NodeReport(
         node="c", region="east", role="region", url="http://10.0.0.5:8700")], 1e9)
     got = {ip: p.classify(ip) for ip in ("10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.4",
-                                         "10.0.0.5", "10.0.0.6")}
+                                         "10.0.0.5", "10.0.0.6", "10.0.0.7")}
     assert got == {"10.0.0.1": "intra", "10.0.0.2": "cross", "10.0.0.3": "trainer",
-                   "10.0.0.4": "unknown", "10.0.0.5": "intra", "10.0.0.6": "unknown"}
+                   "10.0.0.4": "unknown", "10.0.0.5": "intra", "10.0.0.6": "unknown",
+                   "10.0.0.7": "trainer"}
     assert parts(role="trainer").classify("10.0.0.1") == "trainer"
 
 
 def test_the_own_report_carries_version_links_and_trajectories_waiting() -> None:
-    p = parts(at={"10.0.0.1": [("a", "west")]})
+    p = parts(at={"10.0.0.1": [("a", "west", "region")]})
     p.meter.sample(torrents(("v1", "10.0.0.1:1", 3, 900)))
     r = p.own_report()
     assert (r.version, r.head, r.trajectories_waiting) == (4, 5, 7)
