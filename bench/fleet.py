@@ -148,6 +148,27 @@ async def measure(trainer_url: str, pid: int, nodes: int, regions: int, small: i
     }
 
 
+def board_figures(nodes: int, regions: int) -> dict:
+    """In this process: validating a whole-fleet report (JSON to models) and the memory the
+    board then holds per node (tracemalloc, live objects only)."""
+    from daemon.fleet import FleetBoard, parse_report
+
+    body = json.dumps({"reports": entries(nodes, regions, "http://127.0.0.77:1")},
+                      separators=(",", ":")).encode()
+    parse_report(body)  # warm the URL check cache, as a gateway's second report finds it
+    tracemalloc.start()
+    t0 = time.perf_counter()
+    report = parse_report(body)
+    parse_s = time.perf_counter() - t0
+    board = FleetBoard("trainer", max_nodes=nodes + 1)
+    board.accept("gw", "http://127.0.0.77:1", report.reports, time.time())
+    del report
+    held = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    return {"validate_us_per_entry": round(1e6 * parse_s / nodes, 1),
+            "board_bytes_per_node": round(held / nodes)}
+
+
 def manifest_figures(tensors: int, blocks: int) -> dict:
     """Bytes of a manifest with `tensors` MoE-style tensor entries and `blocks` block entries,
     and the memory its parsed `Manifest` holds (tracemalloc): what each node fetches over HTTP
@@ -182,10 +203,10 @@ def main() -> int:
                     help="tensors of the model whose manifests are sized (0: skip)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
-    man = {}
+    man = board_figures(a.nodes, a.regions)
     if a.manifest_tensors:
         # 8 MiB blocks: a 6.28 GB delta (docs/SCALE.md) and a 1 TB snapshot
-        man = {"manifest_delta": manifest_figures(a.manifest_tensors, -(-6_280_000_000 >> 23)),
+        man |= {"manifest_delta": manifest_figures(a.manifest_tensors, -(-6_280_000_000 >> 23)),
                "manifest_snapshot": manifest_figures(a.manifest_tensors, -(-10**12 >> 23))}
     with tempfile.TemporaryDirectory() as tmp, Cluster(Path(tmp)) as c:
         t = c.trainer(fleet={"max_nodes": max(a.nodes + 10, 20_000)})
