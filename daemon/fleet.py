@@ -20,16 +20,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Annotated, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    StrictInt,
-    ValidationError,
-    field_validator,
-    with_config,
-)
-from typing_extensions import TypedDict
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
 
 from daemon.names import NODE_NAME, BadName, check_url
 
@@ -58,23 +49,13 @@ class _Wire(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
-@with_config(ConfigDict(extra="forbid", strict=True))
-class Flow(TypedDict, total=False):
-    """Bytes in and out over one link class (a missing count is 0). TypedDicts, not models:
-    four nested models per entry were a third of a report's validation time (bench/fleet.py)."""
-
-    bytes_in: Count
-    bytes_out: Count
-
-
-@with_config(ConfigDict(extra="forbid", strict=True))
-class Links(TypedDict, total=False):
-    """Bytes since the daemon started, per link class, from libtorrent's per-peer counters."""
-
-    intra: Flow
-    cross: Flow
-    trainer: Flow
-    unknown: Flow
+LinkClass = Literal["intra", "cross", "trainer", "unknown"]
+Flow = dict[Literal["bytes_in", "bytes_out"], Count]
+"""Bytes in and out over one link class (a missing count is 0)."""
+Links = dict[LinkClass, Flow]
+"""Bytes since the daemon started, per link class, from libtorrent's per-peer counters. Plain
+dicts with literal keys, not nested models: four nested models per entry were a third of a
+report's validation time (bench/fleet.py)."""
 
 
 def flows(links: Links) -> dict[str, dict[str, int]]:

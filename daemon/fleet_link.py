@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from daemon.fleet import LINK_CLASSES, FleetBoard, Flow, Links, Name, NodeReport
+from daemon.fleet import LINK_CLASSES, FleetBoard, Name, NodeReport
 from daemon.peer_client import PeerClient, PeerError, hello_proof, json_object
 
 log = logging.getLogger("deltaswarm.fleet")
@@ -98,13 +98,13 @@ class LinkMeter:
                 cur[key] = (up, down)
         self.last = cur
 
-    def links(self, classify: Callable[[str], str]) -> Links:
+    def links(self, classify: Callable[[str], str]) -> dict[str, dict[str, int]]:
         sums = {c: [0, 0] for c in LINK_CLASSES}
         for ip, (down, up) in self.by_ip.items():
             acc = sums[classify(ip) if ip != "?" else "unknown"]
             acc[0] += down
             acc[1] += up
-        return {c: Flow(bytes_in=v[0], bytes_out=v[1]) for c, v in sums.items()}  # type: ignore[return-value]
+        return {c: {"bytes_in": v[0], "bytes_out": v[1]} for c, v in sums.items()}
 
 
 class Verifier:
