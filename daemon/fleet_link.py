@@ -18,6 +18,7 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -42,14 +43,17 @@ class Identity(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     node: Name
     region: Name
-    role: str
+    role: Literal["trainer", "region"]
 
 
 class UpstreamReply(BaseModel):
+    """What an upstream answers a report: who it is and the trainers it knows (checked here;
+    a reply of another shape counts as a failed report)."""
+
     model_config = ConfigDict(extra="ignore", strict=True)
     node: Name
     region: Name
-    role: str
+    role: Literal["trainer", "region"]
     stored: int = 0
     refused: list[dict] = []
     known: list[Identity] = []
