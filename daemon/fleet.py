@@ -11,8 +11,9 @@ clock skew cannot make an entry look fresh; an entry forwarded in a loop only ev
 A node can report only for itself: the direct reporter's own entry must name the node and URL
 its `X-Deltaswarm-Peer` header announces, and that URL must have answered a hello challenge with
 that node name (fleet_link.Verifier). A name is bound to the URL it was first reported at while
-its entry lives (`forget_s`), so another token holder cannot overwrite it. With one shared token
-that is as far as identity goes (THREAT_MODEL.md).
+its entry lives (`forget_s`), so another token holder cannot overwrite it (a node that moves to
+a new URL shows again once its old entry is forgotten). With one shared token that is as far as
+identity goes (THREAT_MODEL.md).
 """
 
 from collections.abc import Iterable
