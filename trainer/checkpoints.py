@@ -27,6 +27,7 @@ the chain before a crash is recognised by the chain head and recorded, never pub
 import json
 import logging
 import re
+import struct
 import time
 import urllib.error
 import urllib.request
@@ -80,6 +81,20 @@ def _fingerprint(path: Path) -> tuple[tuple[str, int, int], ...]:
     return tuple(out)
 
 
+def _described_size(f: Path) -> int:
+    """The length a safetensors file has once whole: 8 + header + the furthest data offset."""
+    try:
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            if n > 100 * 1024 * 1024:
+                raise ValueError(f"implausible header length {n}")
+            doc = json.loads(fh.read(n))
+        ends = [int(v["data_offsets"][1]) for k, v in doc.items() if k != "__metadata__"]
+    except (OSError, ValueError, struct.error, KeyError, TypeError, IndexError) as e:
+        raise Incomplete(f"{f}: header not readable yet ({e})") from None
+    return 8 + n + max(ends, default=0)
+
+
 def inspect_checkpoint(path: Path | str, marker: str | None = None) -> Checkpoint:
     """The checkpoint at `path` if it is whole now; `Incomplete` naming what is not."""
     path = Path(path)
@@ -97,16 +112,14 @@ def inspect_checkpoint(path: Path | str, marker: str | None = None) -> Checkpoin
     held: dict[str, set[str]] = {}
     for name in weights:
         f = path / name
-        try:
-            base, slots = read_header(f)
-        except (ChainError, OSError) as e:
-            raise Incomplete(f"{f}: header not readable yet ({e})") from None
-        want = base + max((s.end for s in slots.values()), default=0)
-        size = f.stat().st_size
+        want, size = _described_size(f), f.stat().st_size
         if size != want:
             raise Incomplete(f"{f}: {size} bytes, its header describes {want}"
                              f"{' (still being written)' if size < want else ''}")
-        held[name] = set(slots)
+        try:
+            held[name] = set(read_header(f)[1])
+        except (ChainError, OSError) as e:
+            raise Incomplete(f"{f}: not valid safetensors ({e})") from None
     index = path / INDEX_NAME
     if index.exists():
         try:

@@ -138,15 +138,21 @@ class Watcher:
                             else child))
         return sorted(out)
 
-    def _unchanged_for(self, path: Path, now: float) -> float:
+    def _observe(self, path: Path, now: float) -> None:
         from trainer.checkpoints import _fingerprint
 
         fp = _fingerprint(path) if path.is_dir() else ()
         old = self.seen.get(path)
         if old is None or old[0] != fp:
             self.seen[path] = (fp, now)
-            return 0.0
-        return now - old[1]
+
+    def _stale_for(self, path: Path, now: float) -> float:
+        """How long nothing in `path` has changed: what this watcher saw, or the files' mtimes
+        (so a torn directory from before a restart counts as stale at once)."""
+        mtimes = [path.stat().st_mtime] if path.exists() else []
+        mtimes += [st.st_mtime for p in path.iterdir() if p.is_file() and (st := p.stat())] \
+            if path.is_dir() else []
+        return max(now - self.seen[path][1], time.time() - max(mtimes, default=time.time()))
 
     def scan(self, stop: threading.Event | None = None) -> list[int]:
         """Publish every whole, settled checkpoint after the last published step, in order;
@@ -156,22 +162,24 @@ class Watcher:
         done: list[int] = []
         last = self.pub.last_step()
         now = time.monotonic()
-        for step, path in self.candidates():
+        todo = [(s, p) for s, p in self.candidates() if last is None or s > last]
+        for _, path in todo:
+            self._observe(path, now)
+        for step, path in todo:
             if stop is not None and stop.is_set():
                 break
-            if last is not None and step <= last:
-                continue
-            quiet = self._unchanged_for(path, now)
             try:
                 ckpt = inspect_checkpoint(path, self.cfg.marker)
             except Incomplete as e:
-                if quiet < self.cfg.abandon_s:
+                stale = self._stale_for(path, now)
+                if stale < self.cfg.abandon_s:
                     log.debug("step %d: %s", step, e)
                     break  # being written: later steps wait for it
                 log.warning("step %d looks abandoned (%s, unchanged %.0f s); later steps may "
-                            "pass it", step, e, quiet)
+                            "pass it", step, e, stale)
                 continue
-            if quiet < self.cfg.settle_s or ckpt.fingerprint != self.seen[path][0]:
+            fp, since = self.seen[path]
+            if now - since < self.cfg.settle_s or ckpt.fingerprint != fp:
                 break  # whole but still settling
             if self.pub.was_published(path) is not None:
                 continue
@@ -179,7 +187,6 @@ class Watcher:
             log.info("step %d -> v%d%s", step, out.version, "" if out.notified or
                      self.pub.daemon_url is None else " (daemon not told)")
             done.append(step)
-            last = step
         return done
 
     def run(self, stop: threading.Event) -> None:
