@@ -24,7 +24,7 @@ COMMANDS = {
     "demo": ("demo.main", "trainer + three regions on loopback, live view"),
     "publish": ("trainer.ckpt_cli", "publish one HF checkpoint directory as the next version"),
     "watch": ("trainer.ckpt_cli", "publish each checkpoint a trainer writes, in order"),
-    "ingest": ("trainer.ingest", "hold trajectories for your own trainer (no reference trainer)"),
+    "ingest": ("trainer.ingest_service", "hold trajectories for a trainer you bring"),
 }
 
 

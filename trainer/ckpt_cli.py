@@ -3,6 +3,7 @@ directories through the trainer node's daemon, with no change to the trainer.
 
     deltaswarm publish ckpts/step_100 --config publish.yaml
     deltaswarm watch ckpts/ --config publish.yaml      # step_100/, step_200/, ... in order
+    deltaswarm watch --config publish.yaml             # the config's watch.dir
 
 publish.yaml (paths relative to the file):
 
@@ -60,6 +61,8 @@ class DaemonSection(Section):
 
 
 class WatchSection(Section):
+    dir: Path | None = None
+    """The directory the trainer writes checkpoints into (`deltaswarm watch DIR` overrides)."""
     pattern: str = Field(r"(?:step_|step-|checkpoint-|global_step_|global_step|iter_)?(\d+)",
                          max_length=512)
     """Regex a checkpoint directory's whole name matches; its first group is the step."""
@@ -109,7 +112,8 @@ class PublishConfig(Section):
 
 def load_publish_config(path: str | Path) -> PublishConfig:
     return load_yaml(PublishConfig, path,
-                     paths=("chain_dir", "key", "state_dir", "daemon.token_file"))
+                     paths=("chain_dir", "key", "state_dir", "daemon.token_file",
+                            "watch.dir"))
 
 
 def make_publisher(cfg: PublishConfig):
@@ -224,14 +228,18 @@ def main_publish(argv: list[str] | None = None) -> int:
 def main_watch(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="deltaswarm watch", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("dir", type=Path)
+    p.add_argument("dir", type=Path, nargs="?", help="default: the config's watch.dir")
     p.add_argument("--config", required=True, type=Path)
     p.add_argument("--once", action="store_true", help="scan once and exit")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s watch %(message)s")
     try:
         cfg = load_publish_config(a.config)
-        watcher = Watcher(make_publisher(cfg), a.dir, cfg.watch)
+        root = a.dir or cfg.watch.dir
+        if root is None:
+            raise ConfigError(f"config {a.config}: give the directory to watch, as DIR or as "
+                              "watch.dir")
+        watcher = Watcher(make_publisher(cfg), root, cfg.watch)
     except (ConfigError, ChainError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -243,7 +251,7 @@ def main_watch(argv: list[str] | None = None) -> int:
         time.sleep(cfg.watch.settle_s)
         watcher.scan()
         return 0
-    log.info("watching %s (run %s, resuming after step %s)", a.dir, cfg.run,
+    log.info("watching %s (run %s, resuming after step %s)", root, cfg.run,
              watcher.pub.last_step())
     watcher.run(stop)
     return 0
