@@ -18,8 +18,10 @@ architectures filled in and use_cache back on, so the region's directory loads i
 and vLLM as is.
 
 Where the model is sharded (FSDP2 DTensors), gathering it on one rank would need every rank;
-that is the sharded publisher's job (each rank encodes its own shard), not this callback's,
-which refuses DTensors with a clear error. DDP and single-process models work as they are.
+that is the sharded publisher's job (trainer/sharded.py, issue 12: every rank encodes its own
+shard, one manifest is signed). Give that publisher with `all_ranks=True`: every process then
+calls `publish` with its own (DTensor) state dict. Without it, DTensors are refused with a
+clear error; DDP and single-process models work as they are.
 """
 
 import json
@@ -36,24 +38,26 @@ from chain.errors import ChainError
 
 class DeltaswarmCallback(TrainerCallback):
     def __init__(self, publisher: Any, dtype: torch.dtype = torch.bfloat16, every: int = 1,
-                 files: Mapping[str, bytes] | None = None) -> None:
+                 files: Mapping[str, bytes] | None = None, all_ranks: bool = False) -> None:
         """`publisher`: a trainer.publisher.Publisher (or anything with `head`, `resume` and
         `publish(version, state_dict, files)`). `every`: publish every this many optimizer
         steps. `files`: the non-weight files of a version (default: from the model's config
-        and the trainer's tokenizer)."""
+        and the trainer's tokenizer). `all_ranks`: every process publishes its shards (a
+        sharded publisher); otherwise only the main process publishes."""
         if every < 1:
             raise ValueError(f"every must be at least 1, got {every}")
         self.publisher = publisher
         self.dtype = dtype
         self.every = every
         self.files = dict(files) if files is not None else None
+        self.all_ranks = all_ranks
         self.published: list[Any] = []
         """What each publish returned (trainer.publisher.Published), in order."""
 
     def weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         out = {}
         for name, t in model.state_dict().items():
-            if type(t).__name__ == "DTensor":
+            if type(t).__name__ == "DTensor" and not self.all_ranks:
                 raise ChainError(f"{name} is a sharded DTensor (FSDP2): publish from the shards "
                                  "with the sharded publisher, not DeltaswarmCallback")
             out[name] = t.detach().to(self.dtype).contiguous()
@@ -61,19 +65,19 @@ class DeltaswarmCallback(TrainerCallback):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None,
                        processing_class: Any = None, **kwargs: Any) -> None:
-        if not state.is_world_process_zero:
+        if not (state.is_world_process_zero or self.all_ranks):
             return
         if self.files is None:
             self.files = hf_files(model, processing_class, self.dtype)
         weights = self.weights(model)
         if self.publisher.head is None:
             self.published.append(self.publisher.publish(0, weights, self.files))
-        else:
+        elif hasattr(self.publisher, "resume"):
             self.publisher.resume(weights)
 
     def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None,
                     **kwargs: Any) -> None:
-        if not state.is_world_process_zero or state.global_step % self.every:
+        if not (state.is_world_process_zero or self.all_ranks) or state.global_step % self.every:
             return
         version = self.publisher.head + 1
         self.published.append(self.publisher.publish(version, self.weights(model), self.files))
