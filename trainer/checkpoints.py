@@ -256,17 +256,27 @@ class CheckpointPublisher:
         common = dict(run=self.run, version=version, new=new, files=files,
                       block_size=self.block_size)
         delta = snapshot = None
+        parent: FileSource | None = None
+
+        def release(name: str, _changes: object) -> None:
+            """A tensor is encoded: drop its pages from this process (they stay cached), so
+            resident memory stays about one encoding batch, not the model."""
+            new.files.release(name)
+            if parent is not None and name in parent.files.slots:
+                parent.files.release(name)
+
         if head is not None:
             parent_m = self.store.get(head, "delta") or self.store.get(head, "snapshot")
             cur = self.head_dir.current()
             assert cur is not None and cur.state_digest == parent_m.state_digest
-            delta, _ = write_artifact(self.store.blocks, self.key, kind="delta",
-                                      parent=FileSource(cur.path), parent_manifest=parent_m,
-                                      trust_parent=True, **common)
+            parent = FileSource(cur.path)
+            delta, _ = write_artifact(self.store.blocks, self.key, kind="delta", parent=parent,
+                                      parent_manifest=parent_m, trust_parent=True,
+                                      on_changes=release, **common)
             self.store.add(delta)
         if head is None or self.snapshots.due(version, self.store.manifests()):
             snapshot, _ = write_artifact(self.store.blocks, self.key, kind="snapshot",
-                                         same_tensors_as=delta, **common)
+                                         same_tensors_as=delta, on_changes=release, **common)
             self.store.add(snapshot)
         self.ledger["published"].append(entry)
         self.ledger["pending"] = None

@@ -197,7 +197,7 @@ class Watcher:
         while not stop.is_set():
             try:
                 self.scan(stop)
-            except ChainError as e:
+            except (ChainError, OSError) as e:  # e.g. a step directory deleted mid-scan
                 log.error("%s (retrying in %.0f s)", e, self.cfg.poll_s)
             stop.wait(self.cfg.poll_s)
 
