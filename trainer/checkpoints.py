@@ -258,12 +258,17 @@ class CheckpointPublisher:
         delta = snapshot = None
         parent: FileSource | None = None
 
-        def release(name: str, _changes: object) -> None:
-            """A tensor is encoded: drop its pages from this process (they stay cached), so
+        done: list[str] = []
+
+        def release(name: str | None, _changes: object = None) -> None:
+            """Called as each tensor is encoded, just before its record is written: drop the
+            previous tensor's pages from this process (they stay in the page cache), so
             resident memory stays about one encoding batch, not the model."""
-            new.files.release(name)
-            if parent is not None and name in parent.files.slots:
-                parent.files.release(name)
+            for prev in done:
+                new.files.release(prev)
+                if parent is not None and prev in parent.files.slots:
+                    parent.files.release(prev)
+            done[:] = [name] if name is not None else []
 
         if head is not None:
             parent_m = self.store.get(head, "delta") or self.store.get(head, "snapshot")
@@ -273,10 +278,12 @@ class CheckpointPublisher:
             delta, _ = write_artifact(self.store.blocks, self.key, kind="delta", parent=parent,
                                       parent_manifest=parent_m, trust_parent=True,
                                       on_changes=release, **common)
+            release(None)
             self.store.add(delta)
         if head is None or self.snapshots.due(version, self.store.manifests()):
             snapshot, _ = write_artifact(self.store.blocks, self.key, kind="snapshot",
                                          same_tensors_as=delta, on_changes=release, **common)
+            release(None)
             self.store.add(snapshot)
         self.ledger["published"].append(entry)
         self.ledger["pending"] = None
