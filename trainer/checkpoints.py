@@ -19,9 +19,10 @@ RAM as the in-process Publisher does: it is a verified reconstruction of the cha
 each published version (O(changes)), so it survives restarts and the trainer may delete old
 checkpoints. Disk: two copies of the model there.
 
-Restart: `state_dir/published.json` records each published directory (path, step, version,
-fingerprint) and, while one is being published, that one as pending; a publish that reached
-the chain before a crash is recognised by the chain head and recorded, never published twice.
+Restart: `state_dir/published.json` records each published directory (path, step, version)
+and, while one is being published, that one as pending; a publish that reached the chain
+before a crash is recognised by the chain head and recorded, never published twice. What the
+trainer rewrites while it is being read is not signed (fingerprint checked before signing).
 """
 
 import json
@@ -160,6 +161,13 @@ def settled(path: Path | str, settle_s: float, marker: str | None = None) -> Che
     return second
 
 
+def _unchanged(ckpt: Checkpoint) -> None:
+    """Refuse to sign what was read if the trainer rewrote the directory meanwhile (what was
+    read may mix two saves); the next scan sees the new files."""
+    if _fingerprint(ckpt.path) != ckpt.fingerprint:
+        raise Incomplete(f"{ckpt.path} changed while it was being published; not signed")
+
+
 @dataclass(frozen=True)
 class PublishedCheckpoint:
     version: int
@@ -251,6 +259,28 @@ class CheckpointPublisher:
         entry = {"dir": str(ckpt.path.resolve()), "step": step, "version": version}
         self.ledger["pending"] = entry
         self._write_ledger(self.ledger)
+        try:
+            delta, snapshot = self._write(ckpt, head, version)
+        except BaseException:
+            if self.store.head() == version:  # the delta is in the chain; its snapshot failed
+                self.ledger["published"].append(entry)
+            self.ledger["pending"] = None
+            self._write_ledger(self.ledger)
+            raise
+        self.ledger["published"].append(entry)
+        self.ledger["pending"] = None
+        self._write_ledger(self.ledger)
+        self.sync_head()
+        self.store.gc(self.retention)
+        notified = self._notify(version)
+        log.info("published %s as v%d (%s)", ckpt.path, version,
+                 "snapshot" if delta is None else "delta" + (" + snapshot" if snapshot else ""))
+        return PublishedCheckpoint(version, ckpt.path, step, delta or snapshot,
+                                   snapshot is not None, notified)
+
+    def _write(self, ckpt: Checkpoint, head: int | None, version: int
+               ) -> tuple[Manifest | None, Manifest | None]:
+        """Encode, sign and add the delta (and snapshot when due) of `ckpt` as `version`."""
         files = {name: (ckpt.path / name).read_bytes() for name in ckpt.files}
         new = FileSource(ckpt.path)
         common = dict(run=self.run, version=version, new=new, files=files,
@@ -273,28 +303,23 @@ class CheckpointPublisher:
         if head is not None:
             parent_m = self.store.get(head, "delta") or self.store.get(head, "snapshot")
             cur = self.head_dir.current()
-            assert cur is not None and cur.state_digest == parent_m.state_digest
+            if cur is None or cur.state_digest != parent_m.state_digest:
+                raise ChainError(f"{self.head_dir.root} does not hold v{head} as published; "
+                                 "delete that directory (it is rebuilt from the chain)")
             parent = FileSource(cur.path)
             delta, _ = write_artifact(self.store.blocks, self.key, kind="delta", parent=parent,
                                       parent_manifest=parent_m, trust_parent=True,
                                       on_changes=release, **common)
             release(None)
+            _unchanged(ckpt)
             self.store.add(delta)
         if head is None or self.snapshots.due(version, self.store.manifests()):
             snapshot, _ = write_artifact(self.store.blocks, self.key, kind="snapshot",
                                          same_tensors_as=delta, on_changes=release, **common)
             release(None)
+            _unchanged(ckpt)
             self.store.add(snapshot)
-        self.ledger["published"].append(entry)
-        self.ledger["pending"] = None
-        self._write_ledger(self.ledger)
-        self.sync_head()
-        self.store.gc(self.retention)
-        notified = self._notify(version)
-        log.info("published %s as v%d (%s)", ckpt.path, version,
-                 "snapshot" if delta is None else "delta" + (" + snapshot" if snapshot else ""))
-        return PublishedCheckpoint(version, ckpt.path, step, delta or snapshot,
-                                   snapshot is not None, notified)
+        return delta, snapshot
 
     def _notify(self, version: int) -> bool:
         """Tell the local daemon to seed `version` (it also finds it in the chain dir when it

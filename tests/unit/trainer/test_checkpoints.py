@@ -148,3 +148,26 @@ def test_publish_command_reports_a_bad_config_and_an_incomplete_directory(tmp_pa
     _write(d, _state(0))
     assert cli_main(["publish", str(d), "--config", str(tmp_path / "ok.yaml")]) == 0
     assert "as v0" in capsys.readouterr().out
+
+
+def test_a_checkpoint_rewritten_while_it_is_read_is_not_signed(tmp_path, monkeypatch):
+    import trainer.checkpoints as ck
+
+    pub = _publisher(tmp_path)
+    pub.publish(inspect_checkpoint(_write(tmp_path / "a", _state(0))))
+    b = _write(tmp_path / "b", _state(1))
+    seen = inspect_checkpoint(b)
+    real = ck.write_artifact
+
+    def trainer_saves_again(*args, **kwargs):
+        out = real(*args, **kwargs)
+        save_file({k: v for k, v in _state(2).items() if k < "layers.2"},
+                  str(b / "model-00001-of-00002.safetensors"))
+        return out
+
+    monkeypatch.setattr(ck, "write_artifact", trainer_saves_again)
+    with pytest.raises(Incomplete, match="changed while it was being published"):
+        pub.publish(seen)
+    assert pub.store.head() == 0 and pub.ledger["pending"] is None
+    monkeypatch.setattr(ck, "write_artifact", real)
+    assert pub.publish(inspect_checkpoint(b)).version == 1
