@@ -21,6 +21,7 @@ train`) consumes in-process through trainer.ingest.IngestStore instead; do not p
 one store.
 """
 
+import itertools
 import json
 import time
 from pathlib import Path
@@ -56,9 +57,11 @@ class Trajectories:
                                    "restore the file or start a new run")
         return row[0]
 
-    def next(self, n: int, timeout: float = 0.0) -> list[dict[str, Any]]:
+    def next(self, n: int, timeout: float = 0.0, whole_groups: bool = False
+             ) -> list[dict[str, Any]]:
         """Up to `n` trajectories after those already handed out, oldest first; waits up to
-        `timeout` s for the first one (then returns what there is, possibly nothing)."""
+        `timeout` s for the first one (then returns what there is, possibly nothing). With
+        `whole_groups`, a GRPO group cut by `n` is completed from what is held."""
         if n < 1:
             raise ValueError(f"n must be at least 1, got {n}")
         deadline = time.monotonic() + timeout
@@ -69,6 +72,16 @@ class Trajectories:
             if rows or time.monotonic() >= deadline:
                 break
             time.sleep(min(self.poll_s, max(0.0, deadline - time.monotonic())))
+        while whole_groups and rows:
+            group = json.loads(rows[-1][1]).get("group")
+            more = self._db.execute(
+                "SELECT seq, record FROM trajectories WHERE seq > ? ORDER BY seq LIMIT 64",
+                (rows[-1][0],)).fetchall()
+            same = list(itertools.takewhile(
+                lambda r, g=group: json.loads(r[1]).get("group") == g, more))
+            rows += same
+            if len(same) < len(more) or not more:
+                break
         if rows:
             self._last_seq = rows[-1][0]
             self.handed += len(rows)
