@@ -4,6 +4,7 @@ reason, a directory is published once, a publish cut short by a crash is recogni
 restart, and an abandoned torn step is passed only once it is stale and a later one is whole."""
 
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -123,11 +124,13 @@ def test_a_torn_step_blocks_later_ones_until_it_is_stale_then_is_passed(tmp_path
     _write(root / "step_3", _state(3), sharded=False)
     (root / "step_3.tmp").mkdir()  # not a step name: ignored
     pub = _publisher(tmp_path)
-    w = Watcher(pub, root, WatchSection(settle_s=0.2, abandon_s=0.6, poll_s=0.1))
+    w = Watcher(pub, root, WatchSection(settle_s=0.2, abandon_s=60, poll_s=0.1))
     assert w.scan() == []  # nothing has been seen unchanged for settle_s yet
     time.sleep(0.3)
     assert w.scan() == [1]  # step 2 is torn and recent: step 3 waits
-    time.sleep(0.4)
+    hour_ago = time.time() - 3600
+    for f in [root / "step_2", *(root / "step_2").iterdir()]:
+        os.utime(f, (hour_ago, hour_ago))  # left torn long ago (the writer died)
     assert w.scan() == [3]
     assert [(p["step"], p["version"]) for p in pub.published()] == [(1, 0), (3, 1)]
     assert pub.store.get(1, "delta").state_digest == source_digest(StateDictSource(_state(3)))
