@@ -92,7 +92,7 @@ def test_a_marker_is_required_when_configured_and_settling_catches_a_rewrite(tmp
     rewrite = threading.Timer(0.1, lambda: save_file(_state(1), str(d / "model.safetensors")))
     rewrite.start()
     with pytest.raises(Incomplete, match="changed during"):
-        settled(d, 0.5)
+        settled(d, 1.5)
     rewrite.join()
 
 
