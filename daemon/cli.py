@@ -6,6 +6,8 @@
     deltaswarm delta encode|apply|stats …      deltaswarm chain ls|show|verify DIR
     deltaswarm keygen FILE                      deltaswarm demo [--config configs/demo.yaml]
     deltaswarm train --config …                 deltaswarm rollout …
+    deltaswarm publish CKPT_DIR --config …      deltaswarm watch DIR --config …
+    deltaswarm ingest --config …
 """
 
 import importlib
@@ -20,6 +22,9 @@ COMMANDS = {
     "train": ("trainer.main", "run the reference async GRPO trainer"),
     "rollout": ("rollout.worker", "run a rollout worker next to a daemon"),
     "demo": ("demo.main", "trainer + three regions on loopback, live view"),
+    "publish": ("trainer.ckpt_cli", "publish one HF checkpoint directory as the next version"),
+    "watch": ("trainer.ckpt_cli", "publish each checkpoint a trainer writes, in order"),
+    "ingest": ("trainer.ingest_service", "hold trajectories for a trainer you bring"),
 }
 
 
@@ -39,8 +44,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"deltaswarm: unknown command {cmd!r}\n\n{usage()}", file=sys.stderr)
         return 2
     module = importlib.import_module(COMMANDS[cmd][0])
-    # chain.cli parses its own group word (delta|chain); the others get the rest.
-    rc = module.main(argv if module.__name__ == "chain.cli" else argv[1:])
+    # chain.cli and trainer.ckpt_cli parse their own command word; the others get the rest.
+    whole = module.__name__ in ("chain.cli", "trainer.ckpt_cli")
+    rc = module.main(argv if whole else argv[1:])
     return int(rc or 0)
 
 

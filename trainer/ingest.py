@@ -1,6 +1,7 @@
 """Trajectory ingest on the trainer node: `POST /v1/ingest` (NDJSON) stores each new trajectory
 durably before acknowledging it, deduplicated by id, and the training loop consumes them in
-arrival order with `IngestStore.take`.
+arrival order with `IngestStore.take`. Run alone (your own trainer reads the store with
+trainer.consume.Trajectories): `deltaswarm ingest --config FILE` (trainer/ingest_service.py).
 
 Storage: one SQLite database (chain.sqlstore: WAL, one transaction per request) holding every
 trajectory in arrival order and the consumption cursor (how many of them training has
@@ -55,8 +56,12 @@ class IngestStore:
     """Durable, deduplicated FIFO of trajectories. Use from one event loop (disk work runs in
     worker threads, serialised by an asyncio lock)."""
 
-    def __init__(self, root: str | Path) -> None:
+    def __init__(self, root: str | Path, keep_pending: bool = True) -> None:
+        """`keep_pending=False`: a store that only receives (`deltaswarm ingest`), read by
+        another process (trainer.consume.Trajectories): no backlog is kept in memory and
+        `take` is not used."""
         self.root = Path(root)
+        self.keep_pending = keep_pending
         self.root.mkdir(parents=True, exist_ok=True)
         self.path = self.root / "ingest.db"
         self._db = connect(self.path, SCHEMA)
@@ -73,7 +78,7 @@ class IngestStore:
         self.pending: deque[str] = deque(
             record for (record,) in self._db.execute(
                 "SELECT record FROM trajectories ORDER BY seq LIMIT -1 OFFSET ?",
-                (self.committed,)))
+                (self.committed,))) if keep_pending else deque()
         self._lock = asyncio.Lock()
         self._arrived = asyncio.Event()
 
@@ -123,7 +128,8 @@ class IngestStore:
                     transaction, self._db, "trajectory ingest",
                     [("INSERT INTO trajectories (id, record) VALUES (?, ?)", list(new.items()))])
                 self.ids.update(new)
-                self.pending.extend(new.values())
+                if self.keep_pending:
+                    self.pending.extend(new.values())
                 self.total += len(new)
                 self._arrived.set()
             return list(dict.fromkeys(tid for tid, _ in items))
@@ -165,6 +171,11 @@ class IngestStore:
                       [(consumed,)])])
 
     def stats(self) -> dict[str, int]:
+        if not self.keep_pending:  # the consumer is another process: its cursor is on disk
+            row = self._db.execute("SELECT consumed FROM cursor").fetchone()
+            consumed = row[0] if row else 0
+            return {"held": len(self.ids), "pending": len(self.ids) - consumed,
+                    "consumed": consumed, "taken": consumed}
         return {"held": len(self.ids), "pending": len(self.pending),
                 "consumed": self.committed, "taken": self.taken}
 
@@ -219,19 +230,10 @@ def make_ingest_app(store: IngestStore, token: str, max_body: int = MAX_BODY) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the ingest endpoint alone (no trainer): `python -m trainer.ingest --dir D --host H
-    --port P --token T`. SIGTERM/SIGINT stop it after in-flight requests."""
-    import argparse
+    """`python -m trainer.ingest --config FILE`: the same as `deltaswarm ingest`."""
+    from trainer.ingest_service import main as service_main
 
-    p = argparse.ArgumentParser(prog="python -m trainer.ingest", description=main.__doc__)
-    p.add_argument("--dir", required=True, type=Path, help="store directory (segments, cursor)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8800)
-    p.add_argument("--token", required=True, help="bearer token the senders present")
-    a = p.parse_args(argv)
-    web.run_app(make_ingest_app(IngestStore(a.dir), a.token), host=a.host, port=a.port,
-                print=lambda msg: print(msg, flush=True))
-    return 0
+    return service_main(argv)
 
 
 if __name__ == "__main__":

@@ -1,74 +1,19 @@
 """Trajectories end to end across a trainer restart and a cut link: rollout batches posted to a
-real region daemon reach a real trainer ingest process (`python -m trainer.ingest`) that is
+real region daemon reach a real trainer ingest process (`deltaswarm ingest --config`) that is
 SIGKILLed mid-stream and restarted, then stopped for a while; the ingest's store on disk ends
 holding exactly the ids sent, each stored once, and the daemon's spool is empty."""
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import ROOT, TOKEN, Cluster, free_port, http, wait_until
+from tests.integration.harness import Cluster, http, wait_until
+from tests.integration.ingest_proc import IngestProcess
 from tests.trajectories import batch, ids, ndjson
 from trainer.ingest import IngestStore
-
-
-class IngestProcess:
-    """The trainer's ingest endpoint as its own process, restartable on the same dir and port."""
-
-    def __init__(self, root: Path, host: str) -> None:
-        self.root, self.host = root, host
-        self.store_dir = root / "ingest"
-        self.port = free_port(host)
-        self.url = f"http://{host}:{self.port}"
-        self.log_path = root / "ingest.log"
-        self.proc: subprocess.Popen | None = None
-        self.starts = 0
-
-    def start(self) -> None:
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "trainer.ingest", "--dir", str(self.store_dir),
-                 "--host", self.host, "--port", str(self.port), "--token", TOKEN],
-                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-        self.starts += 1
-
-        def up() -> bool:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"ingest exited {self.proc.returncode}:\n{self.log()}")
-            return http(f"{self.url}/healthz", token=None, timeout=2)[0] == 200
-        wait_until(up, 60, "the ingest process to serve /healthz")
-
-    def stats(self) -> dict:
-        code, body, _ = http(f"{self.url}/v1/ingest/stats", timeout=2)
-        if code != 200:
-            raise ValueError(f"ingest stats: {code} {body[:200]!r}")
-        return json.loads(body)
-
-    def kill9(self) -> None:
-        self.proc.kill()
-        self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-            raise AssertionError(f"ingest did not stop on SIGTERM:\n{self.log()}") from None
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-3000:] if self.log_path.exists() else ""
 
 
 def trajectories(n: int) -> tuple[list[str], bytes]:

@@ -11,7 +11,9 @@ from chain.config_base import ConfigError, to_yaml, undocumented
 from daemon.config import Config, load_config
 from demo.config import DemoConfig, build_layout, load_demo_config, with_overrides, write_layout
 from rollout.config import WorkerConfig, parse_args
+from trainer.ckpt_cli import PublishConfig, load_publish_config
 from trainer.config import TrainerConfig, load_trainer_config
+from trainer.ingest_service import IngestServiceConfig, load_ingest_config
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
@@ -28,6 +30,8 @@ LOADERS = {  # which process reads which shipped file
     "train.yaml": load_trainer_config,
     "rollout/*.yaml": load_worker,
     "demo.yaml": load_demo_config,
+    "publish.yaml": load_publish_config,
+    "ingest.yaml": load_ingest_config,
 }
 
 
@@ -47,7 +51,8 @@ def test_every_file_in_configs_has_a_loader_and_every_process_an_example():
     assert {pattern for _, pattern in shipped()} == set(LOADERS)
 
 
-@pytest.mark.parametrize("model", [Config, TrainerConfig, WorkerConfig, DemoConfig],
+@pytest.mark.parametrize("model", [Config, TrainerConfig, WorkerConfig, DemoConfig,
+                                   PublishConfig, IngestServiceConfig],
                          ids=lambda m: m.__name__)
 def test_every_config_field_is_documented(model):
     assert undocumented(model) == []

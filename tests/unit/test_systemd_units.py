@@ -23,6 +23,7 @@ INSTALLED = "/opt/deltaswarm/.venv/bin/deltaswarm"
 DAEMON, TRAINER, ROLLOUT = (
     "deltaswarm-daemon@.service", "deltaswarm-trainer.service", "deltaswarm-rollout@.service",
 )
+INGEST, WATCH = "deltaswarm-ingest.service", "deltaswarm-watch.service"
 
 
 def settings(name: str) -> dict[tuple[str, str], list[str]]:
@@ -76,7 +77,8 @@ def test_units_pass_systemd_analyze_verify_without_warnings(tmp_path):
     if analyze is None:
         pytest.skip("systemd-analyze not installed (apt-get install -y systemd procps)")
     portable_copy(tmp_path)
-    names = ["deltaswarm-daemon@eu-west.service", TRAINER, "deltaswarm-rollout@eu-west.service"]
+    names = ["deltaswarm-daemon@eu-west.service", TRAINER, "deltaswarm-rollout@eu-west.service",
+             INGEST, WATCH]
     proc = subprocess.run(
         [analyze, "verify", "--man=no", *names], cwd=tmp_path,
         capture_output=True, text=True, timeout=60,
@@ -114,7 +116,7 @@ def test_daemon_stop_timeout_exceeds_its_drain_bound():
     assert seconds(one(settings(DAEMON), "TimeoutStopSec")) >= drain + 15
 
 
-@pytest.mark.parametrize("name", [DAEMON, TRAINER, ROLLOUT])
+@pytest.mark.parametrize("name", [DAEMON, TRAINER, ROLLOUT, INGEST, WATCH])
 def test_units_restart_on_failure_as_a_static_user(name):
     u = settings(name)
     assert one(u, "Restart") == "on-failure"
@@ -125,7 +127,7 @@ def test_units_restart_on_failure_as_a_static_user(name):
     assert one(u, "LogsDirectory") == "deltaswarm"
 
 
-@pytest.mark.parametrize("name", [DAEMON, TRAINER, ROLLOUT])
+@pytest.mark.parametrize("name", [DAEMON, TRAINER, ROLLOUT, INGEST, WATCH])
 def test_units_are_hardened_but_allow_jit_memory(name):
     u = settings(name)
     for key in ("NoNewPrivileges", "ProtectHome", "PrivateTmp", "ProtectKernelTunables",
@@ -150,3 +152,15 @@ def test_rollout_worker_follows_its_regions_daemon():
     u = settings(ROLLOUT)
     assert "deltaswarm-daemon@%i.service" in one(u, "After", "Unit").split()
     assert "deltaswarm-daemon@%i.service" in one(u, "Wants", "Unit").split()
+
+
+def test_ingest_and_watch_units_read_their_config_and_take_no_secret_on_the_command_line():
+    ingest, watch = settings(INGEST), settings(WATCH)
+    assert one(ingest, "ExecStart") == f"{INSTALLED} ingest --config /etc/deltaswarm/ingest.yaml"
+    assert one(watch, "ExecStart") == f"{INSTALLED} watch --config /etc/deltaswarm/publish.yaml"
+    for u in (ingest, watch):
+        assert "--token" not in one(u, "ExecStart")
+        assert one(u, "PrivateDevices") == "yes"
+    assert "deltaswarm-daemon@trainer.service" in one(watch, "After", "Unit").split()
+    # the watcher writes the chain into the trainer daemon's state directory
+    assert "deltaswarm/trainer" in one(watch, "StateDirectory").split()

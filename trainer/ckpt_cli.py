@@ -1,0 +1,272 @@
+"""`deltaswarm publish CKPT_DIR` and `deltaswarm watch DIR`: publish a trainer's HF checkpoint
+directories through the trainer node's daemon, with no change to the trainer.
+
+    deltaswarm publish ckpts/step_100 --config publish.yaml
+    deltaswarm watch ckpts/ --config publish.yaml      # step_100/, step_200/, ... in order
+    deltaswarm watch --config publish.yaml             # the config's watch.dir
+
+publish.yaml (paths relative to the file):
+
+    run: my-run                      # the daemons' run name
+    chain_dir: /var/lib/deltaswarm/trainer/chain   # the trainer daemon's state_dir/chain
+    key: /etc/deltaswarm/trainer.key
+    state_dir: /var/lib/deltaswarm/publish         # head reconstruction + published.json
+    daemon: {url: "http://127.0.0.1:7600", token_file: /etc/deltaswarm/token}
+    watch: {pattern: '(?:step_|checkpoint-|global_step_)?(\\d+)', subdir: null, marker: null}
+
+`watch` polls DIR every `poll_s`; a child whose name matches `pattern` (its group is the step)
+is published, in step order, once it is whole (trainer.checkpoints.inspect_checkpoint) and no
+file in it has changed for `settle_s`. A directory left incomplete and unchanged for
+`abandon_s` (a trainer killed mid-save that went on from an older checkpoint) is skipped once a
+later step is whole. SIGTERM/SIGINT stop it between publishes; a restart resumes after the
+last published step (state_dir/published.json).
+"""
+
+import argparse
+import logging
+import re
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from pydantic import Field, field_validator
+
+from chain.config_base import NAME_PATTERN, ConfigError, Section, load_yaml
+from chain.errors import ChainError
+
+log = logging.getLogger("deltaswarm.watch")
+
+
+class DaemonSection(Section):
+    url: str | None = Field(None, pattern=r"^https?://\S+$", max_length=2048)
+    """The trainer node's daemon control plane; null writes the chain dir only (the daemon
+    picks the versions up when it starts)."""
+    token_file: Path | None = None
+    """File holding the swarm's bearer token (first line), for POST /v1/publish."""
+
+    def bearer(self) -> str | None:
+        if self.token_file is None:
+            return None
+        try:
+            tok = self.token_file.read_text().strip().splitlines()[0].strip()
+        except (OSError, IndexError) as e:
+            raise ConfigError(f"daemon.token_file {self.token_file}: cannot read a token "
+                              f"({e})") from None
+        if len(tok) < 8:
+            raise ConfigError(f"daemon.token_file {self.token_file}: token shorter than 8 "
+                              "characters")
+        return tok
+
+
+class WatchSection(Section):
+    dir: Path | None = None
+    """The directory the trainer writes checkpoints into (`deltaswarm watch DIR` overrides)."""
+    pattern: str = Field(r"(?:step_|step-|checkpoint-|global_step_|global_step|iter_)?(\d+)",
+                         max_length=512)
+    """Regex a checkpoint directory's whole name matches; its first group is the step."""
+    subdir: str | None = Field(None, max_length=512)
+    """Path inside each step directory that holds the HF files (verl: `actor/huggingface`)."""
+    marker: str | None = Field(None, pattern=r"^[A-Za-z0-9_.\-]{1,128}$")
+    """A file the trainer writes last (e.g. `COMPLETE`); required when set."""
+    settle_s: float = Field(2.0, ge=0, le=3600)
+    """A checkpoint is published only when no file in it changed for this long."""
+    poll_s: float = Field(2.0, gt=0, le=3600)
+    """How often the directory is scanned."""
+    abandon_s: float = Field(60.0, ge=0, le=7 * 86400)
+    """An incomplete directory unchanged this long is skipped once a later step is whole."""
+
+    @field_validator("pattern")
+    @classmethod
+    def _one_group(cls, v: str) -> str:
+        try:
+            rx = re.compile(v)
+        except re.error as e:
+            raise ValueError(f"not a regular expression: {e}") from None
+        if rx.groups < 1:
+            raise ValueError("needs a group capturing the step number, like (\\d+)")
+        return v
+
+
+class PublishConfig(Section):
+    run: str = Field(pattern=NAME_PATTERN)
+    """Run name, stamped into every manifest; daemons refuse other runs."""
+    chain_dir: Path
+    """The chain directory the trainer node's daemon seeds (its state_dir/chain)."""
+    key: Path
+    """The trainer's Ed25519 signing key (deltaswarm keygen)."""
+    state_dir: Path
+    """Where the head reconstruction (two copies of the model) and published.json live."""
+    daemon: DaemonSection = DaemonSection()
+    """The local daemon told about each new version."""
+    watch: WatchSection = WatchSection()
+    """How `deltaswarm watch` finds and judges checkpoint directories."""
+    snapshot_every: int = Field(10, ge=1, le=1_000_000)
+    """Publish a full snapshot every this many versions (late joiners start from one)."""
+    retention_versions: int = Field(16, ge=1, le=1_000_000)
+    """Versions whose artifacts the chain directory keeps."""
+    block_size: int = Field(4 << 20, ge=1 << 16, le=64 << 20)
+    """Size of the content-addressed blocks a version's payload is cut into, in bytes."""
+
+
+def load_publish_config(path: str | Path) -> PublishConfig:
+    return load_yaml(PublishConfig, path,
+                     paths=("chain_dir", "key", "state_dir", "daemon.token_file",
+                            "watch.dir"))
+
+
+def make_publisher(cfg: PublishConfig):
+    from chain.policy import Retention, SnapshotPolicy
+    from trainer.checkpoints import CheckpointPublisher
+
+    return CheckpointPublisher(cfg.chain_dir, cfg.key, cfg.run, cfg.state_dir, cfg.daemon.url,
+                               cfg.daemon.bearer(), SnapshotPolicy(every=cfg.snapshot_every),
+                               Retention(versions=cfg.retention_versions), cfg.block_size)
+
+
+class Watcher:
+    """One scan at a time (`scan`), so a test or a caller drives it without threads."""
+
+    def __init__(self, pub, root: Path, watch: WatchSection) -> None:
+        self.pub, self.root, self.cfg = pub, Path(root), watch
+        self.rx = re.compile(watch.pattern)
+        self.seen: dict[Path, tuple[tuple, float]] = {}  # path -> (fingerprint, unchanged since)
+
+    def candidates(self) -> list[tuple[int, Path]]:
+        out = []
+        for child in self.root.iterdir() if self.root.is_dir() else []:
+            m = self.rx.fullmatch(child.name)
+            if m and child.is_dir():
+                out.append((int(m.group(1)), child / self.cfg.subdir if self.cfg.subdir
+                            else child))
+        return sorted(out)
+
+    def _observe(self, path: Path, now: float) -> None:
+        from trainer.checkpoints import _fingerprint
+
+        fp = _fingerprint(path) if path.is_dir() else ()
+        old = self.seen.get(path)
+        if old is None or old[0] != fp:
+            self.seen[path] = (fp, now)
+
+    def _stale_for(self, path: Path, now: float) -> float:
+        """How long nothing in `path` has changed: what this watcher saw, or the files' mtimes
+        (so a torn directory from before a restart counts as stale at once)."""
+        mtimes = [path.stat().st_mtime] if path.exists() else []
+        mtimes += [st.st_mtime for p in path.iterdir() if p.is_file() and (st := p.stat())] \
+            if path.is_dir() else []
+        return max(now - self.seen[path][1], time.time() - max(mtimes, default=time.time()))
+
+    def scan(self, stop: threading.Event | None = None) -> list[int]:
+        """Publish every whole, settled checkpoint after the last published step, in order;
+        returns the steps published."""
+        from trainer.checkpoints import Incomplete, inspect_checkpoint
+
+        done: list[int] = []
+        last = self.pub.last_step()
+        now = time.monotonic()
+        todo = [(s, p) for s, p in self.candidates() if last is None or s > last]
+        for _, path in todo:
+            self._observe(path, now)
+        for step, path in todo:
+            if stop is not None and stop.is_set():
+                break
+            try:
+                ckpt = inspect_checkpoint(path, self.cfg.marker)
+            except Incomplete as e:
+                stale = self._stale_for(path, now)
+                if stale < self.cfg.abandon_s:
+                    log.debug("step %d: %s", step, e)
+                    break  # being written: later steps wait for it
+                log.warning("step %d looks abandoned (%s, unchanged %.0f s); later steps may "
+                            "pass it", step, e, stale)
+                continue
+            fp, since = self.seen[path]
+            if now - since < self.cfg.settle_s or ckpt.fingerprint != fp:
+                break  # whole but still settling
+            if self.pub.was_published(path) is not None:
+                continue
+            out = self.pub.publish(ckpt, step)
+            log.info("step %d -> v%d%s", step, out.version, "" if out.notified or
+                     self.pub.daemon_url is None else " (daemon not told)")
+            done.append(step)
+        return done
+
+    def run(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                self.scan(stop)
+            except (ChainError, OSError) as e:  # e.g. a step directory deleted mid-scan
+                log.error("%s (retrying in %.0f s)", e, self.cfg.poll_s)
+            stop.wait(self.cfg.poll_s)
+
+
+def main_publish(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="deltaswarm publish",
+                                description="publish one HF checkpoint directory as the next "
+                                "version (see `deltaswarm watch` for a directory of them)")
+    p.add_argument("ckpt_dir", type=Path)
+    p.add_argument("--config", required=True, type=Path)
+    p.add_argument("--step", type=int, default=None, help="the trainer step (recorded only)")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s publish %(message)s")
+    from trainer.checkpoints import settled
+
+    try:
+        cfg = load_publish_config(a.config)
+        pub = make_publisher(cfg)
+        out = pub.publish(settled(a.ckpt_dir, cfg.watch.settle_s, cfg.watch.marker), a.step)
+    except (ConfigError, ChainError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"published {a.ckpt_dir} as v{out.version}"
+          + ("" if out.notified else " (daemon not told; it seeds it when it starts)"))
+    return 0
+
+
+def main_watch(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="deltaswarm watch", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("dir", type=Path, nargs="?", help="default: the config's watch.dir")
+    p.add_argument("--config", required=True, type=Path)
+    p.add_argument("--once", action="store_true", help="scan once and exit")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s watch %(message)s")
+    try:
+        cfg = load_publish_config(a.config)
+        root = a.dir or cfg.watch.dir
+        if root is None:
+            raise ConfigError(f"config {a.config}: give the directory to watch, as DIR or as "
+                              "watch.dir")
+        watcher = Watcher(make_publisher(cfg), root, cfg.watch)
+    except (ConfigError, ChainError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    if a.once:  # two scans a settle time apart: a checkpoint must be seen unchanged
+        watcher.scan()
+        time.sleep(cfg.watch.settle_s)
+        watcher.scan()
+        return 0
+    log.info("watching %s (run %s, resuming after step %s)", root, cfg.run,
+             watcher.pub.last_step())
+    watcher.run(stop)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry for `python -m trainer.ckpt_cli publish|watch ...`."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["publish"]:
+        return main_publish(argv[1:])
+    if argv[:1] == ["watch"]:
+        return main_watch(argv[1:])
+    print("usage: python -m trainer.ckpt_cli publish|watch ...", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
