@@ -59,6 +59,8 @@ class Parts:
     status: Callable[[], dict]
     metrics: Callable[[], tuple[bytes, str]]
     stopping: Callable[[], bool]
+    complaint: Callable[[str], bool] = lambda artifact: False
+    """A peer says we sent it bad data for an artifact: re-check it (rate-limited there)."""
 
 
 NODE: web.AppKey[Parts] = web.AppKey("node")
@@ -284,6 +286,24 @@ async def peers_announce(request: web.Request) -> web.Response:
     return web.json_response({"ok": True, "peers": len(node.book.peers)})
 
 
+async def swarm_complaint(request: web.Request) -> web.Response:
+    """A peer that banned us says we sent it data failing the hash check for an artifact. It
+    proves nothing (the peer may lie or be wrong), so it only schedules our own check of that
+    artifact, at most once per artifact every few seconds (daemon/selfcheck.py)."""
+    node = request.app[NODE]
+    try:
+        doc = await request.json()
+    except ValueError:
+        raise fail(400, 'body must be JSON {"artifact": "v00000001.delta"}') from None
+    artifact = doc.get("artifact") if isinstance(doc, dict) else None
+    try:
+        parse_artifact(artifact)
+    except (BadManifest, TypeError):
+        raise fail(400, f'body must be {{"artifact": "vNNNNNNNN.delta|snapshot"}}, got '
+                        f'{artifact!r:.80}') from None
+    return web.json_response({"ok": True, "checking": node.complaint(artifact)})
+
+
 def build_app(node: Parts) -> web.Application:
     app = web.Application(middlewares=[auth], client_max_size=node.max_body_bytes)
     app[NODE] = node
@@ -300,5 +320,6 @@ def build_app(node: Parts) -> web.Application:
         web.post("/v1/publish", publish),
         web.get("/v1/peers", peers_list),
         web.post("/v1/peers", peers_announce),
+        web.post("/v1/swarm/complaints", swarm_complaint),
     ])
     return app

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from chain.digest import block_id
-from chain.errors import BadBlock, BadManifest
+from chain.errors import BadBlock
 from chain.manifest import Manifest
 from chain.store import ChainStore
 from daemon import torrents

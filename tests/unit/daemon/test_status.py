@@ -161,7 +161,7 @@ def test_cli_renders_summary_peers_and_versions(server):
     assert "eu-1" in out and "6 / head 7" in out
     assert "94.7 KiB (97.0% of full checkpoints)" in out
     assert "us-1" in out and "10.0.0.2:6881" in out
-    assert "banned: sent a piece failing its v2 hash" in out
+    assert "banned on v00000001.delta: sent a piece failing its v2 hash" in out
     assert "v00000007.delta" in out and "25.0%" in out
     assert "refused unsigned: no signature" in out
 
@@ -272,6 +272,6 @@ def test_names_and_reasons_from_peers_are_shown_literally_not_as_markup():
     console = wide_console()
     console.print(status_cli.render(s, peers=True, versions=True))
     out = console.export_text()
-    for literal in (hostile, "[bold]me", "[red]x[/]", "banned: [/] bad piece",
+    for literal in (hostile, "[bold]me", "[red]x[/]", "v00000001.delta: [/] bad piece",
                     "failed: peer said [/link]", "refused unsigned: [/", "(last: [/i])"):
         assert literal in out, literal
