@@ -1,6 +1,7 @@
 """daemon.bans: one ban per (endpoint, artifact), kept across a restart, gone after expiry."""
 
 import json
+import time
 from pathlib import Path
 
 from daemon.bans import BanList
@@ -9,16 +10,17 @@ A, B = "v00000001.delta", "v00000002.delta"
 
 
 def test_bans_survive_a_restart_and_expire(tmp_path: Path) -> None:
-    path = tmp_path / "bans.json"
+    path, t = tmp_path / "bans.json", time.time()
     bans = BanList(path, expiry_s=100)
-    bans.add("127.0.0.5:6881", A, "bad piece", now=1000.0)
+    bans.add("127.0.0.5:6881", A, "bad piece", now=t)
+    bans.add("127.0.0.6:6881", B, "bad piece", now=t - 200)  # already over
     again = BanList(path, expiry_s=100)
-    assert [(r.endpoint, r.artifact, r.since, r.expires) for r in again.active(now=1050.0)] == [
-        ("127.0.0.5:6881", A, 1000.0, 1100.0)]
-    assert again.endpoints(A, now=1050.0) == {("127.0.0.5", 6881)}
-    assert again.endpoints(B, now=1050.0) == set()
-    assert again.prune(now=1100.0) == {A}
-    assert again.active(now=1100.0) == [] and json.loads(path.read_text()) == []
+    assert [(r.endpoint, r.artifact, r.since, r.expires) for r in again.active(now=t + 50)] == [
+        ("127.0.0.5:6881", A, t, t + 100)]
+    assert again.endpoints(A, now=t + 50) == {("127.0.0.5", 6881)}
+    assert again.endpoints(B, now=t + 50) == set()
+    assert again.prune(now=t + 100) == {A}
+    assert again.active(now=t + 100) == [] and json.loads(path.read_text()) == []
 
 
 def test_a_ban_names_one_endpoint_on_one_artifact(tmp_path: Path) -> None:
