@@ -18,6 +18,7 @@ import ipaddress
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import threading
@@ -215,6 +216,11 @@ class Node:
             finally:
                 self.warmup["seconds"] = round(time.monotonic() - t0, 3)
 
+        if self.role.syncer is None:  # the trainer's daemon seeds; it never applies
+            self.warmup["state"] = "off"
+            return
+        for stale in self.paths.root.glob("deltaswarm-warmup-*"):  # left by a kill -9
+            shutil.rmtree(stale, ignore_errors=True)
         threading.Thread(target=run, name="warmup", daemon=True).start()
 
     async def _notify(self, version: int, path: Path, digest: str) -> None:

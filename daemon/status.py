@@ -128,7 +128,8 @@ class Warmup(_Model):
     """Compiling the codec and digest kernels in the background at start, so the first apply
     costs what later ones do."""
 
-    state: Literal["pending", "running", "ready", "failed"] = "pending"
+    state: Literal["pending", "running", "ready", "failed", "off"] = Field(
+        "pending", description="off: a trainer's daemon, which never applies")
     seconds: float | None = Field(None, description="how long compiling (or loading the numba "
                                   "cache) took")
     error: str | None = None
