@@ -5,7 +5,8 @@ cache, `NUMBA_CACHE_DIR` or `__pycache__`); with an empty cache that took 42-60 
 region's first apply. `warm()` runs the path a node takes for real, on a few tiny tensors of
 the usual dtypes: publish a snapshot and two deltas, apply all three into a weights directory
 (the second delta brought forward in place), so every kernel and argument type an apply uses is
-compiled once. numba's compiler lock makes a real apply that starts meanwhile wait for the
+compiled once. Publishing compiles the encoder too, which a region never runs: about half the
+cold warm-up, paid once per numba cache (shipping pre-encoded artifacts would avoid it). numba's compiler lock makes a real apply that starts meanwhile wait for the
 kernel being compiled instead of compiling it twice.
 
     python -c "from chain.warmup import warm; print(warm())"
@@ -24,7 +25,8 @@ from chain.store import ChainStore
 from chain.weights import WeightsDir
 from chain.writer import write_artifact
 
-DTYPES = {"bfloat16": np.uint16, "float16": np.uint16, "float32": np.uint32}
+DTYPES = {"bfloat16": np.uint16, "float32": np.uint32}
+"""The kernels take the raw bits: float16 and bfloat16 share the uint16 signatures."""
 NUMEL = 1 << 19
 """Past the codec's threading threshold (2^18), so the threaded path is compiled too."""
 
