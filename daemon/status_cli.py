@@ -106,6 +106,13 @@ def summary(s: NodeStatus) -> Table:
     table.add_row("peers", str(len(s.peers)))
     table.add_row("verify failures", _plain(fails, style="red" if v.failures else ""))
     table.add_row("bans", Text(str(len(s.bans)), style="red" if s.bans else ""))
+    c = s.self_check
+    table.add_row("self-check", _plain(
+        f"{c.state}, {c.runs} passes, {_human(c.bytes_checked)} read, {c.corrupt_found} corrupt, "
+        f"{c.repaired} repaired", style="red" if c.corrupt_found > c.repaired else ""))
+    w = s.warmup
+    table.add_row("warm-up", _plain(w.state + (f" ({w.seconds:.1f}s)" if w.seconds else "")
+                                    + (f": {w.error}" if w.error else "")))
     table.add_row("refused manifests", _plain(refused))
     table.add_row("engine", _plain(engine))
     table.add_row("spool", _plain(spool))
