@@ -104,3 +104,17 @@ def test_a_seeder_finds_a_flipped_byte_and_repairs_it(tmp_path: Path) -> None:
         assert "deltaswarm_self_check_corrupt_blocks_total 1.0" in metrics
         assert "deltaswarm_self_check_repaired_blocks_total 1.0" in metrics
         assert "deltaswarm_warmup_ready 1.0" in metrics
+
+        # Damage done while the node is down is found by the pass at start.
+        seeder.stop()
+        files = _corrupt(seeder.state_dir, ART, whole=False)
+        seeder.config["self_check"] = {"interval_s": 3600}
+        seeder.write_config()
+        seeder.start()
+        seeder.wait_ready()
+        wait_until(lambda: seeder.status()["self_check"]["repaired"] >= 1, 60,
+                   "the restarted seeder to repair what broke while it was down")
+        st = seeder.status()["self_check"]
+        assert st["corrupt_found"] == 1 and st["corrupt"][0]["block"] == files[0].name
+        assert st["last_trigger"] == "start" and st["runs"] == 1
+        assert _intact(files)
