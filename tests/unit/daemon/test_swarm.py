@@ -195,3 +195,22 @@ def test_a_host_name_endpoint_is_skipped_with_an_event_not_raised(tmp_path, swar
     node.add_peers(ART, [("localhost", 6881), ("127.0.0.9", 6881)])
     errors = [e for e in node.pump() if e.kind == "error"]
     assert len([e for e in errors if "not dialling" in e.detail]) == 2, errors
+
+
+def test_a_seed_reports_its_own_corrupt_piece_when_it_first_serves_it(tmp_path, swarms):
+    """A seed added in seed mode hashes each piece the first time it serves it: a block
+    damaged on its disk shows up as a 'hash_failed' event on the seed (the self-check's
+    trigger, daemon/selfcheck.py), and the downloader never gets that piece from it."""
+    blocks, tb = _store(tmp_path, 2, 1 << 20)
+    torrents.link_blocks(ART, blocks, tmp_path / "seed")
+    with open(torrents.block_path(tmp_path / "seed", ART, blocks[0][0]), "r+b") as f:
+        f.seek(1000)
+        f.write(b"XXXX")
+    seed = swarms("127.0.0.41")
+    seed.seed(ART, tb, tmp_path / "seed")
+    node = swarms("127.0.0.42")
+    node.download(ART, tb, tmp_path / "n", [seed.endpoint])
+    events = _until([seed, node], lambda: seed.status()["hash_failures"] > 0, 20)
+    assert any(e.kind == "hash_failed" and e.artifact == ART for e in events)
+    assert seed.is_complete(ART) and not node.progress(ART).finished
+    assert node.status()["bans"] == 0
