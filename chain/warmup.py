@@ -5,9 +5,10 @@ cache, `NUMBA_CACHE_DIR` or `__pycache__`); with an empty cache that took 42-60 
 region's first apply. `warm()` runs the path a node takes for real, on a few tiny tensors of
 the usual dtypes: publish a snapshot and two deltas, apply all three into a weights directory
 (the second delta brought forward in place), so every kernel and argument type an apply uses is
-compiled once. Publishing compiles the encoder too, which a region never runs: about half the
-cold warm-up, paid once per numba cache (shipping pre-encoded artifacts would avoid it). numba's compiler lock makes a real apply that starts meanwhile wait for the
-kernel being compiled instead of compiling it twice.
+compiled once. numba's compiler lock makes a real apply that starts meanwhile wait for the
+kernel being compiled instead of compiling it twice. Publishing compiles the encoder too, which
+a region never runs: about half the cold warm-up, paid once per numba cache (shipping
+pre-encoded artifacts would avoid it).
 
     python -c "from chain.warmup import warm; print(warm())"
 """

@@ -180,7 +180,7 @@ class Node:
     def _complain(self, rec: BanRecord) -> None:
         """Tell the banned peer (if the book knows its control URL) so it re-checks what it
         serves; its own self-check decides, our word is only a trigger."""
-        peer = _peer_at(self.book, rec.endpoint)
+        peer = self.book.at_endpoint(rec.endpoint)
         if peer is None or self.client.session is None:
             return
         task = asyncio.get_running_loop().create_task(self._send_complaint(peer, rec))
@@ -361,15 +361,6 @@ async def _swarm(app: web.Application) -> AsyncIterator[None]:
     for task in (saver, pump):
         await stop_task(task)
     await node.artifacts.close()
-
-
-def _peer_at(book: PeerBook, endpoint: str) -> Peer | None:
-    """The peer at a BitTorrent endpoint: exact ip:port, else the only one at that address."""
-    ip = endpoint.rpartition(":")[0].strip("[]")
-    exact = [p for p in book.peers.values() if p.bt and f"{p.bt[0]}:{p.bt[1]}" == endpoint]
-    same_ip = [p for p in book.peers.values() if p.bt and p.bt[0] == ip]
-    found = exact or same_ip
-    return found[0] if len(found) == 1 else None
 
 
 def _dir_bytes(root: Path) -> int:

@@ -159,8 +159,5 @@ def build_status(node: Sources) -> NodeStatus:
 
 
 def _node_of(book: PeerBook, endpoint: str) -> str | None:
-    """The node at a BitTorrent endpoint: exact ip:port, else the only node at that address."""
-    ip = endpoint.rpartition(":")[0].strip("[]")
-    exact = {p.node for p in book.peers.values() if p.bt and f"{p.bt[0]}:{p.bt[1]}" == endpoint}
-    names = exact or {p.node for p in book.peers.values() if p.bt and p.bt[0] == ip}
-    return names.pop() if len(names) == 1 else None
+    peer = book.at_endpoint(endpoint)
+    return peer.node if peer is not None else None
