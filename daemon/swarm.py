@@ -12,7 +12,8 @@ smart_ban plugin is on by default (`lt.session(settings)` adds the default plugi
 instantiated for v2 torrents, which ours all are: for them libtorrent itself names the sender,
 banning a peer for a failed piece only when that peer sent the whole piece, or, once it has
 fetched the piece's 16 KiB block hashes, only the peers whose blocks failed; a peer in a failed
-piece with others only loses trust points (banned after about four such pieces). That ban lives
+piece with others only loses trust points (banned after about four such pieces), and parole mode
+(on by default) then gives it whole pieces alone, so its next failure is its own. That ban lives
 in that torrent's peer list (one `torrent_peer` per ip:port), so it is per torrent; we turn each
 `peer_ban_alert` into a 'banned' event and re-apply held bans through `banned_peers` when a
 torrent is added. libtorrent has no call to lift it, and with several connections per IP allowed
