@@ -74,6 +74,8 @@ class Parts:
     metrics: Callable[[], tuple[bytes, str]]
     stopping: Callable[[], bool]
     fleet: FleetParts | None = None
+    complaint: Callable[[str], bool] = lambda artifact: False
+    """A peer says we sent it bad data for an artifact: re-check it (rate-limited there)."""
 
 
 NODE: web.AppKey[Parts] = web.AppKey("node")
@@ -362,6 +364,24 @@ async def fleet_view(request: web.Request) -> web.Response:
     return web.json_response(fleet.view())
 
 
+async def swarm_complaint(request: web.Request) -> web.Response:
+    """A peer that banned us says we sent it data failing the hash check for an artifact. It
+    proves nothing (the peer may lie or be wrong), so it only schedules our own check of that
+    artifact, at most once per artifact every few seconds (daemon/selfcheck.py)."""
+    node = request.app[NODE]
+    try:
+        doc = await request.json()
+    except ValueError:
+        raise fail(400, 'body must be JSON {"artifact": "v00000001.delta"}') from None
+    artifact = doc.get("artifact") if isinstance(doc, dict) else None
+    try:
+        parse_artifact(artifact)
+    except (BadManifest, TypeError):
+        raise fail(400, f'body must be {{"artifact": "vNNNNNNNN.delta|snapshot"}}, got '
+                        f'{artifact!r:.80}') from None
+    return web.json_response({"ok": True, "checking": node.complaint(artifact)})
+
+
 def build_app(node: Parts) -> web.Application:
     app = web.Application(middlewares=[auth], client_max_size=node.max_body_bytes)
     app[NODE] = node
@@ -381,5 +401,6 @@ def build_app(node: Parts) -> web.Application:
         web.post("/v1/fleet/report", fleet_report),
         web.get("/v1/fleet", fleet_view),
         web.get("/v1/fleet/sent/{digest}", fleet_sent),
+        web.post("/v1/swarm/complaints", swarm_complaint),
     ])
     return app
