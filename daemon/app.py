@@ -23,6 +23,7 @@ from chain.store import ChainStore
 from daemon.artifacts import Artifacts
 from daemon.board import Board
 from daemon.intake import Intake
+from daemon.live import LiveNodes
 from daemon.peer_client import hello_proof
 from daemon.peers import HEADER, BadPeer, BookFull, PeerBook, check_node, check_url, parse_endpoint
 from daemon.publish import PublishError
@@ -59,6 +60,8 @@ class Parts:
     status: Callable[[], dict]
     metrics: Callable[[], tuple[bytes, str]]
     stopping: Callable[[], bool]
+    live: LiveNodes | None = None
+    """Where the `node`/`region`/`have` of head long-polls are recorded (retention's input)."""
 
 
 NODE: web.AppKey[Parts] = web.AppKey("node")
@@ -159,10 +162,27 @@ def head_doc(node: Parts) -> dict[str, Any]:
             "url": node.url}
 
 
+def record_poller(request: web.Request, node: Parts) -> None:
+    """A polling node's `node`, `region` and `have` (its current version; empty: none yet)."""
+    name = request.query.get("node")
+    if name is None or node.live is None:
+        return
+    region = request.query.get("region") or None
+    try:
+        check_node(name)
+        if region is not None:
+            check_node(region)
+    except BadPeer as e:
+        raise fail(400, f"query parameter node or region: {e}") from None
+    have = int_param(request, "have", None, 0, 2**62)
+    node.live.seen(name, region, have)
+
+
 async def chain_head(request: web.Request) -> web.Response:
     node = request.app[NODE]
     after = int_param(request, "after", None, -1, 2**62)
     timeout = timeout_param(request, node.long_poll_timeout_s)
+    record_poller(request, node)
     if after is not None:
         await node.board.wait(lambda: (node.store.head() if node.store.head() is not None
                                        else -1) > after or node.stopping(), timeout)
@@ -178,7 +198,7 @@ async def chain_index(request: web.Request) -> web.Response:
     return web.json_response({
         "artifacts": node.store.artifacts(), "head": node.store.head(),
         "bt": node.bt(), "node": node.node, "url": node.url,
-        "seeding": sorted(node.artifacts.seeding()),
+        "seeding": sorted(node.artifacts.seeding()), "held": node.artifacts.held(),
         "peers": [{k: p[k] for k in ("url", "bt", "node")} for p in peers]})
 
 

@@ -94,12 +94,16 @@ async def prove_loop(book: PeerBook, client: PeerClient, parallel: int = 8) -> N
 
 class HeadWatcher:
     """One long-poll loop per watched (trusted) peer, so a silent peer holds up only its own
-    loop; calls `on_head(peer, version)` on every reply."""
+    loop; calls `on_head(peer, version)` on every reply. Each poll says who asks and what it
+    holds (`poller()`: node, region, have), which is how the polled daemon's retention knows
+    who is behind."""
 
     def __init__(self, book: PeerBook, client: PeerClient, on_head: OnHead,
                  known_head: Callable[[], int | None], max_peers: int,
-                 poll_timeout: float) -> None:
+                 poll_timeout: float,
+                 poller: Callable[[], dict[str, str]] | None = None) -> None:
         self.book = book
+        self.poller = poller
         self.client = client
         self.on_head = on_head
         self.known_head = known_head
@@ -152,7 +156,8 @@ class HeadWatcher:
     async def _poll(self, peer: Peer) -> None:
         heads = [h for h in (self.known_head(), peer.head) if h is not None]
         after = max(heads, default=-1)
-        params = {"timeout": str(self.poll_timeout), "after": str(after)}
+        params = {"timeout": str(self.poll_timeout), "after": str(after),
+                  **(self.poller() if self.poller is not None else {})}
         reply = await self.client.get_json(f"{peer.url}/v1/chain/head", "head", params=params,
                                            timeout=self.poll_timeout + 10)
         version, bt, node = parse_head(reply, peer.url)

@@ -39,10 +39,12 @@ from daemon.board import Board
 from daemon.config import Config, ConfigError, load_config
 from daemon.hooks import Notifier, build_hook
 from daemon.intake import Intake
+from daemon.live import LiveNodes
 from daemon.peer_client import PeerClient
 from daemon.peers import BadPeer, PeerBook, check_url
 from daemon.publish import Seeder
 from daemon.report import Sources, build_status
+from daemon.retain import Keeper
 from daemon.roles import RegionRole, TrainerRole
 from daemon.spool import Forwarder, Spool
 from daemon.swarm import SwarmConfig
@@ -51,7 +53,7 @@ from daemon.tasks import stop as stop_task
 from daemon.tasks import watched, within
 
 log = logging.getLogger("deltaswarm.node")
-RELOADABLE = frozenset({"bootstrap", "limits", "retention", "trajectories",
+RELOADABLE = frozenset({"bootstrap", "limits", "retention", "sync", "trajectories",
                         "long_poll_timeout_s", "max_peers", "token", "token_file"})
 """Config fields SIGHUP applies; any other change is logged as "restart to apply"."""
 
@@ -126,6 +128,7 @@ class Node:
         self.store = ChainStore(self.paths.chain, keys.parse_public(cfg.trainer_public_key))
         self.weights = WeightsDir(self.paths.weights, keep=cfg.retention.weight_dirs)
         self.board = Board()
+        self.live = LiveNodes(cfg.retention.live_within_s)
         self.client = PeerClient(None, cfg.bearer(), self.book.announce)
         self.artifacts = Artifacts(self.paths.torrents, self.paths.swarm, self.paths.resume,
                                    cfg.bittorrent.piece_size)
@@ -138,21 +141,30 @@ class Node:
             long_poll_timeout_s=cfg.long_poll_timeout_s,
             max_body_bytes=cfg.http.max_body_bytes, store=self.store, book=self.book,
             board=self.board, artifacts=self.artifacts, role=self.role, intake=self.intake,
-            status=self.status, metrics=self.metrics_text, stopping=lambda: self.stopping)
+            status=self.status, metrics=self.metrics_text, stopping=lambda: self.stopping,
+            live=self.live)
         self._registry = metrics.build_registry(self.status_model)
         self._forwarding: asyncio.Task | None = None
 
     def _role(self) -> TrainerRole | RegionRole:
         """Trainer or region behaviour, chosen here once."""
-        retention = self.cfg.retention.versions
-        if self.cfg.role == "trainer":
-            return TrainerRole(Seeder(self.store, self.artifacts, self.board, retention),
+        cfg = self.cfg
+        keeper = Keeper(self.store, cfg.retention.policy(), self.live.versions,
+                        cfg.retention.live_within_s, record=cfg.role == "trainer")
+        if cfg.role == "trainer":
+            return TrainerRole(Seeder(self.store, self.artifacts, self.board, keeper),
                                self.store)
         syncer = Syncer(store=self.store, weights=self.weights, book=self.book,
                         client=self.client, artifacts=self.artifacts, board=self.board,
-                        notify=self._notify, retention_versions=retention)
+                        notify=self._notify, keeper=keeper, settings=cfg.sync)
+
+        def poller() -> dict[str, str]:
+            have = syncer.current_version()
+            return {"node": cfg.node, "region": cfg.region,
+                    "have": "" if have is None else str(have)}
+
         watcher = HeadWatcher(self.book, self.client, syncer.on_head, self.store.head,
-                              self.cfg.max_peers, self.cfg.long_poll_timeout_s)
+                              cfg.max_peers, cfg.long_poll_timeout_s, poller)
         return RegionRole(syncer, watcher, self.weights, self.store, self.artifacts,
                           self.cfg.node)
 
@@ -184,7 +196,8 @@ class Node:
         return build_status(self.sources())
 
     def status(self) -> dict:
-        return self.status_model().model_dump(mode="json") | {"detail": self.detail()}
+        return (self.status_model().model_dump(mode="json") | self.role.sections()
+                | {"detail": self.detail()})
 
     def detail(self) -> dict:
         return {"url": self.url, "peer_book": self.book.snapshot(),
@@ -243,8 +256,8 @@ class Node:
             old, old_token = self.cfg, self.client.token
             self.artifacts.set_rate_limits(new.limits.upload_bytes_per_s,
                                            new.limits.download_bytes_per_s)
-            self.role.reconfigure(new.retention.versions, new.max_peers,
-                                  new.long_poll_timeout_s)
+            self.role.reconfigure(new)
+            self.live.within_s = new.retention.live_within_s
             self.weights.keep = new.retention.weight_dirs
             self.client.reconfigure(token)
             self.parts.token = token

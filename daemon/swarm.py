@@ -302,6 +302,10 @@ class Swarm:
     def artifacts(self) -> list[str]:
         return sorted(self._torrents)
 
+    def complete(self) -> list[str]:
+        """Artifacts held in full (seeded, or downloaded and flushed)."""
+        return sorted(a for a, t in list(self._torrents.items()) if t.complete)
+
     def close(self) -> None:
         if self._session is not None:
             self._session.pause()
