@@ -97,10 +97,10 @@ class RetentionConfig(_Section):
 
 
 class SyncConfig(_Section):
-    progress_timeout_s: float = Field(30.0, gt=0, le=86400)
+    progress_timeout_s: float = Field(20.0, gt=0, le=86400)
     """A download that gains no bytes for this long is given up (its partial data kept for
     resume) and the region replans around that artifact."""
-    unoffered_timeout_s: float = Field(15.0, gt=0, le=86400)
+    unoffered_timeout_s: float = Field(10.0, gt=0, le=86400)
     """An artifact no peer has listed as held for this long counts as gone: plans go around it
     (a later snapshot plus deltas)."""
     head_quorum: int = Field(3, ge=1, le=1000)
