@@ -196,7 +196,9 @@ class Node:
         return build_status(self.sources())
 
     def status(self) -> dict:
-        return (self.status_model().model_dump(mode="json") | self.role.sections()
+        sections = self.role.sections()
+        sections["retention"]["nodes"] = self.live.snapshot()
+        return (self.status_model().model_dump(mode="json") | sections
                 | {"detail": self.detail()})
 
     def detail(self) -> dict:
