@@ -168,6 +168,37 @@ class HeadWatcher:
             await asyncio.sleep(0.2)
 
 
+class HeadQuorum:
+    """Whether enough heads are in to plan (issue 11, finding 5: a late joiner acted on the first
+    head it heard, a stale one, and downloaded two snapshots). Settled once `quorum` peers
+    replied, or every peer known (and askable now) replied after an index said who they are,
+    or `wait_s` passed since the first reply; once settled it stays so."""
+
+    def __init__(self, quorum: int, wait_s: float) -> None:
+        self.quorum, self.wait_s = quorum, wait_s
+        self.heard: dict[str, int | None] = {}
+        self.first: float | None = None
+        self.read_index = False
+        self.settled = False
+
+    def reply(self, url: str, version: int | None) -> None:
+        self.heard[url] = version
+        if self.first is None:
+            self.first = time.monotonic()
+
+    def check(self, book: PeerBook) -> bool:
+        if self.settled or self.first is None:
+            return self.settled
+        now = time.monotonic()
+        pending = [p for p in book.peers.values()
+                   if p.url not in self.heard and not p.banned(now) and p.retry_at <= now]
+        if (len(self.heard) >= self.quorum or (self.read_index and not pending)
+                or now - self.first >= self.wait_s):
+            self.settled = True
+            log.info("heads settled after %.2fs: %s", now - self.first, self.heard)
+        return self.settled
+
+
 async def first_good(peers: Iterable[Peer], ask: Callable[[Peer], Awaitable[T]],
                      book: PeerBook, fanout: int = FANOUT, grace: float = GRACE_S,
                      settle: bool = True) -> T | None:

@@ -41,9 +41,10 @@ from chain.store import ChainStore
 from chain.weights import WeightsDir
 from daemon import torrents
 from daemon.artifacts import Artifacts
-from daemon.asking import first_good
+from daemon.asking import HeadQuorum, first_good
 from daemon.board import Board
 from daemon.config import SyncConfig
+from daemon.holders import Holders
 from daemon.peer_client import BadReply, PeerClient, PeerError, torrent_cap
 from daemon.peers import BadPeer, Peer, PeerBook, check_node, parse_endpoint
 from daemon.retain import Keeper
@@ -51,9 +52,6 @@ from daemon.swarm import SwarmError
 
 log = logging.getLogger("deltaswarm.sync")
 Notify = Callable[[int, Path, str], Awaitable[object]]
-INDEX_REFRESH_S = 2.0
-"""A peer's index (what it holds) is re-read for planning at most this often, unless it claims
-a newer head than the one it listed."""
 
 
 class SyncError(RuntimeError):
@@ -98,22 +96,16 @@ class Syncer:
         self.last_error = ""
         self._notify_pending: tuple[int, Path, str] | None = None
         self._notify_wake = asyncio.Event()
-        self.listed: dict[str, tuple[float, int | None, frozenset[str]]] = {}
-        """peer url → (monotonic time read, head it listed, artifacts its index lists held)."""
-        self.given_up: dict[str, dict] = {}
-        self._unoffered: dict[str, float] = {}
-        self._no_torrent: dict[str, float] = {}
-        self.heard: dict[str, int | None] = {}
-        self._first_heard: float | None = None
-        self._read_index = False
-        self.settled = False
+        self.holders = Holders(settings)
+        self.heads = HeadQuorum(settings.head_quorum, settings.head_wait_s)
         self.plan_now: list[str] = []
         self.plan_holders: dict[str, int] = {}
         self.plans = 0
         self.replans = 0
 
     def reconfigure(self, settings: SyncConfig) -> None:
-        self.settings = settings
+        self.settings = self.holders.settings = settings
+        self.heads.quorum, self.heads.wait_s = settings.head_quorum, settings.head_wait_s
 
     # --- the loop -------------------------------------------------------------------------
     async def run(self) -> None:
@@ -135,35 +127,17 @@ class Syncer:
                 await asyncio.wait_for(self.wake.wait(), delay)
 
     async def on_head(self, peer: Peer, version: int | None) -> None:
-        self.heard[peer.url] = version
-        if self._first_heard is None:
-            self._first_heard = time.monotonic()
+        self.heads.reply(peer.url, version)
         self.wake.set()
-
-    def heads_settled(self) -> bool:
-        """Whether enough heads are in to plan: `head_quorum` peers replied, or every peer this
-        node knows (and may ask now) replied once an index told it who they are, or
-        `head_wait_s` passed since the first reply. Once settled, it stays so."""
-        if self.settled or self._first_heard is None:
-            return self.settled
-        now = time.monotonic()
-        pending = [p for p in self.book.peers.values()
-                   if p.url not in self.heard and not p.banned(now) and p.retry_at <= now]
-        if (len(self.heard) >= self.settings.head_quorum or (self._read_index and not pending)
-                or now - self._first_heard >= self.settings.head_wait_s):
-            self.settled = True
-            log.info("heads settled after %.2fs: %s", now - self._first_heard,
-                     {u: v for u, v in self.heard.items()})
-        return self.settled
 
     def current_version(self) -> int | None:
         cur = self.weights.current()
         return None if cur is None else cur.version
 
     async def step(self) -> int | None:
-        if not self.heads_settled():
+        if not self.heads.check(self.book):
             await self.refresh_holders()  # reading indexes is how the other peers are learned
-            if not self.heads_settled():
+            if not self.heads.check(self.book):
                 return None
         claimed = self.book.claimed_head()
         target = max((h for h in (claimed, self.store.head()) if h is not None), default=None)
@@ -190,7 +164,7 @@ class Syncer:
             self.plan_now = names
             log.info("plan v%s → v%d: %s (holders %s)", cur, head, names,
                      [self.plan_holders[a] for a in names])
-        self._note_unoffered(names, holders)
+        self.holders.note_plan(names, holders)
         for m in plan:
             if m.artifact not in self.downloads or self.downloads[m.artifact].cancelled():
                 self.downloads[m.artifact] = asyncio.create_task(self.download(m),
@@ -211,12 +185,6 @@ class Syncer:
     async def refresh_holders(self) -> None:
         """Re-read the index of every usable peer whose listing is old (or older than the head
         it now claims), all at once and bounded: what each holds in full, and whom it knows."""
-        now = time.monotonic()
-
-        def stale(peer: Peer) -> bool:
-            got = self.listed.get(peer.url)
-            return got is None or now - got[0] > INDEX_REFRESH_S or (
-                peer.head is not None and (got[1] is None or got[1] < peer.head))
 
         async def read(peer: Peer) -> None:
             try:
@@ -227,49 +195,20 @@ class Syncer:
             except (PeerError, BadPeer) as e:
                 self.book.failed(peer, e)
 
-        todo = [p for p in self.book.by_head() if stale(p)]
+        todo = [p for p in self.book.by_head() if self.holders.stale(p.url, p.head)]
         if todo:
             await asyncio.gather(*(read(p) for p in todo))
 
     def holder_counts(self) -> dict[str, int]:
-        """Per artifact: peers whose index listed it as held within `unoffered_timeout_s`, plus
-        this node if it holds it; 0 for what was given up lately (and is not held here)."""
         now = time.monotonic()
-        counts: Counter[str] = Counter()
-        for url, (at, _, held) in self.listed.items():
+
+        def usable(url: str) -> bool:
             peer = self.book.peers.get(url)
-            if peer is not None and not peer.banned(now) and \
-                    now - at <= self.settings.unoffered_timeout_s:
-                counts.update(held)
+            return peer is not None and not peer.banned(now)
+
         local = set(self.artifacts.held())
-        for name, m in self.store.manifests().items():
-            if name in local or self.store.has_blocks(m):
-                counts[name] += 1
-        for name, g in list(self.given_up.items()):
-            if g["until"] <= now:
-                del self.given_up[name]
-            elif name not in local:
-                counts[name] = 0
-        return dict(counts)
-
-    def give_up(self, artifact: str, reason: str) -> None:
-        hold = 2 * max(self.settings.progress_timeout_s, self.settings.unoffered_timeout_s)
-        self.given_up[artifact] = {"reason": reason, "at": round(time.time(), 3),
-                                   "until": time.monotonic() + hold}
-        self._unoffered.pop(artifact, None)
-        self._no_torrent.pop(artifact, None)
-        log.warning("giving up on %s for %.0fs: %s; replanning around it", artifact, hold,
-                    reason)
-
-    def _note_unoffered(self, names: list[str], holders: dict[str, int]) -> None:
-        now = time.monotonic()
-        for a in names:
-            if holders.get(a, 0) > 0 or a in self.given_up:
-                self._unoffered.pop(a, None)
-                continue
-            since = self._unoffered.setdefault(a, now)
-            if now - since >= self.settings.unoffered_timeout_s:
-                self.give_up(a, f"no peer has listed it as held for {now - since:.0f}s")
+        local |= {n for n, m in self.store.manifests().items() if self.store.has_blocks(m)}
+        return self.holders.counts(usable, local)
 
     # --- manifests ------------------------------------------------------------------------
     async def fetch_manifests(self, target: int, cur: int | None) -> None:
@@ -320,9 +259,9 @@ class Syncer:
         if held is not None and not (isinstance(held, list) and len(held) <= 1_000_000):
             raise BadReply(peer.url, "index held is not a list")
         head = index.get("head")
-        self.listed[peer.url] = (time.monotonic(), head if isinstance(head, int) else None,
-                                 frozenset(a for a in held or () if isinstance(a, str)))
-        self._read_index = True
+        self.holders.record(peer.url, head if isinstance(head, int) else None,
+                            (a for a in held or () if isinstance(a, str)))
+        self.heads.read_index = True
         if index.get("bt"):
             try:
                 self.book.learn(peer.url, parse_endpoint(index["bt"]))
@@ -383,12 +322,9 @@ class Syncer:
         got = await first_good(self.book.by_head(m.version), from_peer, self.book,
                                settle=False)
         if got is None:
-            since = self._no_torrent.setdefault(m.artifact, time.monotonic())
-            waited = time.monotonic() - since
-            if waited >= self.settings.unoffered_timeout_s:
-                self.give_up(m.artifact, f"no peer served its torrent for {waited:.0f}s")
+            self.holders.torrent_missing(m.artifact)
             raise SyncError(f"no peer served a valid torrent for {m.artifact}")
-        self._no_torrent.pop(m.artifact, None)
+        self.holders.torrent_found(m.artifact)
         await asyncio.to_thread(self.artifacts.keep_torrent, m.artifact, got)
         return got
 
@@ -426,7 +362,7 @@ class Syncer:
             elif now - moved_at > self.settings.progress_timeout_s:
                 why = (f"no bytes for {now - moved_at:.0f}s at {p.done} of {p.total} "
                        f"({p.peers} peers)")
-                self.give_up(m.artifact, why)
+                self.holders.give_up(m.artifact, why)
                 raise Stalled(f"{m.artifact}: {why}; its partial data is kept")
             endpoints = set(self.book.bt_endpoints())
             if endpoints - known:
@@ -513,7 +449,7 @@ class Syncer:
         for a in dropped:
             self.artifacts.forget(a)
             self.transfers.pop(a, None)
-            self.given_up.pop(a, None)
+            self.holders.forget(a)
         if dropped:
             log.info("retention dropped %s", dropped)
 
@@ -525,12 +461,10 @@ class Syncer:
             log.warning("retention after a failed step failed: %s", e)
 
     def sync_status(self) -> dict:
-        now = time.monotonic()
-        return {"heads_settled": self.settled, "heads_heard": len(self.heard),
+        return {"heads_settled": self.heads.settled, "heads_heard": len(self.heads.heard),
                 "plan": list(self.plan_now), "holders": dict(self.plan_holders),
                 "plans": self.plans, "replans": self.replans,
-                "given_up": {a: {"reason": g["reason"], "at": g["at"]}
-                             for a, g in self.given_up.items() if g["until"] > now},
+                "given_up": self.holders.status(),
                 "progress_timeout_s": self.settings.progress_timeout_s,
                 "unoffered_timeout_s": self.settings.unoffered_timeout_s}
 
