@@ -177,6 +177,7 @@ class HeadQuorum:
     def __init__(self, quorum: int, wait_s: float) -> None:
         self.quorum, self.wait_s = quorum, wait_s
         self.heard: dict[str, int | None] = {}
+        self.started = time.monotonic()
         self.first: float | None = None
         self.read_index = False
         self.settled = False
@@ -187,9 +188,11 @@ class HeadQuorum:
             self.first = time.monotonic()
 
     def check(self, book: PeerBook) -> bool:
-        if self.settled or self.first is None:
-            return self.settled
+        """Also true, for now, while no peer has answered at all for `wait_s` since start: the
+        node may go on with what it holds (a plan its own store allows) meanwhile."""
         now = time.monotonic()
+        if self.settled or self.first is None:
+            return self.settled or now - self.started >= self.wait_s
         pending = [p for p in book.peers.values()
                    if p.url not in self.heard and not p.banned(now) and p.retry_at <= now]
         if (len(self.heard) >= self.quorum or (self.read_index and not pending)

@@ -206,9 +206,7 @@ class Syncer:
             peer = self.book.peers.get(url)
             return peer is not None and not peer.banned(now)
 
-        local = set(self.artifacts.held())
-        local |= {n for n, m in self.store.manifests().items() if self.store.has_blocks(m)}
-        return self.holders.counts(usable, local)
+        return self.holders.counts(usable, self.artifacts.held())
 
     # --- manifests ------------------------------------------------------------------------
     async def fetch_manifests(self, target: int, cur: int | None) -> None:

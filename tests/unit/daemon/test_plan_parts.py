@@ -108,3 +108,13 @@ def test_a_restarted_keeper_still_keeps_what_the_recorded_live_versions_need(
     assert restarted.status()["kept_for"] == [2]
     Keeper(store, r, lambda: [], 0.0, record=True).run()  # the recorded versions aged out
     assert "v00000003.delta" not in store.artifacts()
+
+
+def test_a_node_no_peer_answers_may_go_on_with_its_own_store_after_the_wait():
+    book = _book("http://127.0.0.2:1")
+    q = HeadQuorum(quorum=3, wait_s=0.05)
+    assert not q.check(book)
+    time.sleep(0.1)
+    assert q.check(book) and not q.settled
+    q.reply("http://127.0.0.2:1", 3)  # a first answer: gather the others before planning
+    assert not q.check(book)
