@@ -10,7 +10,8 @@ swarm.
 Each call encodes the change against the last published version, writes blocks and a signed
 manifest (plus a snapshot when the policy says so) through `chain`, and tells the local daemon
 over HTTP to seed it. The daemon also picks up anything in the chain dir when it starts, so a
-daemon that was down misses nothing.
+daemon that was down misses nothing. Retention is the daemon's decision when one is linked
+(`_retain`): the publisher's own `retention` applies only to a chain dir no daemon serves.
 
 Cost per delta version: one encode pass over old and new (it finds the changes), then
 O(changes): the tensor digests are the head's moved by the changes, and the one kept CPU copy
