@@ -37,25 +37,38 @@ class Holders:
     def counts(self, usable: Callable[[str], bool], local: Iterable[str]) -> dict[str, int]:
         """Per artifact: the peers (`usable(url)`) whose index listed it as held within
         `unoffered_timeout_s`, plus one for a `local` copy; 0 for what was given up lately and
-        is not held here."""
-        now = time.monotonic()
+        is not held here, unless a peer that did not list it then lists it now (a restarted
+        holder is back: the cheap path is worth trying again)."""
         counts: Counter[str] = Counter()
-        for url, (at, _, held) in self.listed.items():
-            if now - at <= self.settings.unoffered_timeout_s and usable(url):
-                counts.update(held)
+        by: dict[str, set[str]] = {}
+        for url in self.fresh(usable):
+            held = self.listed[url][2]
+            counts.update(held)
+            for name in held & self.given_up.keys():
+                by.setdefault(name, set()).add(url)
         local = set(local)
         counts.update(local)
+        now = time.monotonic()
         for name, g in list(self.given_up.items()):
-            if g["until"] <= now:
+            if g["until"] <= now or by.get(name, set()) - g["by"]:
                 del self.given_up[name]
             elif name not in local:
                 counts[name] = 0
         return dict(counts)
 
+    def fresh(self, usable: Callable[[str], bool]) -> list[str]:
+        """Peers whose listing counts: read within `unoffered_timeout_s`, and usable."""
+        now = time.monotonic()
+        return [url for url, (at, _, _) in self.listed.items()
+                if now - at <= self.settings.unoffered_timeout_s and usable(url)]
+
     def give_up(self, artifact: str, reason: str) -> None:
+        """Plan around `artifact` for a while; the peers listing it now are remembered, so only
+        a holder that was not listing it then brings it back early."""
         hold = 2 * max(self.settings.progress_timeout_s, self.settings.unoffered_timeout_s)
+        by = {url for url in self.fresh(lambda url: True) if artifact in self.listed[url][2]}
         self.given_up[artifact] = {"reason": reason, "at": round(time.time(), 3),
-                                   "until": time.monotonic() + hold}
+                                   "until": time.monotonic() + hold, "by": by}
         self._unoffered.pop(artifact, None)
         self._no_torrent.pop(artifact, None)
         log.warning("giving up on %s for %.1fs: %s; replanning around it", artifact, hold,

@@ -32,11 +32,19 @@ def test_an_artifact_nobody_lists_for_the_timeout_is_given_up_and_counted_as_unh
     time.sleep(0.15)
     h.note_plan(["v00000008.delta"], {})
     assert "no peer has listed it" in h.status()["v00000008.delta"]["reason"]
-    h.record("http://a:1", 9, ["v00000008.delta"])
     assert h.counts(lambda url: True, [])["v00000008.delta"] == 0
-    assert h.counts(lambda url: True, ["v00000008.delta"])["v00000008.delta"] == 2  # held here
-    time.sleep(0.45)  # given up for 2 x the longer timeout, then counted again
-    assert h.counts(lambda url: True, []) == {}
+    assert h.counts(lambda url: True, ["v00000008.delta"])["v00000008.delta"] == 1  # held here
+    h.record("http://a:1", 9, ["v00000008.delta"])  # offered again: planned with again
+    assert h.counts(lambda url: True, [])["v00000008.delta"] == 1
+    assert h.status() == {}
+
+
+def test_a_given_up_artifact_is_planned_with_again_after_its_hold():
+    h = Holders(SyncConfig(unoffered_timeout_s=0.1, progress_timeout_s=0.1))
+    h.record("http://a:1", 9, ["v00000008.delta"])
+    h.give_up("v00000008.delta", "no bytes for 0.1s")
+    assert h.counts(lambda url: True, [])["v00000008.delta"] == 0
+    time.sleep(0.25)  # given up for 2 x the longer timeout
     h.record("http://a:1", 9, ["v00000008.delta"])
     assert h.counts(lambda url: True, [])["v00000008.delta"] == 1
 
@@ -118,3 +126,14 @@ def test_a_node_no_peer_answers_may_go_on_with_its_own_store_after_the_wait():
     assert q.check(book) and not q.settled
     q.reply("http://127.0.0.2:1", 3)  # a first answer: gather the others before planning
     assert not q.check(book)
+
+
+def test_a_given_up_artifact_comes_back_when_a_holder_that_was_gone_lists_it_again():
+    h = Holders(SyncConfig(unoffered_timeout_s=0.2, progress_timeout_s=30))
+    h.record("http://region:1", 9, ["v00000008.delta"])  # lists it, cannot serve it
+    h.give_up("v00000008.delta", "no bytes for 30s")
+    h.record("http://region:1", 9, ["v00000008.delta"])
+    assert h.counts(lambda url: True, [])["v00000008.delta"] == 0
+    h.record("http://trainer:1", 9, ["v00000008.delta"])  # the restarted trainer is back
+    assert h.counts(lambda url: True, [])["v00000008.delta"] == 2
+    assert h.status() == {}
