@@ -26,6 +26,7 @@ from daemon.board import Board
 from daemon.fleet import REPORT_MAX_BYTES, BadReport, parse_report
 from daemon.fleet_link import FleetParts, report_digest
 from daemon.intake import Intake
+from daemon.live import LiveNodes
 from daemon.metrics import render_fleet
 from daemon.peer_client import hello_proof
 from daemon.peers import (
@@ -76,6 +77,8 @@ class Parts:
     fleet: FleetParts | None = None
     complaint: Callable[[str], bool] = lambda artifact: False
     """A peer says we sent it bad data for an artifact: re-check it (rate-limited there)."""
+    live: LiveNodes | None = None
+    """Where the `node`/`region`/`have` of head long-polls are recorded (retention's input)."""
 
 
 NODE: web.AppKey[Parts] = web.AppKey("node")
@@ -180,10 +183,27 @@ def head_doc(node: Parts) -> dict[str, Any]:
             "url": node.url}
 
 
+def record_poller(request: web.Request, node: Parts) -> None:
+    """A polling node's `node`, `region` and `have` (its current version; empty: none yet)."""
+    name = request.query.get("node")
+    if name is None or node.live is None:
+        return
+    region = request.query.get("region") or None
+    try:
+        check_node(name)
+        if region is not None:
+            check_node(region)
+    except BadPeer as e:
+        raise fail(400, f"query parameter node or region: {e}") from None
+    have = int_param(request, "have", None, 0, 2**62)
+    node.live.seen(name, region, have)
+
+
 async def chain_head(request: web.Request) -> web.Response:
     node = request.app[NODE]
     after = int_param(request, "after", None, -1, 2**62)
     timeout = timeout_param(request, node.long_poll_timeout_s)
+    record_poller(request, node)
     if after is not None:
         await node.board.wait(lambda: (node.store.head() if node.store.head() is not None
                                        else -1) > after or node.stopping(), timeout)
@@ -199,7 +219,7 @@ async def chain_index(request: web.Request) -> web.Response:
     return web.json_response({
         "artifacts": node.store.artifacts(), "head": node.store.head(),
         "bt": node.bt(), "node": node.node, "url": node.url,
-        "seeding": sorted(node.artifacts.seeding()),
+        "seeding": sorted(node.artifacts.seeding()), "held": node.artifacts.held(),
         "peers": [{k: p[k] for k in ("url", "bt", "node")} for p in peers]})
 
 

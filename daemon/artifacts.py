@@ -166,6 +166,10 @@ class Artifacts:
     def seeding(self) -> list[str]:
         return self.swarm.artifacts() if self.swarm is not None else []
 
+    def held(self) -> list[str]:
+        """Artifacts this node holds in full and serves (what peers plan with)."""
+        return self.swarm.complete() if self.swarm is not None else []
+
     def status(self) -> dict:
         if self.swarm is None:
             return {"torrents": {}, "uploaded": 0, "downloaded": 0, "banned": {}, "bans": 0,

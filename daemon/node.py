@@ -45,10 +45,12 @@ from daemon.fleet import FleetBoard
 from daemon.fleet_link import FleetParts, Reporter, Verifier
 from daemon.hooks import Notifier, build_hook
 from daemon.intake import Intake
+from daemon.live import LiveNodes
 from daemon.peer_client import PeerClient, PeerError
 from daemon.peers import BadPeer, Peer, PeerBook, check_url
 from daemon.publish import Seeder
 from daemon.report import Sources, build_status
+from daemon.retain import Keeper
 from daemon.roles import RegionRole, TrainerRole
 from daemon.selfcheck import SelfCheck
 from daemon.spool import Forwarder, Spool
@@ -58,7 +60,7 @@ from daemon.tasks import stop as stop_task
 from daemon.tasks import watched, within
 
 log = logging.getLogger("deltaswarm.node")
-RELOADABLE = frozenset({"bootstrap", "limits", "retention", "trajectories",
+RELOADABLE = frozenset({"bootstrap", "limits", "retention", "sync", "trajectories",
                         "long_poll_timeout_s", "max_peers", "token", "token_file"})
 """Config fields SIGHUP applies; any other change is logged as "restart to apply"."""
 
@@ -133,6 +135,7 @@ class Node:
         self.store = ChainStore(self.paths.chain, keys.parse_public(cfg.trainer_public_key))
         self.weights = WeightsDir(self.paths.weights, keep=cfg.retention.weight_dirs)
         self.board = Board()
+        self.live = LiveNodes(cfg.retention.live_within_s)
         self.client = PeerClient(None, cfg.bearer(), self.book.announce)
         self.artifacts = Artifacts(self.paths.torrents, self.paths.swarm, self.paths.resume,
                                    cfg.bittorrent.piece_size,
@@ -154,22 +157,42 @@ class Node:
             max_body_bytes=cfg.http.max_body_bytes, store=self.store, book=self.book,
             board=self.board, artifacts=self.artifacts, role=self.role, intake=self.intake,
             status=self.status, metrics=self.metrics_text, stopping=lambda: self.stopping,
-            fleet=self.fleet,
+            fleet=self.fleet, live=self.live,
             complaint=lambda artifact: self.selfcheck.request(artifact, "complaint"))
         self._registry = metrics.build_registry(self.status_model)
         self._forwarding: asyncio.Task | None = None
 
+    def _live_versions(self) -> list[int | None]:
+        """Versions live nodes hold, one per node, for retention: the nodes that long-poll this
+        daemon's head, and those further down a chain that only fleet reports tell us about
+        (a poll, being first-hand, wins over a forwarded report)."""
+        now = time.time()
+        held: dict[str, int | None] = {}
+        fleet = getattr(self, "fleet", None)
+        if fleet is not None:
+            held = {e.report.node: e.report.version
+                    for e in fleet.board.live(now, self.cfg.retention.live_within_s)}
+        return list((held | self.live.held(now)).values())
+
     def _role(self) -> TrainerRole | RegionRole:
         """Trainer or region behaviour, chosen here once."""
-        retention = self.cfg.retention.versions
-        if self.cfg.role == "trainer":
-            return TrainerRole(Seeder(self.store, self.artifacts, self.board, retention),
+        cfg = self.cfg
+        keeper = Keeper(self.store, cfg.retention.policy(), self._live_versions,
+                        cfg.retention.live_within_s, record=cfg.role == "trainer")
+        if cfg.role == "trainer":
+            return TrainerRole(Seeder(self.store, self.artifacts, self.board, keeper),
                                self.store)
         syncer = Syncer(store=self.store, weights=self.weights, book=self.book,
                         client=self.client, artifacts=self.artifacts, board=self.board,
-                        notify=self._notify, retention_versions=retention)
+                        notify=self._notify, keeper=keeper, settings=cfg.sync)
+
+        def poller() -> dict[str, str]:
+            have = syncer.current_version()
+            return {"node": cfg.node, "region": cfg.region,
+                    "have": "" if have is None else str(have)}
+
         watcher = HeadWatcher(self.book, self.client, syncer.on_head, self.store.head,
-                              self.cfg.max_peers, self.cfg.long_poll_timeout_s)
+                              cfg.max_peers, cfg.long_poll_timeout_s, poller)
         return RegionRole(syncer, watcher, self.weights, self.store, self.artifacts,
                           self.cfg.node)
 
@@ -275,8 +298,11 @@ class Node:
         return build_status(self.sources())
 
     def status(self) -> dict:
-        return self.status_model().model_dump(mode="json") | {
-            "detail": self.detail(), "fleet": self.fleet.board.summary(self.fleet.view())}
+        sections = self.role.sections()
+        sections["retention"]["nodes"] = self.live.snapshot()
+        return (self.status_model().model_dump(mode="json") | sections
+                | {"detail": self.detail(),
+                   "fleet": self.fleet.board.summary(self.fleet.view())})
 
     def detail(self) -> dict:
         return {"url": self.url, "peer_book": self.book.snapshot(),
@@ -335,8 +361,8 @@ class Node:
             old, old_token = self.cfg, self.client.token
             self.artifacts.set_rate_limits(new.limits.upload_bytes_per_s,
                                            new.limits.download_bytes_per_s)
-            self.role.reconfigure(new.retention.versions, new.max_peers,
-                                  new.long_poll_timeout_s)
+            self.role.reconfigure(new)
+            self.live.within_s = new.retention.live_within_s
             self.weights.keep = new.retention.weight_dirs
             self.client.reconfigure(token)
             self.parts.token = token

@@ -348,6 +348,10 @@ class Swarm:
         t = self._torrents.get(artifact)
         return t is not None and t.complete
 
+    def complete(self) -> list[str]:
+        """Artifacts held in full (seeded, or downloaded and flushed)."""
+        return sorted(a for a, t in list(self._torrents.items()) if t.complete)
+
     def close(self) -> None:
         if self._session is not None:
             self._session.pause()
