@@ -42,6 +42,7 @@ from daemon.intake import Intake
 from daemon.peer_client import PeerClient
 from daemon.peers import BadPeer, PeerBook, check_url
 from daemon.publish import Seeder
+from daemon.regions import RegionPeering
 from daemon.report import Sources, build_status
 from daemon.roles import RegionRole, TrainerRole
 from daemon.spool import Forwarder, Spool
@@ -123,6 +124,8 @@ class Node:
         except BadPeer as e:
             raise ConfigError(f"config {config_path}: field http.advertise_url or bootstrap: "
                               f"{e}") from None
+        self.peering = RegionPeering(cfg.region_peering.mode, cfg.region_peering.gateways)
+        self.book.set_region(cfg.region, cfg.role, self.peering)
         self.store = ChainStore(self.paths.chain, keys.parse_public(cfg.trainer_public_key))
         self.weights = WeightsDir(self.paths.weights, keep=cfg.retention.weight_dirs)
         self.board = Board()
@@ -184,7 +187,8 @@ class Node:
         return build_status(self.sources())
 
     def status(self) -> dict:
-        return self.status_model().model_dump(mode="json") | {"detail": self.detail()}
+        return self.status_model().model_dump(mode="json") | {
+            "detail": self.detail(), "region_peering": self.peering.status()}
 
     def detail(self) -> dict:
         return {"url": self.url, "peer_book": self.book.snapshot(),
@@ -289,7 +293,7 @@ async def _swarm(app: web.Application) -> AsyncIterator[None]:
     swarm = node.artifacts.open(SwarmConfig(
         listen=f"{cfg.bittorrent.host}:{cfg.bittorrent.port}",
         upload_rate=cfg.limits.upload_bytes_per_s, download_rate=cfg.limits.download_bytes_per_s,
-        seed_mode=cfg.seed_mode))
+        seed_mode=cfg.seed_mode, pex=cfg.region_peering.mode == "blind"))
     node.book.self_bt = (node.book.self_bt[0], swarm.listen_port)
     pump = node.spawn(node.artifacts.pump(), "swarm-pump")
     saver = node.spawn(node.artifacts.resume_saver(node.role.downloading), "resume-saver")
