@@ -42,7 +42,7 @@ from daemon.intake import Intake
 from daemon.peer_client import PeerClient
 from daemon.peers import BadPeer, PeerBook, check_url
 from daemon.publish import Seeder
-from daemon.regions import RegionPeering
+from daemon.regions import RegionPeering, discover_loop
 from daemon.report import Sources, build_status
 from daemon.roles import RegionRole, TrainerRole
 from daemon.spool import Forwarder, Spool
@@ -312,11 +312,15 @@ async def _role(app: web.Application) -> AsyncIterator[None]:
     node = _node(app)
     await node.check_weights()
     prover = node.spawn(prove_loop(node.book, node.client), "prove-peers")
+    discover = (node.spawn(discover_loop(node.book, node.client), "discover-peers")
+                if node.cfg.role == "region" else None)
     await node.role.start(node.spawn)
     yield
     node.stopping = True
     await node.role.stop(node.cfg.shutdown_timeout_s / 2)
     await stop_task(prover)
+    if discover is not None:
+        await stop_task(discover)
 
 
 async def _spool(app: web.Application) -> AsyncIterator[None]:

@@ -213,6 +213,8 @@ class PeerBook:
         url = check_url(url)
         if url == self.self_url or (node is not None and node == self.node):
             return None
+        if region is not None:
+            check_node(region)
         peer = self.peers.get(url) or self._add(url)
         if bt is not None and bt != self.self_bt:
             if peer.bt != bt:

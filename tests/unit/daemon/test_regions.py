@@ -5,7 +5,7 @@ dead gateway is replaced, and blind mode dials everyone."""
 import pytest
 
 from daemon.peers import REGION_HEADER, BadPeer, PeerBook, parse_region
-from daemon.regions import RegionPeering, rank
+from daemon.regions import DEAD_AFTER, RegionPeering, learn_index, rank
 
 
 def book_for(node: str, region: str, role: str = "region", mode: str = "aware",
@@ -82,19 +82,23 @@ def test_trainer_is_dialled_by_its_own_region_and_is_gateway_only_when_alone() -
     # region a loses every node but the trainer: the trainer stands in for it
     for p in gb.peers.values():
         if p.region == "a" and p.role == "region":
-            gb.failed(p, "connection refused")
+            for _ in range(DEAD_AFTER):
+                gb.failed(p, "connection refused")
     assert bts["trainer"] in gb.swarm_endpoints()
     assert gb.peering.last["gateways"]["a"] == ["trainer"]
 
 
-def test_a_dead_gateway_is_replaced_by_the_next_node_by_rank() -> None:
+def test_a_dead_gateway_is_replaced_by_the_next_node_by_rank_but_not_after_one_slow_reply() -> None:
     order = sorted(MEMBERS["b"], key=lambda n: rank("b", n))
     second = book_for(order[1], "b")
     bts = fleet(second, MEMBERS)
     assert not second.peering.last.get("gateway") and not (
         set(second.swarm_endpoints()) - {bts[n] for n in MEMBERS["b"] if n != order[1]})
-    second.failed(second.peers[next(u for u, p in second.peers.items()
-                                   if p.node == order[0])], "connection refused")
+    first = next(p for p in second.peers.values() if p.node == order[0])
+    second.failed(first, "one slow reply")
+    second.swarm_endpoints()
+    assert not second.peering.last["gateway"]
+    second.failed(first, "connection refused")
     dial = set(second.swarm_endpoints())
     assert second.peering.last["gateway"]
     assert bts["c1"] in dial and bts[gateway("a", MEMBERS["a"])] in dial
@@ -123,3 +127,18 @@ def test_two_gateways_per_region_and_blind_mode() -> None:
     assert set(blind.swarm_endpoints()) == set(blind.bt_endpoints())
     with pytest.raises(ValueError):
         RegionPeering("sideways")
+
+
+def test_index_teaches_peers_with_their_regions_and_skips_malformed_entries() -> None:
+    b = book_for("b1", "b")
+    src = b.learn("http://10.99.0.1:8700", ("10.99.0.1", 6881), "trainer")
+    index = {"region": "a", "role": "trainer", "peers": [
+        {"url": "http://10.1.0.2:8700", "bt": "10.1.0.2:6881", "node": "a1", "region": "a",
+         "role": "region"},
+        {"url": "http://10.1.0.3:8700", "bt": "10.1.0.3:6881", "node": "a2", "region": "a b"},
+        {"url": "http://10.1.0.4:8700", "bt": "not-an-ip:1", "node": "a3", "region": "a"},
+        "junk"]}
+    assert learn_index(b, src, index) == 1
+    assert (src.region, src.role) == ("a", "trainer")
+    assert b.peers["http://10.1.0.2:8700"].region == "a"
+    assert "http://10.1.0.3:8700" not in b.peers
