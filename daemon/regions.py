@@ -20,10 +20,10 @@ Liveness: a member is live until DEAD_AFTER control-plane contacts in a row fail
 long-polls fail at once on a kill -9 and the retry is refused a second or two later), so when a
 gateway dies the next node by hash takes over and dials the other gateways, and they dial it
 back when they see it; pieces the dead gateway fetched stay in the region (its neighbours hold
-them). A one-node region is its
-own gateway. A region behind a slow link only slows its own gateway: other gateways fetch from
-every gateway they are connected to. A peer whose region is not known yet is dialled (blind),
-so an old daemon or a half-learned book costs bytes, never liveness.
+them). A one-node region is its own gateway. A region behind a slow link only slows its own
+gateway: other gateways fetch from every gateway they are connected to. A peer whose region is
+not known yet is dialled (blind), so an old daemon or a half-learned book costs bytes, never
+liveness.
 
 Cost: a transient double import when two nodes of a region briefly disagree on who is gateway
 (views differ for a poll interval), and BitTorrent's end-game duplicates at the gateway.
