@@ -139,6 +139,12 @@ def run_mode(mode: str, args: argparse.Namespace, workdir: Path, log: list[str])
             "gateways": fleet.gateways(statuses),
             "churn": churned,
         }
+        if churned:
+            new = set(churned["started"])
+            old = [v for k, v in fetched.items() if k not in new]
+            result["survivors_time_over_ideal"] = (round((max(old) - t0) / ideal, 3)
+                                                   if old else None)
+            result["new_nodes_download_s"] = fleet.download_seconds(statuses, new)
         return result
     finally:
         if fleet is not None:
@@ -165,6 +171,8 @@ def print_mode(mode: str, r: dict) -> None:
     print(f"gateways: {r['gateways']}")
     if r["churn"]:
         print(f"churn: {r['churn']}")
+        print(f"survivors held it at {r['survivors_time_over_ideal']}x ideal; new nodes' own "
+              f"download seconds (from their start): {r['new_nodes_download_s']}")
     print(f"per node (s): {r['per_node_s']}")
 
 

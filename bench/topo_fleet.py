@@ -234,6 +234,17 @@ class Fleet:
         return out
 
     @staticmethod
+    def download_seconds(statuses: dict[str, dict], names: set[str]) -> dict[str, float]:
+        out = {}
+        for name in sorted(names & statuses.keys()):
+            transfers = ((statuses[name].get("detail") or {}).get("sync") or {}).get(
+                "transfers") or {}
+            secs = [t["seconds"] for t in transfers.values() if t.get("seconds") is not None]
+            if secs:
+                out[name] = round(max(secs), 2)
+        return out
+
+    @staticmethod
     def gateways(statuses: dict[str, dict]) -> dict[str, list[str]]:
         out: dict[str, list[str]] = {}
         for name, st in statuses.items():
