@@ -2,8 +2,9 @@
 version each claims, and how far each is trusted.
 
 A daemon starts from its bootstrap URLs; every request one daemon makes to another carries an
-`X-Deltaswarm-Peer: <control url> <bt ip:port> <node>` header, and /v1/chain/index replies list
-known peers, so the mesh grows beyond the bootstrap list without a DHT.
+`X-Deltaswarm-Peer: <control url> <bt ip:port> <node>` header (and `X-Deltaswarm-Region: <region>
+<role>`), and /v1/chain/index replies list known peers with their regions, so the mesh grows
+beyond the bootstrap list without a DHT. Which of them the swarm dials is daemon/regions.py's.
 
 What an announcement may hold (`check_url`, `parse_endpoint`, `check_node`): a control URL of the
 daemon API's shape (http/https, host, optional port; no path, query, fragment or user info), a
@@ -215,6 +216,8 @@ class PeerBook:
             return None
         if region is not None:
             check_node(region)
+        if role is not None and role not in ROLES:
+            raise BadPeer(f"role must be one of {ROLES}, got {role!r:.40}")
         peer = self.peers.get(url) or self._add(url)
         if bt is not None and bt != self.self_bt:
             if peer.bt != bt:
@@ -235,8 +238,6 @@ class PeerBook:
                 self.changed.set()
             peer.region = region
         if role is not None:
-            if role not in ROLES:
-                raise BadPeer(f"role must be one of {ROLES}, got {role!r:.40}")
             peer.role = role
 
     def learn_header(self, value: str, region: str | None = None) -> Peer | None:
