@@ -42,7 +42,7 @@ from daemon.intake import Intake
 from daemon.peer_client import PeerClient
 from daemon.peers import BadPeer, PeerBook, check_url
 from daemon.publish import Seeder
-from daemon.regions import RegionPeering, discover_loop
+from daemon.regions import RegionPeering, discover_loop, link_bytes
 from daemon.report import Sources, build_status
 from daemon.roles import RegionRole, TrainerRole
 from daemon.spool import Forwarder, Spool
@@ -188,7 +188,9 @@ class Node:
 
     def status(self) -> dict:
         return self.status_model().model_dump(mode="json") | {
-            "detail": self.detail(), "region_peering": self.peering.status()}
+            "detail": self.detail(),
+            "region_peering": {**self.peering.status(),
+                               "bytes": link_bytes(self.book, self.artifacts.status())}}
 
     def detail(self) -> dict:
         return {"url": self.url, "peer_book": self.book.snapshot(),

@@ -160,3 +160,19 @@ async def discover_loop(book: "PeerBook", client: "PeerClient", fast_s: float = 
                 book.failed(peer, e)
                 log.debug("index of %s: %s", peer.url, e)
         await asyncio.sleep(fast_s if time.monotonic() - t0 < fast_for_s else slow_s)
+
+
+def link_bytes(book: "PeerBook", swarm_status: dict) -> dict[str, dict[str, int]]:
+    """Payload bytes on this node's current swarm connections by link class: `local` (a peer of
+    this node's region), `cross` (another region), `unknown` (region not known yet), each
+    `up`/`down`. Connections are matched to peers by IP address (incoming ones come from
+    ephemeral ports); torrents already removed are not counted."""
+    region_of = {p.bt[0]: p.region for p in book.peers.values() if p.bt is not None}
+    out = {c: {"up": 0, "down": 0} for c in ("local", "cross", "unknown")}
+    for t in (swarm_status.get("torrents") or {}).values():
+        for pi in t.get("peer_list") or []:
+            region = region_of.get(pi["peer"].rpartition(":")[0].strip("[]"))
+            cls = "unknown" if region is None else "local" if region == book.region else "cross"
+            out[cls]["up"] += int(pi["uploaded"])
+            out[cls]["down"] += int(pi["downloaded"])
+    return out

@@ -5,7 +5,7 @@ dead gateway is replaced, and blind mode dials everyone."""
 import pytest
 
 from daemon.peers import REGION_HEADER, BadPeer, PeerBook, parse_region
-from daemon.regions import DEAD_AFTER, RegionPeering, learn_index, rank
+from daemon.regions import DEAD_AFTER, RegionPeering, learn_index, link_bytes, rank
 
 
 def book_for(node: str, region: str, role: str = "region", mode: str = "aware",
@@ -142,3 +142,16 @@ def test_index_teaches_peers_with_their_regions_and_skips_malformed_entries() ->
     assert (src.region, src.role) == ("a", "trainer")
     assert b.peers["http://10.1.0.2:8700"].region == "a"
     assert "http://10.1.0.3:8700" not in b.peers
+
+
+def test_link_bytes_classes_connections_by_the_peers_region() -> None:
+    b = book_for("b1", "b")
+    bts = fleet(b, MEMBERS)
+    ip = {name: bt[0] for name, bt in bts.items()}
+    status = {"torrents": {"v00000001.delta": {"peer_list": [
+        {"peer": f"{ip['b2']}:40123", "uploaded": 100, "downloaded": 7},
+        {"peer": f"{ip['a1']}:6881", "uploaded": 5, "downloaded": 900},
+        {"peer": "10.250.0.9:6881", "uploaded": 1, "downloaded": 2}]}}}
+    assert link_bytes(b, status) == {"local": {"up": 100, "down": 7},
+                                     "cross": {"up": 5, "down": 900},
+                                     "unknown": {"up": 1, "down": 2}}
