@@ -4,6 +4,7 @@ version, and churn (kill -9, start new nodes). The orchestrator runs in the moni
 (netns.RegionNet.enter_monitor), so every control URL is reachable without crossing a shaped
 link."""
 
+import ctypes
 import json
 import os
 import signal
@@ -29,6 +30,12 @@ def http_json(url: str, timeout: float = 10.0) -> dict:
     req = urllib.request.Request(url, headers={"Authorization": f"Bearer {TOKEN}"})
     with _OPENER.open(req, timeout=timeout) as r:
         return json.loads(r.read())
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL it if the bench dies, so no daemon outlives a killed
+    run (`ip netns exec` execs the daemon, which keeps this setting)."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 @dataclass
@@ -87,7 +94,8 @@ class Fleet:
             d.proc = subprocess.Popen(
                 d.node.argv(sys.executable, "-m", "daemon.main", "--config",
                             str(d.dir / "config.yaml")),
-                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                preexec_fn=_die_with_parent)
 
     def wait_up(self, ds: list[D], timeout: float) -> None:
         deadline = time.monotonic() + timeout
