@@ -31,6 +31,7 @@ from daemon.metrics import render_fleet
 from daemon.peer_client import hello_proof
 from daemon.peers import (
     HEADER,
+    REGION_HEADER,
     BadPeer,
     BookFull,
     PeerBook,
@@ -141,7 +142,7 @@ async def auth(request: web.Request, handler: Callable[[web.Request], Awaitable[
         announce = request.headers.get(HEADER)
         if announce:
             try:
-                node.book.learn_header(announce)
+                node.book.learn_header(announce, request.headers.get(REGION_HEADER))
             except BadPeer as e:
                 raise fail(400, str(e)) from None
     return await handler(request)
@@ -220,7 +221,8 @@ async def chain_index(request: web.Request) -> web.Response:
         "artifacts": node.store.artifacts(), "head": node.store.head(),
         "bt": node.bt(), "node": node.node, "url": node.url,
         "seeding": sorted(node.artifacts.seeding()), "held": node.artifacts.held(),
-        "peers": [{k: p[k] for k in ("url", "bt", "node")} for p in peers]})
+        "region": node.book.region, "role": node.book.role,
+        "peers": [{k: p[k] for k in ("url", "bt", "node", "region", "role")} for p in peers]})
 
 
 async def chain_manifest(request: web.Request) -> web.Response:
@@ -304,7 +306,8 @@ async def publish(request: web.Request) -> web.Response:
 
 async def peers_list(request: web.Request) -> web.Response:
     node = request.app[NODE]
-    return web.json_response({"self": {"url": node.url, "bt": node.bt(), "node": node.node},
+    return web.json_response({"self": {"url": node.url, "bt": node.bt(), "node": node.node,
+                                       "region": node.book.region, "role": node.book.role},
                               "peers": node.book.snapshot()})
 
 
@@ -316,12 +319,14 @@ async def peers_announce(request: web.Request) -> web.Response:
             raise BadPeer("body must be a JSON object")
         bt = parse_endpoint(doc["bt"]) if doc.get("bt") else None
         name = check_node(doc["node"]) if doc.get("node") is not None else None
-        node.book.learn(check_url(doc.get("url")), bt, name)
+        region = check_node(doc["region"]) if doc.get("region") is not None else None
+        node.book.learn(check_url(doc.get("url")), bt, name, region=region,
+                        role=doc.get("role"))
     except BookFull as e:
         raise fail(409, str(e)) from None
     except (ValueError, BadPeer) as e:
         raise fail(400, f'announce must be {{"url": "http(s)://host:port", "bt": "ip:port", '
-                        f'"node"}}: {e}') from None
+                        f'"node", "region", "role"}}: {e}') from None
     return web.json_response({"ok": True, "peers": len(node.book.peers)})
 
 

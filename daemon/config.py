@@ -78,6 +78,15 @@ class Limits(_Section):
     """Swarm download cap in bytes/s; 0 = unlimited."""
 
 
+class RegionPeeringConfig(_Section):
+    mode: Literal["aware", "blind"] = "aware"
+    """`aware`: dial peers of this region, and only each region's gateways across regions, with
+    peer exchange off (daemon/regions.py); `blind`: dial every known peer (pre-issue-14)."""
+    gateways: int = Field(1, ge=1, le=64)
+    """Nodes per region that fetch across regions (more: faster failover, more cross-region
+    bytes)."""
+
+
 class RetentionConfig(_Section):
     versions: int = Field(8, ge=1, le=100_000)
     """Artifacts of the last this many versions are kept and seeded (plus the snapshot and
@@ -264,6 +273,8 @@ class Config(_Section):
     """Default and largest wait of a long-poll (head, weights) before it answers anyway."""
     seed_mode: bool = False
     """Trainer-side choking (few fast-rotating unchokes) so each piece leaves the seed ~once."""
+    region_peering: RegionPeeringConfig = RegionPeeringConfig()
+    """Which peers the swarm dials: region-aware (gateways) or blind."""
     max_peers: int = Field(32, ge=1, le=10_000)
     """Most peers whose heads are long-polled at once (bootstrap peers first)."""
     shutdown_timeout_s: float = Field(20.0, gt=0, le=600)

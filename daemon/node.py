@@ -49,6 +49,7 @@ from daemon.live import LiveNodes
 from daemon.peer_client import PeerClient, PeerError
 from daemon.peers import BadPeer, Peer, PeerBook, check_url
 from daemon.publish import Seeder
+from daemon.regions import RegionPeering, discover_loop, link_bytes
 from daemon.report import Sources, build_status
 from daemon.retain import Keeper
 from daemon.roles import RegionRole, TrainerRole
@@ -132,6 +133,8 @@ class Node:
         except BadPeer as e:
             raise ConfigError(f"config {config_path}: field http.advertise_url or bootstrap: "
                               f"{e}") from None
+        self.peering = RegionPeering(cfg.region_peering.mode, cfg.region_peering.gateways)
+        self.book.set_region(cfg.region, cfg.role, self.peering)
         self.store = ChainStore(self.paths.chain, keys.parse_public(cfg.trainer_public_key))
         self.weights = WeightsDir(self.paths.weights, keep=cfg.retention.weight_dirs)
         self.board = Board()
@@ -302,7 +305,10 @@ class Node:
         sections["retention"]["nodes"] = self.live.snapshot()
         return (self.status_model().model_dump(mode="json") | sections
                 | {"detail": self.detail(),
-                   "fleet": self.fleet.board.summary(self.fleet.view())})
+                   "fleet": self.fleet.board.summary(self.fleet.view()),
+                   "region_peering": {**self.peering.status(),
+                                      "bytes": link_bytes(self.book,
+                                                        self.artifacts.status())}})
 
     def detail(self) -> dict:
         return {"url": self.url, "peer_book": self.book.snapshot(),
@@ -407,7 +413,7 @@ async def _swarm(app: web.Application) -> AsyncIterator[None]:
     swarm = node.artifacts.open(SwarmConfig(
         listen=f"{cfg.bittorrent.host}:{cfg.bittorrent.port}",
         upload_rate=cfg.limits.upload_bytes_per_s, download_rate=cfg.limits.download_bytes_per_s,
-        seed_mode=cfg.seed_mode))
+        seed_mode=cfg.seed_mode, pex=cfg.region_peering.mode == "blind"))
     node.book.self_bt = (node.book.self_bt[0], swarm.listen_port)
     pump = node.spawn(node.artifacts.pump(), "swarm-pump")
     saver = node.spawn(node.artifacts.resume_saver(node.role.downloading), "resume-saver")
@@ -426,6 +432,8 @@ async def _role(app: web.Application) -> AsyncIterator[None]:
     node = _node(app)
     await node.check_weights()
     prover = node.spawn(prove_loop(node.book, node.client), "prove-peers")
+    discover = (node.spawn(discover_loop(node.book, node.client), "discover-peers")
+                if node.cfg.role == "region" else None)
     await node.role.start(node.spawn)
     checker = node.spawn(node.selfcheck.run(), "self-check")
     yield
@@ -434,6 +442,8 @@ async def _role(app: web.Application) -> AsyncIterator[None]:
     await stop_task(checker)
     await node.role.stop(node.cfg.shutdown_timeout_s / 2)
     await stop_task(prover)
+    if discover is not None:
+        await stop_task(discover)
 
 
 async def _spool(app: web.Application) -> AsyncIterator[None]:

@@ -2,8 +2,9 @@
 version each claims, and how far each is trusted.
 
 A daemon starts from its bootstrap URLs; every request one daemon makes to another carries an
-`X-Deltaswarm-Peer: <control url> <bt ip:port> <node>` header, and /v1/chain/index replies list
-known peers, so the mesh grows beyond the bootstrap list without a DHT.
+`X-Deltaswarm-Peer: <control url> <bt ip:port> <node>` header (and `X-Deltaswarm-Region: <region>
+<role>`), and /v1/chain/index replies list known peers with their regions, so the mesh grows
+beyond the bootstrap list without a DHT. Which of them the swarm dials is daemon/regions.py's.
 
 What an announcement may hold (`check_url`, `parse_endpoint`, `check_node`): a control URL of the
 daemon API's shape (http/https, host, optional port; no path, query, fragment or user info), a
@@ -32,6 +33,10 @@ from daemon.peer_client import PeerError
 
 log = logging.getLogger("deltaswarm.peers")
 HEADER = "X-Deltaswarm-Peer"
+REGION_HEADER = "X-Deltaswarm-Region"
+"""`<region> <role>` of the sender; a header of its own so daemons that predate regions ignore
+it instead of refusing a longer X-Deltaswarm-Peer."""
+ROLES = ("trainer", "region")
 BACKOFF_MIN_S, BACKOFF_MAX_S = 1.0, 60.0
 BAN_FAILURES = 6
 BAN_STRIKES = 2
@@ -62,6 +67,10 @@ class Peer:
     retry_at: float = 0.0
     banned_until: float = 0.0
     last_error: str = ""
+    region: str | None = None
+    """The region it announced (X-Deltaswarm-Region, index entries); None until known."""
+    role: str | None = None
+    """'trainer' or 'region', as announced with the region."""
 
     @property
     def trusted(self) -> bool:
@@ -85,7 +94,8 @@ class Peer:
                 "bt": f"{self.bt[0]}:{self.bt[1]}" if self.bt else None,
                 "bootstrap": self.bootstrap, "proven": self.proven, "failures": self.failures,
                 "strikes": self.strikes, "banned_s": round(max(0.0, self.banned_until - now), 1),
-                "last_seen": round(self.last_seen, 3), "last_error": self.last_error}
+                "last_seen": round(self.last_seen, 3), "last_error": self.last_error,
+                "region": self.region, "role": self.role}
 
 
 def parse_header(value: str) -> tuple[str, Endpoint | None, str | None]:
@@ -99,6 +109,18 @@ def parse_header(value: str) -> tuple[str, Endpoint | None, str | None]:
     bt = parse_endpoint(parts[1]) if len(parts) > 1 and parts[1] != "-" else None
     node = check_node(parts[2]) if len(parts) > 2 else None
     return url, bt, node
+
+
+def parse_region(value: str) -> tuple[str, str | None]:
+    """`<region> [role]` → (region, role); raises BadPeer."""
+    parts = value.split()
+    if not 1 <= len(parts) <= 2 or len(value) > 200:
+        raise BadPeer(f"{REGION_HEADER} must be '<region> <trainer|region>', got {value!r:.80}")
+    region = check_node(parts[0])
+    role = parts[1] if len(parts) > 1 else None
+    if role is not None and role not in ROLES:
+        raise BadPeer(f"{REGION_HEADER} role must be one of {ROLES}, got {role!r:.40}")
+    return region, role
 
 
 class Signal:
@@ -130,13 +152,25 @@ class PeerBook:
         self.bans: dict[str, float] = {}
         """url → monotonic end of its ban; survives eviction so re-announcing does not unban."""
         self.changed = Signal()
+        self.region: str | None = None
+        self.role: str | None = None
+        self.peering = None
+        """A `daemon.regions.RegionPeering` choosing which BitTorrent endpoints to dial
+        (`swarm_endpoints`); None dials every trusted peer."""
         self.set_bootstrap(bootstrap)
 
     def header(self) -> str:
         return f"{self.self_url} {self.self_bt[0]}:{self.self_bt[1]} {self.node}"
 
     def announce(self) -> dict[str, str]:
-        return {HEADER: self.header()}
+        out = {HEADER: self.header()}
+        if self.region is not None:
+            out[REGION_HEADER] = f"{self.region} {self.role}" if self.role else self.region
+        return out
+
+    def set_region(self, region: str, role: str | None, peering: object = None) -> None:
+        """This node's own region and role (announced on every request) and its peering policy."""
+        self.region, self.role, self.peering = check_node(region), role, peering
 
     def reconfigure(self, bootstrap: list[str], max_peers: int) -> None:
         self.max_peers = max_peers
@@ -174,11 +208,16 @@ class PeerBook:
         return newcomer
 
     def learn(self, url: str, bt: Endpoint | None = None, node: str | None = None,
-              head: int | None = None) -> Peer | None:
+              head: int | None = None, region: str | None = None,
+              role: str | None = None) -> Peer | None:
         """Add or update a peer; None for this node itself. Raises BadPeer (BookFull)."""
         url = check_url(url)
         if url == self.self_url or (node is not None and node == self.node):
             return None
+        if region is not None:
+            check_node(region)
+        if role is not None and role not in ROLES:
+            raise BadPeer(f"role must be one of {ROLES}, got {role!r:.40}")
         peer = self.peers.get(url) or self._add(url)
         if bt is not None and bt != self.self_bt:
             if peer.bt != bt:
@@ -188,14 +227,26 @@ class PeerBook:
             peer.node = node
         if head is not None:
             peer.head = head
+        self._learn_region(peer, region, role)
         peer.last_seen = time.time()
         return peer
 
-    def learn_header(self, value: str) -> Peer | None:
-        """A request's announcement; a full book ignores it (the request itself still counts)."""
+    def _learn_region(self, peer: Peer, region: str | None, role: str | None) -> None:
+        if region is not None:
+            region = check_node(region)
+            if peer.region != region:
+                self.changed.set()
+            peer.region = region
+        if role is not None:
+            peer.role = role
+
+    def learn_header(self, value: str, region: str | None = None) -> Peer | None:
+        """A request's announcement (and its X-Deltaswarm-Region value, if any); a full book
+        ignores it (the request itself still counts)."""
         url, bt, node = parse_header(value)
+        where, role = parse_region(region) if region else (None, None)
         try:
-            return self.learn(url, bt, node)
+            return self.learn(url, bt, node, region=where, role=role)
         except BookFull:
             return None
 
@@ -243,6 +294,12 @@ class PeerBook:
         now = time.monotonic()
         return [p.bt for p in self.peers.values()
                 if p.bt is not None and p.trusted and not p.banned(now)]
+
+    def swarm_endpoints(self) -> list[Endpoint]:
+        """What the swarm dials: `bt_endpoints()` thinned by the region peering policy."""
+        if self.peering is None:
+            return self.bt_endpoints()
+        return self.peering.endpoints(self)
 
     def claimed_head(self) -> int | None:
         """The newest head a trusted, unbanned peer claims: what sync tries to fetch."""

@@ -71,6 +71,9 @@ class SwarmConfig:
     """Trainer-side choking (SEED_SETTINGS): few, fast-rotating unchokes so each piece leaves
     this seed about once."""
     max_connections: int = 200
+    pex: bool = True
+    """ut_pex peer exchange; off when the daemon chooses its peers by region (daemon/regions.py),
+    else peers would learn and dial every other region's nodes."""
     extra_settings: dict = field(default_factory=dict)
     """Raw libtorrent settings applied last (for experiments)."""
 
@@ -380,6 +383,8 @@ class Swarm:
                 params.banned_peers = [(h, int(p)) for h, p in banned]
             else:
                 params.flags &= ~lt.torrent_flags.apply_ip_filter
+            if not self.config.pex:
+                params.flags |= lt.torrent_flags.disable_pex
             handle = self._ses().add_torrent(params)
             self._torrents[artifact] = _Torrent(handle, str(save_path), seeding, complete=seeding)
             self._by_hash[str(ti.info_hashes().v2)] = artifact

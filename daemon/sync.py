@@ -265,6 +265,8 @@ class Syncer:
                 self.book.learn(peer.url, parse_endpoint(index["bt"]))
             except BadPeer:
                 raise BadReply(peer.url, "index has a bt endpoint that is not ip:port") from None
+        with contextlib.suppress(BadPeer):
+            self.book.learn(peer.url, region=index.get("region"), role=index.get("role"))
         listed = index.get("peers") or []
         if not isinstance(listed, list):
             raise BadReply(peer.url, "index peers is not a list")
@@ -273,7 +275,8 @@ class Syncer:
                 with contextlib.suppress(BadPeer):
                     bt = parse_endpoint(p["bt"]) if p.get("bt") else None
                     node = check_node(p["node"]) if p.get("node") is not None else None
-                    self.book.learn(p.get("url"), bt, node)
+                    self.book.learn(p.get("url"), bt, node, region=p.get("region"),
+                                    role=p.get("role"))
 
     def _add_manifest(self, source: str, name: str, raw: bytes) -> Manifest | None:
         try:
@@ -340,7 +343,7 @@ class Syncer:
                                                       "seconds": None, "downloaded": 0})
         if m.artifact not in swarm.artifacts():
             resume = swarm.load_resume_data(arts.resume_dir, m.artifact)
-            swarm.download(m.artifact, tb, save, peers=self.book.bt_endpoints(),
+            swarm.download(m.artifact, tb, save, peers=self.book.swarm_endpoints(),
                            resume_data=resume)
             log.info("downloading %s (%d bytes, resume data: %s)", m.artifact, m.payload_bytes,
                      resume is not None)
@@ -362,7 +365,7 @@ class Syncer:
                        f"({p.peers} peers)")
                 self.holders.give_up(m.artifact, why)
                 raise Stalled(f"{m.artifact}: {why}; its partial data is kept")
-            endpoints = set(self.book.bt_endpoints())
+            endpoints = set(self.book.swarm_endpoints())
             if endpoints - known:
                 swarm.add_peers(m.artifact, endpoints - known)
                 known = endpoints

@@ -1,0 +1,157 @@
+"""Region-aware peering (daemon/regions.py): regions travel in announcements, every daemon elects
+the same gateways, only gateways dial across regions, a trainer is a gateway only when alone, a
+dead gateway is replaced, and blind mode dials everyone."""
+
+import pytest
+
+from daemon.peers import REGION_HEADER, BadPeer, PeerBook, parse_region
+from daemon.regions import DEAD_AFTER, RegionPeering, learn_index, link_bytes, rank
+
+
+def book_for(node: str, region: str, role: str = "region", mode: str = "aware",
+             gateways: int = 1) -> PeerBook:
+    b = PeerBook(f"http://10.9.0.{hash(node) % 200 + 1}:8700", ("10.9.1.1", 6881), node, [], 64)
+    b.set_region(region, role, RegionPeering(mode, gateways))
+    return b
+
+
+def fleet(book: PeerBook, members: dict[str, list[str]], trainer_region: str = "a") -> dict:
+    """Teach `book` every node of `members` (region → names) plus a trainer; returns name → bt."""
+    bts = {}
+    for i, (region, names) in enumerate(sorted(members.items())):
+        for j, name in enumerate(names):
+            if name == book.node:
+                continue
+            bt = (f"10.{i + 1}.0.{j + 2}", 6881)
+            p = book.learn(f"http://{bt[0]}:8700", bt, name, region=region, role="region")
+            p.bootstrap = True
+            bts[name] = bt
+    p = book.learn("http://10.99.0.1:8700", ("10.99.0.1", 6881), "trainer",
+                   region=trainer_region, role="trainer")
+    p.bootstrap = True
+    bts["trainer"] = ("10.99.0.1", 6881)
+    return bts
+
+
+MEMBERS = {"a": ["a1", "a2", "a3"], "b": ["b1", "b2", "b3"], "c": ["c1"]}
+
+
+def gateway(region: str, names: list[str]) -> str:
+    return min(names, key=lambda n: rank(region, n))
+
+
+def test_region_header_round_trips_and_bad_values_are_refused() -> None:
+    b = book_for("b1", "b")
+    assert b.announce()[REGION_HEADER] == "b region"
+    assert parse_region("eu-west trainer") == ("eu-west", "trainer")
+    assert parse_region("eu-west") == ("eu-west", None)
+    for bad in ("eu west x", "a/b", "eu boss", ""):
+        with pytest.raises(BadPeer):
+            parse_region(bad)
+    other = book_for("a1", "a")
+    p = other.learn_header(b.header(), b.announce()[REGION_HEADER])
+    assert (p.region, p.role) == ("b", "region")
+    assert p.as_dict()["region"] == "b"
+
+
+def test_every_node_of_a_region_elects_the_same_gateway_and_only_it_dials_across() -> None:
+    gb = gateway("b", MEMBERS["b"])
+    views = {}
+    for name in MEMBERS["b"]:
+        b = book_for(name, "b")
+        bts = fleet(b, MEMBERS)
+        dial = set(b.swarm_endpoints())
+        views[name] = b.peering.last["gateways"]
+        local = {bts[n] for n in MEMBERS["b"] if n != name}
+        assert local <= dial
+        across = dial - local
+        if name == gb:
+            assert across == {bts[gateway("a", MEMBERS["a"])], bts["c1"]}
+        else:
+            assert across == set()
+    assert len({str(v) for v in views.values()}) == 1
+
+
+def test_trainer_is_dialled_by_its_own_region_and_is_gateway_only_when_alone() -> None:
+    a1 = book_for("a1", "a")
+    bts = fleet(a1, MEMBERS)
+    assert bts["trainer"] in a1.swarm_endpoints()
+    gb = book_for(gateway("b", MEMBERS["b"]), "b")
+    bts = fleet(gb, MEMBERS)
+    assert bts["trainer"] not in gb.swarm_endpoints()
+    # region a loses every node but the trainer: the trainer stands in for it
+    for p in gb.peers.values():
+        if p.region == "a" and p.role == "region":
+            for _ in range(DEAD_AFTER):
+                gb.failed(p, "connection refused")
+    assert bts["trainer"] in gb.swarm_endpoints()
+    assert gb.peering.last["gateways"]["a"] == ["trainer"]
+
+
+def test_a_dead_gateway_is_replaced_by_the_next_node_by_rank_but_not_after_one_slow_reply() -> None:
+    order = sorted(MEMBERS["b"], key=lambda n: rank("b", n))
+    second = book_for(order[1], "b")
+    bts = fleet(second, MEMBERS)
+    assert not second.peering.last.get("gateway") and not (
+        set(second.swarm_endpoints()) - {bts[n] for n in MEMBERS["b"] if n != order[1]})
+    first = next(p for p in second.peers.values() if p.node == order[0])
+    second.failed(first, "one slow reply")
+    second.swarm_endpoints()
+    assert not second.peering.last["gateway"]
+    second.failed(first, "connection refused")
+    dial = set(second.swarm_endpoints())
+    assert second.peering.last["gateway"]
+    assert bts["c1"] in dial and bts[gateway("a", MEMBERS["a"])] in dial
+
+
+def test_one_node_region_is_its_own_gateway_and_unknown_regions_are_dialled() -> None:
+    c1 = book_for("c1", "c")
+    bts = fleet(c1, MEMBERS)
+    unknown = c1.learn("http://10.50.0.1:8700", ("10.50.0.1", 6881), "old-daemon")
+    unknown.bootstrap = True
+    dial = set(c1.swarm_endpoints())
+    assert c1.peering.last["gateway"]
+    assert {bts[gateway("a", MEMBERS["a"])], bts[gateway("b", MEMBERS["b"])],
+            ("10.50.0.1", 6881)} <= dial
+    assert bts["trainer"] not in dial
+
+
+def test_two_gateways_per_region_and_blind_mode() -> None:
+    order = sorted(MEMBERS["b"], key=lambda n: rank("b", n))
+    b = book_for(order[1], "b", gateways=2)
+    fleet(b, MEMBERS)
+    b.swarm_endpoints()
+    assert b.peering.last["gateway"] and len(b.peering.last["gateways"]["a"]) == 2
+    blind = book_for("b3", "b", mode="blind")
+    fleet(blind, MEMBERS)
+    assert set(blind.swarm_endpoints()) == set(blind.bt_endpoints())
+    with pytest.raises(ValueError):
+        RegionPeering("sideways")
+
+
+def test_index_teaches_peers_with_their_regions_and_skips_malformed_entries() -> None:
+    b = book_for("b1", "b")
+    src = b.learn("http://10.99.0.1:8700", ("10.99.0.1", 6881), "trainer")
+    index = {"region": "a", "role": "trainer", "peers": [
+        {"url": "http://10.1.0.2:8700", "bt": "10.1.0.2:6881", "node": "a1", "region": "a",
+         "role": "region"},
+        {"url": "http://10.1.0.3:8700", "bt": "10.1.0.3:6881", "node": "a2", "region": "a b"},
+        {"url": "http://10.1.0.4:8700", "bt": "not-an-ip:1", "node": "a3", "region": "a"},
+        "junk"]}
+    assert learn_index(b, src, index) == 1
+    assert (src.region, src.role) == ("a", "trainer")
+    assert b.peers["http://10.1.0.2:8700"].region == "a"
+    assert "http://10.1.0.3:8700" not in b.peers
+
+
+def test_link_bytes_classes_connections_by_the_peers_region() -> None:
+    b = book_for("b1", "b")
+    bts = fleet(b, MEMBERS)
+    ip = {name: bt[0] for name, bt in bts.items()}
+    status = {"torrents": {"v00000001.delta": {"peer_list": [
+        {"peer": f"{ip['b2']}:40123", "uploaded": 100, "downloaded": 7},
+        {"peer": f"{ip['a1']}:6881", "uploaded": 5, "downloaded": 900},
+        {"peer": "10.250.0.9:6881", "uploaded": 1, "downloaded": 2}]}}}
+    assert link_bytes(b, status) == {"local": {"up": 100, "down": 7},
+                                     "cross": {"up": 5, "down": 900},
+                                     "unknown": {"up": 1, "down": 2}}
