@@ -253,8 +253,9 @@ def tensor_entries(parts: Sequence[RankPart]) -> list[TensorEntry]:
                 raise ChainError(f"ranks disagree on {name}: {s.dtype}{s.shape} vs "
                                  f"{first.dtype}{first.shape}")
             if s.lo != end:
-                raise ChainError(f"the ranks' slices of {name} {'overlap' if s.lo < end else 'leave a gap'}"
-                                 f" at element {min(s.lo, end)}: each element needs one owner")
+                how = "overlap" if s.lo < end else "leave a gap"
+                raise ChainError(f"the ranks' slices of {name} {how} at element "
+                                 f"{min(s.lo, end)}: each element needs exactly one owner")
             if s.op != first.op:
                 raise ChainError(f"ranks disagree whether {name} is new (full) or changed "
                                  "(delta): restart every rank from the same published version")

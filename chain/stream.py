@@ -5,8 +5,8 @@ tensor that is new or changed, in name order. A record is
 `b"DSR1" | u32 header length | header JSON {name, op, dtype, shape, n} | n payload bytes`
 with op `delta` (codec payload against the parent's tensor) or `full` (raw bytes). Unchanged
 tensors have no record. A record of a sharded trainer's rank (manifest format 3) covers only
-elements [at, at + count) of its tensor; its header then also holds `at` and `count`. Writing and reading are streaming, so memory stays near one block plus
-one tensor.
+elements [at, at + count) of its tensor; its header then also holds `at` and `count`.
+Writing and reading are streaming, so memory stays near one block plus one tensor.
 """
 
 import json
