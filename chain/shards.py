@@ -33,8 +33,9 @@ from chain.manifest import (
 )
 from chain.stream import BlockWriter, RecordHeader
 
-SPARSE_BATCH = 1 << 23
-"""Changed segments are rebuilt and encoded this many elements at a time (bounded scratch)."""
+SPARSE_BATCH = 1 << 21
+"""Changed segments are rebuilt and encoded this many elements at a time (bounded scratch:
+two segments, one per codec thread)."""
 
 
 # ---------------------------------------------------------------- digest parts

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-CHUNK = 1 << 26
+CHUNK = 1 << 22
 """Elements compared at a time, so the device's scratch (a bool mask) stays bounded."""
 
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
