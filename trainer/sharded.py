@@ -19,6 +19,7 @@ reuse their persisted parts. The chain dir must be reachable by every rank (one 
 shared filesystem), and the key is loaded and used on the assembling rank only.
 """
 
+import logging
 import math
 import time
 from collections.abc import Mapping
@@ -39,6 +40,8 @@ from chain.store import ChainStore
 from trainer.changes import bits_of
 from trainer.publisher import Published, notify_daemon
 from trainer.rank_encoder import RankEncoder, Slice
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -151,7 +154,8 @@ class ShardedPublisher:
         try:
             part = work(plan)
         except Exception as e:  # reported to the assembler, raised on every rank below
-            part = shards.RankPart(rank=self.rank, version=plan["version"], parent_digest=None,
+            part = shards.RankPart(rank=self.rank, version=max(0, plan["version"]),
+                                   parent_digest=None,
                                    slices=[], error=f"rank {self.rank}: {e}")
         parts = self._gather(part)
         outcome: dict = {}
@@ -250,13 +254,17 @@ class ShardedPublisher:
         if plan["parent"] is not None:
             parent = Parent(version=plan["head"], state_digest=plan["parent"])
             delta = shards.assemble(parts, kind="delta", parent=parent, **common).signed(self.key)
-            self.store.add(delta)
         if plan["snapshot"]:
             snapshot = shards.assemble(parts, kind="snapshot", parent=None, **common
                                        ).signed(self.key)
-            self.store.add(snapshot)
-        self.store.gc(self.retention)
-        self.encoder.forget_parts(version)
+        for m in (delta, snapshot):  # both signed before either is stored
+            if m is not None:
+                self.store.add(m)
+        try:  # the version is published now: housekeeping must not make the ranks think not
+            self.store.gc(self.retention)
+            self.encoder.forget_parts(version)
+        except OSError as e:
+            log.warning("v%d published; cleaning up after it failed: %s", version, e)
         notified = notify_daemon(self.daemon_url, self.token, version)
         return ShardedPublished(
             version=version, delta=delta, snapshot=snapshot, changed_elements=changed,
