@@ -10,6 +10,7 @@ the changed words alone, as the single-process publisher does. Every rank's repo
 hundred bytes per tensor: that, not the weights, is what crosses between ranks.
 """
 
+import math
 from collections.abc import Sequence
 from typing import Annotated
 
@@ -187,6 +188,8 @@ def slice_part(name: str, dtype: str, shape: Sequence[int], lo: int, count: int,
 
 
 def write_full(writer: BlockWriter, part: SlicePart, bits: np.ndarray) -> None:
+    if part.count == 0 and math.prod(part.shape):  # no rows of a non-empty tensor
+        return
     writer.write_record(RecordHeader(part.name, "full", part.dtype, part.shape, bits.nbytes,
                                      at=part.lo, count=part.count),
                         memoryview(np.ascontiguousarray(bits)).cast("B"))
@@ -245,7 +248,7 @@ def tensor_entries(parts: Sequence[RankPart]) -> list[TensorEntry]:
             by_name.setdefault(s.name, []).append(s)
     out = []
     for name in sorted(by_name):
-        slices = sorted(by_name[name], key=lambda s: s.lo)
+        slices = sorted(by_name[name], key=lambda s: (s.lo, s.count))
         first = slices[0]
         numel = int(np.prod(first.shape, dtype=np.int64))
         end = 0
@@ -253,14 +256,16 @@ def tensor_entries(parts: Sequence[RankPart]) -> list[TensorEntry]:
             if (s.dtype, s.shape) != (first.dtype, first.shape):
                 raise ChainError(f"ranks disagree on {name}: {s.dtype}{s.shape} vs "
                                  f"{first.dtype}{first.shape}")
+            if s.count == 0:  # a rank with no rows of it (uneven dim-0 shards)
+                continue
             if s.lo != end:
                 how = "overlap" if s.lo < end else "leave a gap"
                 raise ChainError(f"the ranks' slices of {name} {how} at element "
                                  f"{min(s.lo, end)}: each element needs exactly one owner")
-            if s.op != first.op:
-                raise ChainError(f"ranks disagree whether {name} is new (full) or changed "
-                                 "(delta): restart every rank from the same published version")
             end = s.lo + s.count
+        if len({s.op for s in slices if s.count}) > 1:
+            raise ChainError(f"ranks disagree whether {name} is new (full) or changed "
+                             "(delta): restart every rank from the same published version")
         if end != numel:
             raise ChainError(f"the ranks' slices of {name} cover {end} of {numel} elements")
         out.append(TensorEntry(name=name, dtype=first.dtype, shape=first.shape,

@@ -78,6 +78,12 @@ def test_slices_that_overlap_leave_a_gap_or_disagree_are_refused_by_name():
         shards.tensor_entries([_rank(0, a), _rank(1, b.model_copy(update={"op": "delta"}))])
     (entry,) = shards.tensor_entries([_rank(1, b), _rank(0, a)])
     assert entry.digest == tensor_digest("bfloat16", [10], full)
+    # uneven dim-0 shards: a last rank with no rows reports an empty slice at offset 0
+    (whole,) = _parts("w", "bfloat16", full, [0, 10])
+    (empty,) = _parts("w", "bfloat16", full[:0], [0, 0])
+    empty = empty.model_copy(update={"shape": [10], "op": "delta"})
+    (entry,) = shards.tensor_entries([_rank(0, whole), _rank(1, empty)])
+    assert entry.digest == tensor_digest("bfloat16", [10], full)
 
 
 def test_format_3_needs_streams_adding_up_and_format_2_bytes_carry_none(tmp_path):
