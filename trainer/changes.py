@@ -42,22 +42,38 @@ class Found:
     d2h_bytes: int
 
 
-def find_changes(prev: torch.Tensor, new: torch.Tensor, chunk: int = CHUNK) -> Found:
-    """Where the flat integer tensors `prev` and `new` (same device, size and width) differ."""
+def find_changes(prev: torch.Tensor, new: torch.Tensor, chunk: int = CHUNK,
+                 use_torch: bool | None = None) -> Found:
+    """Where the flat integer tensors `prev` and `new` (same device, size and width) differ.
+    `use_torch`: compare with torch (default off the CPU); on the CPU numpy's compare and
+    flatnonzero do the same about 3x faster here, and the torch path stays testable on CPU."""
     if prev.shape != new.shape or prev.dtype != new.dtype or prev.device != new.device:
         raise ValueError(f"cannot compare {prev.dtype}{list(prev.shape)} on {prev.device} with "
                          f"{new.dtype}{list(new.shape)} on {new.device}")
     n = new.numel()
-    found = [torch.nonzero(prev[i:i + chunk] != new[i:i + chunk]).view(-1).add_(i)
-             for i in range(0, n, chunk)]
+    on_cpu = new.device.type == "cpu"
+    found = []
+    for i in range(0, n, chunk):
+        if on_cpu and not use_torch:
+            a, b = prev[i:i + chunk].numpy(), new[i:i + chunk].numpy()
+            p = torch.from_numpy(np.flatnonzero(a != b))
+        else:
+            p = torch.nonzero(prev[i:i + chunk] != new[i:i + chunk]).view(-1)
+        found.append(p.add_(i) if i else p)
     if not found:
         pos_dev = torch.empty(0, dtype=torch.int64, device=new.device)
     else:
         pos_dev = torch.cat(found) if len(found) > 1 else found[0]
     val_dev = new[pos_dev]
-    small = pos_dev.to(torch.int32) if n < 2**31 else pos_dev
-    pos = small.cpu().numpy().astype(np.int64)
+    width = 4 if n < 2**31 else 8
+    if on_cpu:  # already on the host: nothing to copy or narrow
+        pos = pos_dev.numpy()
+    else:
+        pos = pos_dev.to(torch.int32 if width == 4 else torch.int64).cpu().numpy()
+        pos = pos.astype(np.int64)
     val_host = val_dev.cpu().numpy()
     uint = np.dtype(f"uint{8 * new.element_size()}")
+    # d2h_bytes: what crosses to the host from a device (counted alike on CPU, where it is
+    # what would cross)
     return Found(pos, val_host.view(uint), pos_dev, val_dev,
-                 small.numel() * small.element_size() + val_host.nbytes)
+                 pos.size * width + val_host.nbytes)

@@ -78,7 +78,7 @@ class RankEncoder:
         self.blocks, self.parts_dir, self.rank = blocks, Path(parts_dir), rank
         self.block_size = block_size
         self.held: dict[str, _Held] = {}
-        self._pending: dict[str, _Held | Found] | None = None
+        self._pending: dict[str, _Held | tuple[Found, tuple[int, int]]] | None = None
 
     def part_path(self, version: int) -> Path:
         return self.parts_dir / f"v{version:08d}" / f"rank{self.rank:05d}.json"
@@ -101,7 +101,6 @@ class RankEncoder:
         t0 = time.perf_counter()
         delta = parent_digest is not None
         self._pending = {}
-        found: dict[str, Found] = {}
         parts: list[shards.SlicePart] = []
         d2h = 0
         for s in sorted(slices, key=lambda s: (s.name, s.lo)):
@@ -110,7 +109,7 @@ class RankEncoder:
                 f = find_changes(h.dev, s.bits)
                 d2h += f.d2h_bytes
                 sums = shards.add_sums(h.sums, shards.interior_move(h.host, s.lo, f.pos, f.val))
-                found[s.name] = self._pending[s.name] = f
+                self._pending[s.name] = (f, sums)
                 parts.append(shards.slice_part(s.name, s.dtype, s.shape, s.lo, s.bits.numel(),
                                                sums, "delta", _edges(s), int(f.pos.size)))
             else:
@@ -127,6 +126,8 @@ class RankEncoder:
         encoded = 0
         for p in parts:
             pend = self._pending[p.name]
+            if isinstance(pend, tuple):
+                pend = pend[0]
             if delta and isinstance(pend, Found):
                 if pend.pos.size:
                     encoded += shards.write_delta(dw, p, self.held[p.name].host, pend.pos,
@@ -171,8 +172,8 @@ class RankEncoder:
                 held[name] = p
                 continue
             h = self.held[name]
+            p, h.sums = p
             if p.pos.size:
-                h.sums = shards.add_sums(h.sums, shards.interior_move(h.host, h.lo, p.pos, p.val))
                 h.host[p.pos] = p.val
                 if h.dev.device.type != "cpu":
                     h.dev[p.pos_dev] = p.val_dev

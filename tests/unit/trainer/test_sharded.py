@@ -82,12 +82,13 @@ def test_change_detection_copies_positions_and_values_only():
     new = old.clone()
     idx = torch.randperm(5000, generator=g)[:123]
     new.view(torch.int16)[idx] += 1
-    f = find_changes(bits_of(old), bits_of(new), chunk=1000)
     want = np.flatnonzero(old.view(torch.int16).numpy() != new.view(torch.int16).numpy())
-    assert f.pos.tolist() == want.tolist()
-    assert f.val.dtype == np.uint16
-    assert f.val.tolist() == new.view(torch.int16).numpy().view(np.uint16)[want].tolist()
-    assert f.d2h_bytes == 123 * (4 + 2)
+    for use_torch in (True, False):  # torch: the code that runs on a GPU
+        f = find_changes(bits_of(old), bits_of(new), chunk=1000, use_torch=use_torch)
+        assert f.pos.tolist() == want.tolist()
+        assert f.val.dtype == np.uint16
+        assert f.val.tolist() == new.view(torch.int16).numpy().view(np.uint16)[want].tolist()
+        assert f.d2h_bytes == 123 * (4 + 2)
 
 
 def test_a_restarted_rank_reuses_its_part_only_for_the_same_weights(tmp_path):
