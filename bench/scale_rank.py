@@ -43,7 +43,7 @@ def load_shard(work: Path, v: int, rank: int, world: int) -> dict[str, Shard]:
             sl = f.get_slice(name)
             shape = tuple(sl.get_shape())
             lo, hi = rows(shape[0], rank, world)
-            t = sl[lo:hi]  # a copy in anonymous memory, like a trainer's own shard
+            t = sl[lo:hi].clone()  # anonymous memory, like a trainer's own shard
             out[name] = Shard(t, shape, lo * math.prod(shape[1:]))
     return out
 
