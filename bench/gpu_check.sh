@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# GPU check for the in-place sparse apply (no vllm, no network, installs nothing): prints the
-# machine, then bench/gpu_apply.py's table for a tiny and a ~1.1B-param Llama-shaped model.
+# GPU check (no vllm, no network, installs nothing): prints the machine; then the sharded
+# publisher's change detection on the device (bench/gpu_changes.py: elements/s against the
+# device's copy bandwidth, device->host bytes against the delta, a one-rank sharded publish of
+# CUDA tensors checked against the CPU Publisher); then bench/gpu_apply.py's table for the
+# in-place sparse apply on a tiny and a ~1.1B-param Llama-shaped model.
 # Usage: bash bench/gpu_check.sh [extra gpu_apply.py args]   (rows also go to $OUT if set)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,5 +20,10 @@ print(f"gpu_check: python {sys.version.split()[0]} torch {torch.__version__} "
       f"cuda {torch.version.cuda} available={torch.cuda.is_available()}")
 PYEOF
 json_args=()
-if [ -n "${OUT:-}" ]; then json_args=(--json "$OUT/gpu_apply.json"); fi
+changes_args=()
+if [ -n "${OUT:-}" ]; then
+  json_args=(--json "$OUT/gpu_apply.json")
+  changes_args=(--json "$OUT/gpu_changes.json")
+fi
+"$PY" bench/gpu_changes.py --device cuda "${changes_args[@]}"
 exec "$PY" bench/gpu_apply.py --device cuda "${json_args[@]}" "$@"

@@ -6,6 +6,7 @@ it), printed next to the issue's goal with PASS/MISS.
 
     python bench/scale.py [--params 1e9 | --small] [--versions 3] [--json] [--no-e2e]
     python bench/scale.py --huge-tensor [--huge-elements 1.1e9]
+    python bench/scale.py --ranks 2 [--small]   # sharded publisher: 1 rank vs N ranks
 
 Each side runs in its own process (bench/scale_work.py) while this one samples its
 /proc/<pid>/status and /proc/<pid>/io, so memory and disk writes are that side's alone.
@@ -31,6 +32,7 @@ from rich.table import Table
 
 ROOT = Path(__file__).resolve().parent.parent
 WORK = Path(__file__).resolve().parent / "scale_work.py"
+RANK = Path(__file__).resolve().parent / "scale_rank.py"
 VOCAB = 32000
 DEPTHS = [(512, 4), (768, 8), (1024, 12), (1536, 12), (2048, 16), (2560, 20), (3072, 24),
           (4096, 32), (5120, 40), (8192, 80)]
@@ -79,10 +81,12 @@ class Child:
     """One scale_work.py role; a sampler thread keeps the peak RssAnon/VmRSS since the last
     begin mark, and each begin/end mark pair becomes one measured phase."""
 
-    def __init__(self, role: str, work: Path) -> None:
+    def __init__(self, role: str, work: Path, argv: list[str] | None = None,
+                 env_extra: dict[str, str] | None = None) -> None:
         self.role = role
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        self.proc = subprocess.Popen([sys.executable, str(WORK), role, str(work)], cwd=ROOT,
+        env = {**os.environ, "PYTHONPATH": str(ROOT), **(env_extra or {})}
+        argv = argv or [str(WORK), role, str(work)]
+        self.proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT,
                                      env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True, bufsize=1)
         self.lock = threading.Lock()
@@ -233,6 +237,72 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
     return out
 
 
+def measure_ranks(args: argparse.Namespace, work: Path) -> dict:
+    """The sharded publisher on the same versions with 1 rank and with `--ranks` ranks (gloo,
+    one process each, dim-0 shards): publish time, each rank's peak anonymous memory beyond
+    its own shard (as a ratio to that shard), device->host bytes against the delta."""
+    hidden, layers = choose_shape(args.params)
+    params = llama_size(hidden, layers)
+    (work / "config.json").write_text(json.dumps({
+        "hidden": hidden, "layers": layers, "versions": args.versions, "density": args.density,
+        "seed": args.seed}))
+    console.print(f"model: Llama-shaped, hidden {hidden}, {layers} layers, {params / 1e9:.3f}B "
+                  f"params, {2 * params / 2**30:.2f} GiB bf16; {args.versions} delta versions; "
+                  f"code {code_rev()}; load average {os.getloadavg()[0]:.1f} (2 cores shared)")
+    Child("gen", work).run()
+    out: dict = {"params": params, "versions": args.versions, "code": code_rev(), "worlds": {}}
+    t = Table(title="sharded publish (delta versions: median time, worst memory)")
+    for col in ("ranks", "publish s (median)", "per-rank mem beyond shard / shard (worst)",
+                "density", "d2h / sparse delta (int32 pos + value)", "d2h / encoded delta"):
+        t.add_column(col, justify="right")
+    for world in sorted({1, args.ranks}):
+        port = free_port()
+        # fixed mmap threshold: freed tensors go back to the kernel, so RssAnon is what the
+        # publisher holds, not what glibc kept of the previous version's tensors
+        kids = [Child(f"rank{r}", work, [str(RANK), str(work), str(r), str(world), str(port)],
+                      {"MALLOC_MMAP_THRESHOLD_": "131072"}) for r in range(world)]
+        threads = [threading.Thread(target=k.run) for k in kids]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        deltas = [[p for p in k.phases if p["kind"] == "delta"] for k in kids]
+        secs = [max(k[i]["seconds"] for k in deltas) for i in range(len(deltas[0]))]
+        mem = max((p["anon_peak"] - p["base_anon"] - p["caller_bytes"]) / p["caller_bytes"]
+                  for k in deltas for p in k)
+        first = deltas[0]
+        changed = sum(p["changed"] for p in first)
+        itemsize = 2
+        sparse = sum(p["changed"] * (4 + itemsize) for p in first)
+        d2h = sum(p["d2h"] for p in first)
+        encoded = sum(p["artifact_bytes"] for p in first)
+        row = {"publish_s": statistics.median(secs), "mem_over_shard": mem,
+               "density": changed / sum(p["elements"] for p in first),
+               "d2h_over_sparse": d2h / max(1, sparse), "d2h_over_encoded": d2h / max(1, encoded),
+               "publish_s_all": secs}
+        out["worlds"][world] = row
+        t.add_row(str(world), f"{row['publish_s']:.2f}", f"{mem:.2f}x",
+                  f"{row['density']:.4f}", f"{row['d2h_over_sparse']:.2f}x",
+                  f"{row['d2h_over_encoded']:.2f}x")
+    console.print(t)
+    one, many = out["worlds"][1], out["worlds"][args.ranks]
+    out["speedup"] = one["publish_s"] / many["publish_s"]
+    console.print(f"{args.ranks} ranks vs 1: publish {out['speedup']:.2f}x as fast "
+                  f"(goal >= 1x on this 2-core machine); per-rank memory beyond its shard "
+                  f"{many['mem_over_shard']:.2f}x the shard (goal <= 1.1x); device->host bytes "
+                  f"{many['d2h_over_sparse']:.2f}x the sparse delta (goal <= 1.2x), "
+                  f"{many['d2h_over_encoded']:.2f}x the encoded delta")
+    return out
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def report(out: dict, rows: list[dict], e2e: list[dict]) -> None:
     model = out["model_bytes"]
     t = Table(title="per version (publisher and region each in its own process)")
@@ -306,6 +376,7 @@ def main() -> None:
     ap.add_argument("--huge-elements", type=float, default=1.1e9)
     ap.add_argument("--workdir", type=Path, help="default: a temp dir, removed afterwards")
     ap.add_argument("--json", action="store_true", help="print one JSON line last")
+    ap.add_argument("--ranks", type=int, help="compare the sharded publisher on 1 and N ranks")
     args = ap.parse_args()
     if args.small:
         args.params = 5e7
@@ -324,6 +395,8 @@ def main() -> None:
             console.print(f"one tensor of {out['huge_bytes'] / 2**30:.2f} GiB, "
                           f"{out['changed']} changes, through snapshot, delta, blocks and "
                           f"apply: {'bit-exact PASS' if out['bit_exact'] else 'DIFFERS: FAIL'}")
+        elif args.ranks:
+            out = measure_ranks(args, work)
         else:
             out = measure(args, work)
     finally:

@@ -11,7 +11,7 @@ from this process (they stay in the page cache), so memory stays near one batch.
 """
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +20,7 @@ import numpy as np
 from chain import codec, lanehash
 from chain.codec.api import run_jobs
 from chain.digest import tensor_digests
+from chain.dtypes import BY_NAME
 from chain.errors import BadDelta, DigestMismatch
 from chain.manifest import TensorEntry
 from chain.safetensors_io import TensorFiles, WritableFiles
@@ -34,9 +35,10 @@ _NONE = codec.Changes(np.empty(0, np.int64), np.empty(0, np.uint8))
 class _Item:
     index: int
     t: TensorEntry
-    rec: RecordHeader | None
     done: bool
-    payload: bytes | None = None
+    op: str | None = None  # None: no record (unchanged), else "full" or "delta"
+    parts: list[tuple[int, int]] = field(default_factory=list)  # (at, count) of each record
+    payloads: list[tuple[int, int, bytes]] = field(default_factory=list)
     changes: codec.Changes | None = None
     digest: str | None = None
     repaired: bool = False
@@ -66,53 +68,76 @@ class Fill:
         self.steps, self.own = steps, own.tensors if own is not None else None
 
     # --- the pass ---------------------------------------------------------------------------
-    def run(self, reader: BlockReader, resumed: bool = False) -> None:
+    def run(self, reader: BlockReader | Sequence[BlockReader], resumed: bool = False) -> None:
+        """Fill every tensor from `reader`: the artifact's record stream, or (format 3) its
+        sub-streams, each in name order, whose records for one tensor may each cover a part."""
         self.resumed = resumed
+        readers = [reader] if isinstance(reader, BlockReader) else list(reader)
         jpath = self.journal_path
         done = set(jpath.read_text().split("\n")) if jpath and jpath.exists() else set()
         what = self.what
         with open(jpath or os.devnull, "a") as self.journal:
             batch: list[_Item] = []
             size = 0
-            pending = reader.next_header()
+            pending = [r.next_header() for r in readers]
             for i, t in enumerate(self.tensors):
-                rec = None
-                if pending is not None and pending.name == t.name:
-                    rec, pending = pending, None
-                elif pending is not None and pending.name < t.name:
-                    raise BadDelta(f"record for {pending.name!r} is not a tensor of {what} or "
-                                   "is out of order")
-                item = _Item(i, t, rec, t.name in done)
-                self._read(item, reader)
+                item = _Item(i, t, t.name in done)
+                for s, r in enumerate(readers):
+                    while pending[s] is not None and pending[s].name == t.name:
+                        self._read(item, pending[s], r)
+                        pending[s] = r.next_header()
+                    if pending[s] is not None and pending[s].name < t.name:
+                        raise BadDelta(f"record for {pending[s].name!r} is not a tensor of "
+                                       f"{what} or is out of order")
+                self._check_parts(item)
                 batch.append(item)
                 size += t.numel
                 if size >= BATCH:
                     self._batch(batch)
                     batch, size = [], 0
-                if pending is None:
-                    pending = reader.next_header()
             self._batch(batch)
-        if pending is not None or not reader.at_end():
+        if any(p is not None for p in pending) or not all(r.at_end() for r in readers):
             raise BadDelta(f"{what} has records after its last tensor")
 
-    def _read(self, item: _Item, reader: BlockReader) -> None:
-        rec, t = item.rec, item.t
-        if rec is None:
-            return
+    def _read(self, item: _Item, rec: RecordHeader, reader: BlockReader) -> None:
+        t = item.t
         if rec.dtype != t.dtype or rec.shape != t.shape:
             raise BadDelta(f"record for {t.name} disagrees with the manifest's dtype/shape")
+        at, count = (0, t.numel) if rec.at is None else (rec.at, rec.count)
+        if at + count > t.numel:
+            raise BadDelta(f"record for {t.name} covers elements {at}..{at + count}, past its "
+                           f"{t.numel}")
+        if item.op not in (None, rec.op):
+            raise BadDelta(f"{t.name} has both full and delta records")
+        item.op = rec.op
+        item.parts.append((at, count))
+        itemsize = BY_NAME[t.dtype].itemsize
         if rec.op == "full":
-            if rec.n != t.nbytes:
-                raise BadDelta(f"full record for {t.name} has {rec.n} bytes, needs {t.nbytes}")
+            if rec.n != count * itemsize:
+                raise BadDelta(f"full record for {t.name} has {rec.n} bytes, needs "
+                               f"{count * itemsize}")
             if item.done:
                 reader.skip(rec.n)
             else:
-                reader.read_into(memoryview(self.out.bits(t.name)).cast("B"))
+                reader.read_into(memoryview(self.out.bits(t.name)[at:at + count]).cast("B"))
             return
-        if rec.n > 8 * t.nbytes + (1 << 20):
+        if rec.n > 8 * count * itemsize + (1 << 20):
             raise BadDelta(f"delta record for {t.name} is implausibly large ({rec.n} bytes)")
         self._base_of(t)
-        item.payload = reader.read(rec.n)
+        item.payloads.append((at, count, reader.read(rec.n)))
+
+    def _check_parts(self, item: _Item) -> None:
+        """A tensor's records may not overlap; full records must cover it exactly."""
+        end = 0
+        for at, count in sorted(item.parts):
+            if at < end:
+                raise BadDelta(f"records for {item.t.name} overlap at element {at}")
+            if item.op == "full" and at != end:
+                raise BadDelta(f"full records for {item.t.name} leave elements {end}..{at} out")
+            end = at + count
+        if item.op == "full" and end != item.t.numel:
+            raise BadDelta(f"full records for {item.t.name} end at element {end} of "
+                           f"{item.t.numel}")
 
     def _base_of(self, t: TensorEntry) -> np.ndarray:
         b = self.base
@@ -123,25 +148,31 @@ class Fill:
         return b.bits(t.name)
 
     def _batch(self, batch: list[_Item]) -> None:
-        coded = [it for it in batch if it.payload is not None]
+        coded = [it for it in batch if it.payloads]
         for it in coded:
             self.base.prefault(it.t.name)
         if coded:
-            decoded = codec.decode_many([(self._base_of(it.t), it.payload, it.t.dtype)
-                                         for it in coded])
-            for it, ch in zip(coded, decoded, strict=True):
-                it.changes, it.payload = ch, None
+            decoded = iter(codec.decode_many([
+                (self._base_of(it.t)[at:at + count], payload, it.t.dtype)
+                for it in coded for at, count, payload in it.payloads]))
+            for it in coded:
+                parts = sorted(((at, next(decoded)) for at, _, _ in it.payloads),
+                               key=lambda p: p[0])
+                it.changes = parts[0][1] if len(parts) == 1 and parts[0][0] == 0 else \
+                    codec.Changes(np.concatenate([c.pos + np.int64(at) for at, c in parts]),
+                                  np.concatenate([c.val for _, c in parts]))
+                it.payloads = []
         jobs = [(it.t.numel, self._job(it)) for it in batch
-                if not it.done and (it.rec is None or it.rec.op != "full")]
+                if not it.done and it.op != "full"]
         run_jobs(jobs)
-        full = [it for it in batch if not it.done and it.rec is not None and it.rec.op == "full"]
+        full = [it for it in batch if not it.done and it.op == "full"]
         for it, d in zip(full, tensor_digests([(it.t.dtype, it.t.shape,
                                                 self.out.bits(it.t.name)) for it in full]),
                          strict=True):
             it.digest = d
         for it in batch:
             name = it.t.name
-            self.changes[name] = None if it.rec is not None and it.rec.op == "full" else (
+            self.changes[name] = None if it.op == "full" else (
                 it.changes.pos if it.changes is not None else np.empty(0, np.int64))
             if it.done:
                 continue

@@ -21,6 +21,12 @@ from chain.errors import BadManifest, BadSignature, Unsigned
 
 FORMAT = 2
 """2: tensor digests are additive lane hashes (chain/lanehash.py); 1 used xxh3-128."""
+FORMAT_SHARDED = 3
+"""3: as 2, but the tensor stream is several sub-streams (`streams`: blocks in each), one per
+rank of a sharded trainer, whose records may cover an element range of a tensor (`at`, `count`
+in the record header). Written only by the sharded publisher; a build that reads only 2
+refuses it with "format 3 is not supported ... upgrade"."""
+FORMATS = (FORMAT, FORMAT_SHARDED)
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 Hex32 = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
 Hex64 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
@@ -78,7 +84,7 @@ class Signature(_Strict):
 
 
 class Manifest(_Strict):
-    format: Literal[2]
+    format: Literal[2, 3]
     run: str = Field(min_length=1, max_length=128)
     version: int = Field(ge=0)
     kind: Literal["delta", "snapshot"]
@@ -90,6 +96,8 @@ class Manifest(_Strict):
     stats: dict[str, int | float] = {}
     created: float = 0.0
     signature: Signature | None = None
+    streams: list[Annotated[int, Field(gt=0)]] | None = None
+    """Format 3 only: how many stream blocks each sub-stream has, in block order."""
 
     @model_validator(mode="after")
     def _consistent(self) -> "Manifest":
@@ -109,6 +117,12 @@ class Manifest(_Strict):
             raise ValueError("every file's block must be listed in blocks")
         if state_digest({t.name: t.digest for t in self.tensors}) != self.state_digest:
             raise ValueError("state_digest does not match the tensor digests")
+        if self.format == FORMAT and self.streams is not None:
+            raise ValueError("format 2 has one stream: `streams` needs format 3")
+        if self.format == FORMAT_SHARDED and (
+                self.streams is None or sum(self.streams) != len(self.stream_blocks)):
+            raise ValueError("format 3 needs `streams` adding up to its stream blocks "
+                             f"({len(self.stream_blocks)})")
         return self
 
     @property
@@ -125,15 +139,32 @@ class Manifest(_Strict):
         files = {f.block for f in self.files}
         return [b for b in self.blocks if b.id not in files]
 
+    @property
+    def substreams(self) -> list[list[BlockEntry]]:
+        """The stream blocks cut into their sub-streams (one for format 2)."""
+        blocks = self.stream_blocks
+        if self.streams is None:
+            return [blocks]
+        out, at = [], 0
+        for n in self.streams:
+            out.append(blocks[at:at + n])
+            at += n
+        return out
+
+    def _dump(self, exclude: set[str]) -> dict:
+        # format 2 documents never carry `streams`, so their bytes (and signatures) are as before
+        return self.model_dump(mode="json", exclude=exclude | (
+            {"streams"} if self.streams is None else set()))
+
     def canonical(self) -> bytes:
-        return canonical_json(self.model_dump(mode="json", exclude={"signature"}))
+        return canonical_json(self._dump({"signature"}))
 
     def signed(self, key: Ed25519PrivateKey) -> "Manifest":
         sig = Signature(key=keys.public_hex(key), sig=keys.sign(key, self.canonical()))
         return self.model_copy(update={"signature": sig})
 
     def to_bytes(self) -> bytes:
-        return canonical_json(self.model_dump(mode="json"))
+        return canonical_json(self._dump(set()))
 
     @classmethod
     def parse(cls, raw: bytes, public_key: Ed25519PublicKey | None) -> "Manifest":
@@ -159,10 +190,10 @@ class Manifest(_Strict):
                 f"this build (format {FORMAT}) does not use; re-publish the chain from the "
                 "trainer's weights with this version"
             )
-        if old != FORMAT:
+        if old not in FORMATS or isinstance(old, bool):
             raise BadManifest(
                 f"manifest format {doc.get('format')!r:.40} is not supported (this build reads "
-                f"format {FORMAT}); upgrade deltaswarm on this node"
+                f"formats {FORMAT} and {FORMAT_SHARDED}); upgrade deltaswarm on this node"
             )
         if public_key is not None:
             _check_signature(doc, public_key)

@@ -4,8 +4,9 @@ An artifact is one byte stream, split at fixed sizes into blocks: a sequence of 
 tensor that is new or changed, in name order. A record is
 `b"DSR1" | u32 header length | header JSON {name, op, dtype, shape, n} | n payload bytes`
 with op `delta` (codec payload against the parent's tensor) or `full` (raw bytes). Unchanged
-tensors have no record. Writing and reading are streaming, so memory stays near one block plus
-one tensor.
+tensors have no record. A record of a sharded trainer's rank (manifest format 3) covers only
+elements [at, at + count) of its tensor; its header then also holds `at` and `count`.
+Writing and reading are streaming, so memory stays near one block plus one tensor.
 """
 
 import json
@@ -30,13 +31,15 @@ class RecordHeader:
     dtype: str
     shape: list[int]
     n: int
+    at: int | None = None
+    count: int | None = None
 
 
 def encode_header(h: RecordHeader) -> bytes:
-    body = json.dumps(
-        {"name": h.name, "op": h.op, "dtype": h.dtype, "shape": h.shape, "n": h.n},
-        separators=(",", ":"), sort_keys=True,
-    ).encode()
+    doc = {"name": h.name, "op": h.op, "dtype": h.dtype, "shape": h.shape, "n": h.n}
+    if h.at is not None:
+        doc |= {"at": h.at, "count": h.count}
+    body = json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
     return _HDR.pack(MAGIC, len(body)) + body
 
 
@@ -135,9 +138,13 @@ class BlockReader:
         try:
             doc = json.loads(self.read(length))
             h = RecordHeader(name=str(doc["name"]), op=str(doc["op"]), dtype=str(doc["dtype"]),
-                             shape=[int(s) for s in doc["shape"]], n=int(doc["n"]))
+                             shape=[int(s) for s in doc["shape"]], n=int(doc["n"]),
+                           at=None if "at" not in doc else int(doc["at"]),
+                           count=None if "at" not in doc else int(doc["count"]))
         except (ValueError, KeyError, TypeError) as e:
             raise BadDelta(f"record header is malformed: {e}") from None
         if h.op not in ("delta", "full") or h.n < 0:
             raise BadDelta(f"record for {h.name!r} has invalid op {h.op!r} or length {h.n}")
+        if h.at is not None and (h.at < 0 or h.count < 0):
+            raise BadDelta(f"record for {h.name!r} covers a negative range ({h.at}, {h.count})")
         return h

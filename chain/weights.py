@@ -146,7 +146,7 @@ class WeightsDir:
         if (staging / ADVANCE).is_file() and not resumed:
             plan = json.loads((staging / ADVANCE).read_text())
             fill.in_place(self._steps(plan["from"], cur), _info_or_none(staging))
-        fill.run(BlockReader.of_blocks(m.stream_blocks, get_block), resumed)
+        fill.run([BlockReader.of_blocks(b, get_block) for b in m.substreams], resumed)
         if state_digest({t.name: t.digest for t in m.tensors}) != m.state_digest:
             raise ChainError(f"{m.artifact}: state digest mismatch")
         mode = _file_mode(staging)

@@ -165,21 +165,27 @@ class Publisher:
                 log.info("daemon down: retention as it last decided dropped %s", dropped)
 
     def _notify(self, version: int) -> bool:
-        if self.daemon_url is None:
-            return False
-        req = urllib.request.Request(
-            f"{self.daemon_url}/v1/publish", data=json.dumps({"version": version}).encode(),
-            headers={"Content-Type": "application/json",
-                     **({"Authorization": f"Bearer {self.token}"} if self.token else {})},
-            method="POST",
-        )
-        try:
-            with urllib.request.urlopen(req, timeout=30) as r:
-                return r.status == 200
-        except (urllib.error.URLError, OSError) as e:
-            log.warning("daemon at %s did not take v%d (%s); it will seed it when it (re)starts",
-                        self.daemon_url, version, e)
-            return False
+        return notify_daemon(self.daemon_url, self.token, version)
+
+
+def notify_daemon(daemon_url: str | None, token: str | None, version: int) -> bool:
+    """Tell the local daemon to seed `version` (False if there is none or it did not answer:
+    it picks the version up from the chain dir when it (re)starts)."""
+    if daemon_url is None:
+        return False
+    req = urllib.request.Request(
+        f"{daemon_url}/v1/publish", data=json.dumps({"version": version}).encode(),
+        headers={"Content-Type": "application/json",
+                 **({"Authorization": f"Bearer {token}"} if token else {})},
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError) as e:
+        log.warning("daemon at %s did not take v%d (%s); it will seed it when it (re)starts",
+                    daemon_url, version, e)
+        return False
 
 
 def _cpu_copy(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -61,7 +61,7 @@ def test_signature_with_the_right_key_id_but_forged_bytes_is_refused(snapshot, s
 @pytest.mark.parametrize(
     ("mutate", "message"),
     [
-        (lambda d: d.update(format=3), "format 3 is not supported"),
+        (lambda d: d.update(format=4), "format 4 is not supported"),
         (lambda d: d.update(format=1), "format 1 was written by an older deltaswarm whose "
                                        "tensor digests"),
         (lambda d: d.update(version=-1), "version"),

@@ -1,0 +1,125 @@
+"""The rank side of sharded publishing in one process: ranks holding arbitrary element ranges
+(odd dtypes, empty tensors, misaligned cuts) produce versions a region rebuilds bit-identical to
+the single-process Publisher's; change detection copies positions and values only; a restarted
+rank reuses its persisted part only for the very same weights."""
+
+import numpy as np
+import pytest
+import torch
+
+from chain import dtypes, keys, shards
+from chain.manifest import Parent
+from chain.policy import SnapshotPolicy
+from chain.store import ChainStore
+from chain.weights import WeightsDir
+from tests.conftest import make_state, perturb
+from trainer.changes import bits_of, find_changes
+from trainer.publisher import Publisher
+from trainer.rank_encoder import RankEncoder, Slice
+from trainer.sharded import Shard, local_slices, owner
+
+
+def _split(state: dict[str, torch.Tensor], world: int, seed: int = 1) -> list[list[Slice]]:
+    rng = np.random.default_rng(seed)
+    out: list[list[Slice]] = [[] for _ in range(world)]
+    for name, t in state.items():
+        flat = t.reshape(-1)
+        b = [0, *sorted(rng.integers(0, flat.numel() + 1, world - 1).tolist()), flat.numel()]
+        for r in range(world):
+            out[r].append(Slice(name, dtypes.of_tensor(t).name, list(t.shape), b[r],
+                                bits_of(flat[b[r]:b[r + 1]])))
+    return out
+
+
+def _publish(store, key, encs, version, state, snapshot):
+    head = store.head()
+    parent = None if head is None else (store.get(head, "delta") or store.get(head, "snapshot"))
+    parts = [e.encode(version, s, parent_digest=parent and parent.state_digest,
+                      snapshot=snapshot) for e, s in zip(encs, _split(state, len(encs)),
+                                                         strict=True)]
+    tensors = shards.tensor_entries(parts)
+    out = []
+    if parent is not None:
+        out.append(shards.assemble(parts, run="r", version=version, kind="delta",
+                                   tensors=tensors, parent=Parent(version=head,
+                                   state_digest=parent.state_digest)).signed(key))
+    if snapshot:
+        out.append(shards.assemble(parts, run="r", version=version, kind="snapshot",
+                                   tensors=tensors, parent=None).signed(key))
+    for m in out:
+        store.add(m)
+    for e in encs:
+        e.commit()
+    return parts, out
+
+
+def test_three_simulated_ranks_rebuild_bit_identical_to_the_single_process_publisher(tmp_path):
+    key = keys.generate(tmp_path / "k")
+    store = ChainStore(tmp_path / "chain", key.public_key())
+    ref = Publisher(tmp_path / "ref", tmp_path / "k", run="r",
+                    snapshots=SnapshotPolicy(every=2, max_delta_ratio=1e9))
+    encs = [RankEncoder(store.blocks, tmp_path / "chain" / "parts", r, 4096) for r in range(3)]
+    state, wd = make_state(0, scale=3), WeightsDir(tmp_path / "w")
+    for v in range(5):
+        parts, made = _publish(store, key, encs, v, state, snapshot=v % 2 == 0)
+        want = ref.publish(v, state)
+        assert [m.state_digest for m in made] == \
+            [m.state_digest for m in (want.delta, want.snapshot) if m is not None]
+        assert made[0].tensors == (want.delta or want.snapshot).tensors
+        cur = wd.apply(made[:1], lambda b: store.blocks.get(b.id, b.size))
+        assert cur.state_digest == made[0].state_digest
+        if v:
+            assert sum(s.changed for p in parts for s in p.slices) == want.changed_elements
+        state = perturb(state, v)
+    snap = WeightsDir(tmp_path / "from-snapshot")  # a late joiner: snapshot v4 only
+    assert snap.apply(store.plan(None, 4), lambda b: store.blocks.get(b.id, b.size)
+                      ).state_digest == store.get(4, "snapshot").state_digest
+
+
+def test_change_detection_copies_positions_and_values_only():
+    g = torch.Generator().manual_seed(0)
+    old = torch.randn(5000, generator=g).bfloat16()
+    new = old.clone()
+    idx = torch.randperm(5000, generator=g)[:123]
+    new.view(torch.int16)[idx] += 1
+    want = np.flatnonzero(old.view(torch.int16).numpy() != new.view(torch.int16).numpy())
+    for use_torch in (True, False):  # torch: the code that runs on a GPU
+        f = find_changes(bits_of(old), bits_of(new), chunk=1000, use_torch=use_torch)
+        assert f.pos.tolist() == want.tolist()
+        assert f.val.dtype == np.uint16
+        assert f.val.tolist() == new.view(torch.int16).numpy().view(np.uint16)[want].tolist()
+        assert f.d2h_bytes == 123 * (4 + 2)
+
+
+def test_a_restarted_rank_reuses_its_part_only_for_the_same_weights(tmp_path):
+    key = keys.generate(tmp_path / "k")
+    store = ChainStore(tmp_path / "chain", key.public_key())
+    s0 = make_state(0)
+    encs = [RankEncoder(store.blocks, tmp_path / "chain" / "parts", r, 4096) for r in range(2)]
+    _publish(store, key, encs, 0, s0, snapshot=True)
+    s1 = perturb(s0, 1)
+    parent = store.get(0, "snapshot").state_digest
+    before = encs[1].encode(1, _split(s1, 2)[1], parent_digest=parent, snapshot=False)
+    assert not before.reused and before.delta_blocks  # then the group died before the gather
+
+    def restarted() -> RankEncoder:
+        e = RankEncoder(store.blocks, tmp_path / "chain" / "parts", 1, 4096)
+        e.adopt(_split(s0, 2)[1])
+        e.commit()
+        return e
+
+    again = restarted().encode(1, _split(s1, 2)[1], parent_digest=parent, snapshot=False)
+    assert again.reused and again.delta_blocks == before.delta_blocks
+    other = restarted().encode(1, _split(perturb(s0, 9), 2)[1], parent_digest=parent,
+                               snapshot=False)
+    assert not other.reused and other.slices != before.slices
+
+
+def test_plain_tensors_are_owned_whole_and_shards_name_their_range():
+    t = torch.arange(12, dtype=torch.int64).reshape(3, 4)
+    (whole, part) = local_slices({"a": t, "b": Shard(t[1:], (6, 4), 12)}, rank=0, world=2)
+    assert (whole.name, whole.lo, whole.bits.numel(), whole.shape) == ("a", 0, 12, [3, 4])
+    assert (part.lo, part.bits.numel(), part.shape) == (12, 8, [6, 4])
+    assert {owner(n, 4) for n in ("x", "y", "z", "w", "v")} <= set(range(4))
+    with pytest.raises(ValueError, match=r"outside its shape \[2, 4\]"):
+        local_slices({"c": Shard(t, (2, 4), 0)}, rank=0, world=2)
