@@ -16,6 +16,7 @@ from daemon.intake import Intake
 from daemon.peers import PeerBook
 from daemon.status import (
     Ban,
+    EngineCheckStatus,
     EngineStatus,
     NodeStatus,
     Peer,
@@ -117,6 +118,8 @@ def build_status(node: Sources) -> NodeStatus:
 
     n = node.notifier()
     engine = EngineStatus(type=node.engine_type)
+    check = getattr(n.hook, "check", None) if n is not None else None
+    engine_check = EngineCheckStatus(**check.as_dict()) if check is not None else None
     if n is not None:
         engine = EngineStatus(type=n.kind, notifications=n.ok, failures=n.failed,
                               last_version=n.last_version, last_error=n.last_error or None,
@@ -146,6 +149,7 @@ def build_status(node: Sources) -> NodeStatus:
         bans=[Ban(peer=ip, reason=reason, at=node.artifacts.banned_at.get(ip, 0.0),
                   node=_node_of(node.book, ip)) for ip, reason in sw["banned"].items()],
         refused_manifests=refused, refused_by_kind=refused_by, engine=engine, spool=spool,
+        engine_check=engine_check,
         weights_problem=node.weights_problem())
 
 
