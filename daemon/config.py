@@ -130,8 +130,9 @@ class VllmHook(_Section):
     transfer: Literal["backend", "reload"] = "backend"
     """backend: vLLM's weight-transfer API with the `deltaswarm` backend (vLLM >= 0.32, served
     with --weight-transfer-config '{"backend": "deltaswarm"}'), changed tensors only, checked
-    after each update. reload: whole-directory reload_weights over /collective_rpc (older vLLM
-    with /collective_rpc and reload_weights, about 0.11-0.31; no check)."""
+    after each update (tested on 0.32.0). reload: whole-directory reload_weights over
+    /collective_rpc, for older vLLM without the backend (reload_weights(weights_path) is in vLLM
+    since at least 0.14; tested here on 0.32.0); no check."""
     mode: Literal["auto", "patch", "changed", "full"] = "auto"
     """backend only: auto patches in place where the engine allows, else reloads the changed
     modules; full reloads every tensor."""

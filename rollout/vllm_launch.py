@@ -243,13 +243,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--transfer-backend", default="deltaswarm",
+                    help="--weight-transfer-config backend; 'none' for the reload path only")
     ap.add_argument("--shim-dir", type=Path,
                     default=Path(tempfile.gettempdir()) / "deltaswarm-vllm-shim")
     ap.add_argument("--dry-run", action="store_true", help="print the command, do not run it")
     a, extra = ap.parse_known_args(argv)  # everything unknown goes on to `vllm serve`
     cfg = VllmLaunchConfig(model=a.model.resolve(), venv=a.venv, host=a.host, port=a.port,
                            device=a.device, max_model_len=a.max_model_len,
-                           enforce_eager=a.device == "cpu", extra_args=tuple(extra))
+                           enforce_eager=a.device == "cpu", extra_args=tuple(extra),
+                           transfer_backend=None if a.transfer_backend == "none"
+                           else a.transfer_backend)
     cmd = build_command(cfg, cfg.port)
     if a.dry_run:
         print(" ".join(cmd))
