@@ -11,7 +11,7 @@ prefix cache, resume), then through the reload path (rollout/vllm_server.py) on 
 directory, so both end at the same weights. Times are wall seconds from the daemon's side.
 
     python bench/vllm_update.py [--versions 4] [--hidden 512] [--layers 8] [--density 0.03]
-                                [--layout checkpoint|kernel]
+                                [--layout checkpoint|kernel] [--changed-tensors K] [-v]
 
 --layout kernel is vLLM's CPU default (linear weights repacked: no in-place patch, most tensors
 unreadable by the check); checkpoint keeps them as a GPU does (patch and full check).
@@ -19,6 +19,7 @@ unreadable by the check); checkpoint keeps them as a GPU does (patch and full ch
 
 import argparse
 import asyncio
+import json
 import shutil
 import statistics
 import sys
@@ -47,8 +48,10 @@ async def backend_update(url: str, state_dir: Path, version: int, path: Path) ->
         await hook.notify(version, path, "")
         took = time.perf_counter() - t0
     c = hook.check
+    worker = json.loads(next((state_dir / "engine-reports").glob("*.json")).read_text())
     return {"s": took, "mode": c.mode, "ok": c.ok, "checked": c.checked,
-            "unreadable": c.unreadable, "check_s": c.check_s, "bytes": c.loaded_bytes}
+            "unreadable": c.unreadable, "check_s": c.check_s, "bytes": c.loaded_bytes,
+            "phases": c.phases, "worker": worker["seconds"]}
 
 
 async def reload_update(url: str, version: int, path: Path) -> float:
@@ -64,6 +67,9 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--density", type=float, default=0.03)
     ap.add_argument("--layout", choices=["checkpoint", "kernel"], default="checkpoint")
+    ap.add_argument("--changed-tensors", type=int, default=0,
+                    help="change only this many tensors per version (0: all, at --density)")
+    ap.add_argument("-v", "--verbose", action="store_true", help="per-step seconds")
     a = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="deltaswarm-bench-vllm-"))
     server = None
@@ -85,7 +91,7 @@ def main() -> int:
             port = free_port()
             url = f"http://127.0.0.1:{port}"
             t0 = time.perf_counter()
-            server = start(VllmLaunchConfig(model=serve, port=port, max_model_len=128,
+            server = start(VllmLaunchConfig(model=serve, port=port, max_model_len=64,
                                             cpu_checkpoint_layout=a.layout == "checkpoint"),
                            log_path=root / "vllm.log")
             print(f"model {nbytes / 2**20:.1f} MiB bf16 in {len(state)} tensors, layout "
@@ -94,7 +100,13 @@ def main() -> int:
                   f"{'unread':>6} {'loaded MiB':>10} {'reload s':>9} {'ratio':>6}")
             ratios = []
             for v in range(1, a.versions + 1):
-                state = step(state, seed=v, density=a.density)
+                if a.changed_tensors:
+                    order = sorted(state)
+                    names = [order[(v * 7 + i) % len(order)] for i in range(a.changed_tensors)]
+                    moved = step({n: state[n] for n in names}, seed=v, density=a.density)
+                    state = {**state, **moved}
+                else:
+                    state = step(state, seed=v, density=a.density)
                 c.publisher().publish(v, state, files)
                 c.wait_all_at(v, 120)
                 vdir = (weights / "current").resolve()
@@ -105,6 +117,9 @@ def main() -> int:
                       f"{b['checked']:>8} {b['unreadable']:>6} {b['bytes'] / 2**20:>10.1f} "
                       f"{r:>9.3f} {r / b['s']:>6.2f}")
                 assert b["ok"] is not False, f"v{v}: the weight check failed: {b}"
+                if a.verbose:
+                    print("    daemon-side s:", {k: round(x, 3) for k, x in b["phases"].items()})
+                    print("    worker-side s:", b["worker"])
             print(f"median reload/backend: {statistics.median(ratios):.2f}x "
                   f"(v1 reads the live weights back to learn what it holds)")
     finally:

@@ -57,6 +57,8 @@ class EngineCheck:
     last_mismatch_version: int | None = None
     last_mismatch_at: float | None = None
     last_error: str | None = None
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds per HTTP step of the last update (repeated steps add up), for where time goes."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -92,6 +94,15 @@ class VllmBackendHook:
 
     async def _post(self, route: str, body: dict | None = None,
                     params: dict[str, str] | None = None) -> Any:
+        t0 = time.monotonic()
+        try:
+            return await self._post_once(route, body, params)
+        finally:
+            step = route.strip("/")
+            self.check.phases[step] = self.check.phases.get(step, 0.0) + time.monotonic() - t0
+
+    async def _post_once(self, route: str, body: dict | None,
+                         params: dict[str, str] | None) -> Any:
         async with self.session.post(self.base + route, json=body or {}, params=params,
                                      timeout=aiohttp.ClientTimeout(total=self.cfg.timeout_s)) as r:
             text = await r.text()
@@ -136,6 +147,7 @@ class VllmBackendHook:
 
     async def notify(self, version: int, path: Path, state_digest: str) -> None:
         t0 = time.monotonic()
+        self.check.phases = {}
         self.report_dir.mkdir(parents=True, exist_ok=True)
         await self._post("/init_weight_transfer_engine", {"init_info": {
             "weights_dir": str(Path(path).parent), "report_dir": str(self.report_dir)}})

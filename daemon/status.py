@@ -138,6 +138,8 @@ class EngineCheckStatus(_Model):
     last_mismatch_version: int | None = None
     last_mismatch_at: float | None = None
     last_error: str | None = None
+    phases: dict[str, float] = Field(default_factory=dict,
+                                     description="seconds per vLLM call of the last update")
 
 
 class SpoolStatus(_Model):

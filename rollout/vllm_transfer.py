@@ -28,6 +28,7 @@ vLLM's worker stuck in its update session; the report carries the verdict instea
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -57,6 +58,7 @@ from rollout import engine_check
 from rollout.vllm_ext import checkpoint_files, expand_to_groups, read_tensors
 
 MODES = ("auto", "patch", "changed", "full", "check")
+log = logging.getLogger("deltaswarm.vllm_transfer")
 
 
 @dataclass
@@ -365,5 +367,8 @@ class DeltaswarmWeightTransferEngine(WeightTransferEngine[DeltaswarmInitInfo,
                **extra}
         out = self.report_dir / f"{self.worker}.json"
         tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(doc))
-        os.replace(tmp, out)
+        try:
+            tmp.write_text(json.dumps(doc))
+            os.replace(tmp, out)
+        except OSError as e:  # the daemon sees no report and reloads in full; never raise here
+            log.warning("cannot write the weight-update report %s: %s", out, e)
