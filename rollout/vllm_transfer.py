@@ -16,9 +16,10 @@ One round, as the daemon's vllm hook drives it (daemon/engine_vllm.py):
   the version's digests (rollout/engine_check.py); it writes R/<worker>.json for ticket T.
   A mismatch makes the daemon run another round with mode "full"; then /resume.
 
-Modes: `patch` writes only the changed elements in place (vLLM's checkpoint-weight-patch API;
-needs the engine at N-1, the version's CHANGES file, and weights in checkpoint layout: GPU, or
-CPU with DELTASWARM_VLLM_CPU_CHECKPOINT_LAYOUT=1); `changed` reloads, through vLLM's layerwise
+Modes: `patch` writes only the changed elements in place (scattered straight into the live
+tensors the check can locate, else vLLM's checkpoint-weight-patch API; needs the engine at N-1,
+the version's CHANGES file, and unquantized weights in checkpoint layout: GPU, or CPU with
+DELTASWARM_VLLM_CPU_CHECKPOINT_LAYOUT=1); `changed` reloads, through vLLM's layerwise
 reload, the modules whose tensors' digests differ from what the engine holds (whole fused
 q/k/v and gate/up groups); `full` reloads everything; `check` only reads back; `auto` is patch
 where possible, else changed. finish never raises for a mismatch: a raising finish would leave
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors import safe_open
 from vllm.config.weight_transfer import WeightTransferConfig
@@ -52,6 +54,7 @@ from vllm.model_executor.model_loader.reload import (
     initialize_layerwise_reload,
 )
 
+from chain.safetensors_io import TensorFiles
 from chain.versiondir import BadVersionDir, read_changes, read_info
 from chain.weights import version_dir_name
 from rollout import engine_check
@@ -162,6 +165,8 @@ class DeltaswarmWeightTransferEngine(WeightTransferEngine[DeltaswarmInitInfo,
         pc = self.parallel_config
         self.worker = f"dp{getattr(pc, 'data_parallel_index', 0)}-rank{getattr(pc, 'rank', 0)}"
         self.tensor_parallel = getattr(pc, "tensor_parallel_size", 1) > 1
+        # compile the digest kernels (numba) now, at vLLM's start, not inside the first update
+        engine_check.digest_of(torch.zeros(8, dtype=torch.bfloat16))
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -273,6 +278,47 @@ class DeltaswarmWeightTransferEngine(WeightTransferEngine[DeltaswarmInitInfo,
         return changes, ""
 
     def _apply_patch(self, s: Session, t: Target, changes: dict) -> None:
+        """Write the changed elements in place. Where the check can locate a tensor in the live
+        model (unsharded, unquantized, checkpoint layout) they are scattered straight into it,
+        reading only those elements from the memory-mapped file: cost follows the change, not
+        the model. Anything else goes through vLLM's checkpoint-weight-patch API (which also
+        handles TP shards, but builds a dense NaN-masked tensor per patched tensor)."""
+        files = TensorFiles(t.path)
+        params = dict(self.model.named_parameters())
+        runtime = {n: tuple(p.shape) for n, p in params.items()}
+        packed = dict(getattr(self.model, "packed_modules_mapping", {}) or {})
+        via_vllm = []
+        with torch.no_grad():
+            for name in sorted(changes):
+                loc = None if self.tensor_parallel else engine_check.locate(
+                    name, t.shapes, runtime, packed)
+                block = None
+                if loc is not None and params[loc.param].numel():
+                    p = params[loc.param].data
+                    block = p if loc.whole else p.narrow(0, loc.start, loc.rows)
+                if block is None or not block.is_contiguous():
+                    via_vllm.append(name)
+                    continue
+                s.loaded_bytes += self._scatter(block.view(-1), files.bits(name),
+                                                changes[name], t.dtypes[name])
+        if via_vllm:
+            self._patch_through_vllm(s, t, {n: changes[n] for n in via_vllm})
+        s.loaded = sorted(changes)
+
+    @staticmethod
+    def _scatter(flat: torch.Tensor, bits: np.ndarray, pos: np.ndarray | None,
+                 dtype: torch.dtype) -> int:
+        """flat[pos] = the file's values at pos (all of them when pos is None); bytes moved."""
+        if pos is None:
+            values = torch.from_numpy(np.array(bits)).view(dtype)
+            flat.copy_(values.to(device=flat.device, dtype=flat.dtype))
+            return values.numel() * values.element_size()
+        idx = torch.from_numpy(np.ascontiguousarray(pos, dtype=np.int64))
+        values = torch.from_numpy(bits[idx.numpy()]).view(dtype)
+        flat.index_copy_(0, idx.to(flat.device), values.to(device=flat.device, dtype=flat.dtype))
+        return values.numel() * (values.element_size() + 8)
+
+    def _patch_through_vllm(self, s: Session, t: Target, changes: dict) -> None:
         dense, sparse = [], []
         for name, tensor in read_tensors(t.files, sorted(changes)):
             flat = tensor.reshape(-1)
@@ -283,7 +329,7 @@ class DeltaswarmWeightTransferEngine(WeightTransferEngine[DeltaswarmInitInfo,
             idx = torch.from_numpy(pos.astype("int64"))
             values = flat[idx]
             if values.is_floating_point() and bool(torch.isnan(values).any()):
-                raise ValueError(f"{name}: a NaN value cannot be patched in place (vLLM's patch "
+                raise ValueError(f"{name}: a NaN value cannot be patched through vLLM (its patch "
                                  "marks unchanged elements with NaN); use mode changed")
             sparse.append(CheckpointWeightPatch(name, t.shapes[name], tensor.dtype,
                                                 values.to(self.device), idx.to(self.device)))
@@ -292,7 +338,6 @@ class DeltaswarmWeightTransferEngine(WeightTransferEngine[DeltaswarmInitInfo,
             if group:
                 load_checkpoint_weight_patches(self.model, group)
         s.loaded_bytes += sum(p.values.numel() * p.values.element_size() for p in dense)
-        s.loaded = sorted(changes)
 
     def _reload(self, s: Session, t: Target, full: bool) -> None:
         if full:
