@@ -265,7 +265,9 @@ class DeltaswarmWeightTransferEngine(WeightTransferEngine[DeltaswarmInitInfo,
 
     def _patch_plan(self, t: Target) -> tuple[dict | None, str]:
         if self.loaded_version != t.version - 1:
-            return None, f"the engine holds v{self.loaded_version}, not v{t.version - 1}"
+            held = "no verified version" if self.loaded_version is None \
+                else f"v{self.loaded_version}"
+            return None, f"the engine holds {held}, not v{t.version - 1}"
         why = self._patchable()
         if why:
             return None, why
