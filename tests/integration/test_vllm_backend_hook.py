@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from daemon.config import VllmHook
 from daemon.engine_vllm import EngineRoundFailed, VllmBackendHook
+from daemon.hooks import VllmNotifyHook, build_hook
 from daemon.metrics import build_registry, render
 from daemon.status import EngineCheckStatus, NodeStatus
 
@@ -134,3 +135,15 @@ def test_the_check_shows_in_metrics() -> None:
     assert sample["deltaswarm_engine_check_ok"] == 0
     assert sample["deltaswarm_engine_unreadable_tensors"] == 2
     assert "deltaswarm_engine_checks_total" not in samples(NodeStatus())
+
+
+async def test_the_config_picks_the_backend_by_default_and_the_reload_path_on_request(
+        tmp_path: Path) -> None:
+    url = "http://127.0.0.1:9"
+    async with aiohttp.ClientSession() as session:
+        assert isinstance(build_hook(VllmHook(type="vllm", url=url), session, "t", tmp_path),
+                          VllmBackendHook)
+        assert isinstance(build_hook(VllmHook(type="vllm", url=url, transfer="reload"),
+                                     session, "t"), VllmNotifyHook)
+        with pytest.raises(ValueError, match="state_dir"):
+            build_hook(VllmHook(type="vllm", url=url), session, "t")
