@@ -36,9 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from safetensors import safe_open
 from vllm.config.weight_transfer import WeightTransferConfig
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
@@ -55,10 +53,11 @@ from vllm.model_executor.model_loader.reload import (
 )
 
 from chain.safetensors_io import TensorFiles
-from chain.versiondir import BadVersionDir, read_changes, read_info
+from chain.versiondir import read_changes
 from chain.weights import version_dir_name
 from rollout import engine_check
-from rollout.vllm_ext import checkpoint_files, expand_to_groups, read_tensors
+from rollout.version_files import Target, read_target, scatter
+from rollout.vllm_ext import expand_to_groups, read_tensors
 
 MODES = ("auto", "patch", "changed", "full", "check")
 log = logging.getLogger("deltaswarm.vllm_transfer")
@@ -90,16 +89,6 @@ class DeltaswarmUpdateInfo(WeightTransferUpdateInfo):
 
 
 @dataclass
-class Target:
-    version: int
-    path: Path
-    digests: dict[str, str]
-    shapes: dict[str, tuple[int, ...]]
-    dtypes: dict[str, torch.dtype]
-    files: dict[str, Path]
-
-
-@dataclass
 class Session:
     """One start ... finish: what was asked and done, for the report."""
 
@@ -112,37 +101,6 @@ class Session:
     loaded_bytes: int = 0
     base: dict[str, str | None] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
-
-
-def read_target(path: Path, version: int) -> Target:
-    """A verified version directory: its VERSION.json digests and each tensor's shape/dtype
-    (from the safetensors headers; no tensor data is read)."""
-    try:
-        vinfo = read_info(path)
-    except BadVersionDir as e:
-        raise ValueError(f"{path} is not a finished deltaswarm version: {e}") from None
-    if vinfo.version != version:
-        raise ValueError(f"{path} holds version {vinfo.version}, not {version}")
-    files = checkpoint_files(path)
-    if set(files) != set(vinfo.tensors):
-        extra = sorted(set(files) - set(vinfo.tensors))
-        missing = sorted(set(vinfo.tensors) - set(files))
-        raise ValueError(f"{path}: safetensors and VERSION.json disagree (not in VERSION.json: "
-                         f"{extra[:5]}, missing from files: {missing[:5]})")
-    shapes, dts = {}, {}
-    for f in sorted(set(files.values())):
-        with safe_open(str(f), framework="pt") as sf:
-            for name in sf.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                sl = sf.get_slice(name)
-                shapes[name] = tuple(sl.get_shape())
-                dts[name] = _TORCH_DTYPES[sl.get_dtype()]
-    return Target(version, path, dict(vinfo.tensors), shapes, dts, files)
-
-
-_TORCH_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
-                 "F64": torch.float64, "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16,
-                 "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool,
-                 "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 
 class DeltaswarmWeightTransferEngine(WeightTransferEngine[DeltaswarmInitInfo,
@@ -301,24 +259,11 @@ class DeltaswarmWeightTransferEngine(WeightTransferEngine[DeltaswarmInitInfo,
                 if block is None or not block.is_contiguous():
                     via_vllm.append(name)
                     continue
-                s.loaded_bytes += self._scatter(block.view(-1), files.bits(name),
+                s.loaded_bytes += scatter(block.view(-1), files.bits(name),
                                                 changes[name], t.dtypes[name])
         if via_vllm:
             self._patch_through_vllm(s, t, {n: changes[n] for n in via_vllm})
         s.loaded = sorted(changes)
-
-    @staticmethod
-    def _scatter(flat: torch.Tensor, bits: np.ndarray, pos: np.ndarray | None,
-                 dtype: torch.dtype) -> int:
-        """flat[pos] = the file's values at pos (all of them when pos is None); bytes moved."""
-        if pos is None:
-            values = torch.from_numpy(np.array(bits)).view(dtype)
-            flat.copy_(values.to(device=flat.device, dtype=flat.dtype))
-            return values.numel() * values.element_size()
-        idx = torch.from_numpy(np.ascontiguousarray(pos, dtype=np.int64))
-        values = torch.from_numpy(bits[idx.numpy()]).view(dtype)
-        flat.index_copy_(0, idx.to(flat.device), values.to(device=flat.device, dtype=flat.dtype))
-        return values.numel() * (values.element_size() + 8)
 
     def _patch_through_vllm(self, s: Session, t: Target, changes: dict) -> None:
         dense, sparse = [], []
