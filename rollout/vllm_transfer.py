@@ -180,15 +180,18 @@ class DeltaswarmWeightTransferEngine(WeightTransferEngine[DeltaswarmInitInfo,
         if s is None:
             return
         t0 = time.perf_counter()
-        if s.layerwise:
-            finalize_layerwise_reload(self.model, self.model_config)
-            s.seconds["finalize"] = time.perf_counter() - t0
-        if s.target is None:
-            return
         report: dict[str, Any] = {"check": None, "error": None}
         try:
+            if s.layerwise:
+                # post-load processing (repacking, re-quantization) of the reloaded layers
+                finalize_layerwise_reload(self.model, self.model_config)
+                s.seconds["finalize"] = time.perf_counter() - t0
+            if s.target is None:
+                return
             result = self._verify(s) if s.info is not None and s.info.check else None
-        except Exception as e:  # the verdict goes in the report, never into vLLM's session
+        except Exception as e:
+            # into the report, not out of finish: vLLM's worker would stay stuck in its update
+            # session (every later start_weight_update refused); the daemon reloads in full
             self.loaded_version = None
             report["error"] = f"{type(e).__name__}: {e}"[:500]
         else:
