@@ -171,11 +171,23 @@ class CommandHook(_Section):
 
 class VllmHook(_Section):
     type: Literal["vllm"]
-    """Reload a vLLM server's weights in place (pause, reload, reset cache, resume)."""
+    """Update a vLLM server's weights in place (pause, update, check, reset cache, resume)."""
     url: Url
     """Base URL of a vLLM server started with VLLM_SERVER_DEV_MODE=1."""
     timeout_s: float = Field(600.0, gt=0, le=86400)
-    """Budget for one pause → reload → reset cache → resume cycle."""
+    """Budget for one step of the update (one HTTP call to vLLM)."""
+    transfer: Literal["backend", "reload"] = "backend"
+    """backend: vLLM's weight-transfer API with the `deltaswarm` backend (vLLM >= 0.32, served
+    with --weight-transfer-config '{"backend": "deltaswarm"}'), changed tensors only, checked
+    after each update (tested on 0.32.0). reload: whole-directory reload_weights over
+    /collective_rpc, for older vLLM without the backend (reload_weights(weights_path) is in vLLM
+    since at least 0.14; tested here on 0.32.0); no check."""
+    mode: Literal["auto", "patch", "changed", "full"] = "auto"
+    """backend only: auto patches in place where the engine allows, else reloads the changed
+    modules; full reloads every tensor."""
+    check: bool = True
+    """backend only: read the live weights back after each update and compare them with the
+    version's digests; a mismatch triggers a full reload."""
 
 
 EngineHook = Annotated[NoHook | HttpHook | CommandHook | VllmHook, Field(discriminator="type")]

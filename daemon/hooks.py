@@ -1,8 +1,10 @@
 """Telling the local inference engine that a new verified version is current.
 
 One small seam, `EngineHook.notify(version, path, state_digest)`, chosen by the config's
-`engine.type`: none, an HTTP POST, a command, or a vLLM server (reloaded by running
-`python -m rollout.vllm_server reload …`, a process boundary rather than an import).
+`engine.type`: none, an HTTP POST, a command, or a vLLM server: through vLLM's weight-transfer
+API and the `deltaswarm` backend (daemon/engine_vllm.py, `transfer: backend`), or for older
+vLLM by running `python -m rollout.vllm_server reload …` (`transfer: reload`, a process
+boundary rather than an import).
 Failures are retried a few times, then counted; they never stop the sync.
 """
 
@@ -17,6 +19,7 @@ from typing import Protocol
 import aiohttp
 
 from daemon.config import CommandHook, HttpHook, NoHook, VllmHook
+from daemon.engine_vllm import VllmBackendHook
 
 log = logging.getLogger("deltaswarm.hooks")
 
@@ -93,13 +96,18 @@ class VllmNotifyHook(CommandNotifyHook):
 
 
 def build_hook(cfg: NoHook | HttpHook | CommandHook | VllmHook, session: aiohttp.ClientSession,
-               token: str) -> EngineHook:
+               token: str, state_dir: Path | None = None) -> EngineHook:
+    """`state_dir`: where the vLLM backend's workers leave their reports (this node's)."""
     if cfg.type == "none":
         return NullHook()
     if cfg.type == "http":
         return HttpNotifyHook(cfg, session, token)
     if cfg.type == "command":
         return CommandNotifyHook(cfg)
+    if cfg.type == "vllm" and cfg.transfer == "backend":
+        if state_dir is None:
+            raise ValueError("the vllm backend hook needs the node's state_dir for its reports")
+        return VllmBackendHook(cfg, session, state_dir)
     if cfg.type == "vllm":
         return VllmNotifyHook(cfg)
     raise ValueError(f"unknown engine hook type {cfg.type!r}: expected none|http|command|vllm")

@@ -158,6 +158,27 @@ class StatusCollector(Collector):
         yield from _gauge(
             "engine_last_ok_timestamp_seconds", "Last successful notification", e.last_ok_at
         )
+        c = s.engine_check
+        if c is None:
+            return
+        yield _counter("engine_checks", "Read-backs of the engine's weights after an update",
+                       c.checks)
+        yield _counter("engine_check_mismatches",
+                       "Read-backs that found the live weights differ from the version",
+                       c.mismatches)
+        yield _counter("engine_repairs", "Full reloads after a mismatch that then verified",
+                       c.repairs)
+        yield _counter("engine_repair_failures", "Full reloads that still differed",
+                       c.repair_failures)
+        yield from _gauge("engine_check_ok", "1 if the last check matched, 0 if it did not",
+                          None if c.ok is None else float(c.ok))
+        yield from _gauge("engine_checked_tensors", "Tensors verified by the last check",
+                          c.checked)
+        yield from _gauge("engine_unreadable_tensors",
+                          "Tensors the engine could not read back at the last check", c.unreadable)
+        yield from _gauge("engine_update_seconds", "Last engine update, pause to resume",
+                          c.update_s)
+        yield from _gauge("engine_check_seconds", "Last read-back", c.check_s)
 
     def _spool(self, s: NodeStatus) -> Iterator[Metric]:
         p = s.spool

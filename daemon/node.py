@@ -401,8 +401,8 @@ async def _http_client(app: web.Application) -> AsyncIterator[None]:
     node = _node(app)
     session = aiohttp.ClientSession()
     node.client.session = session
-    node.notifier = Notifier(build_hook(node.cfg.engine, session, node.client.token),
-                             node.cfg.engine.type)
+    node.notifier = Notifier(build_hook(node.cfg.engine, session, node.client.token,
+                                        node.cfg.state_dir), node.cfg.engine.type)
     yield
     await node.notifier.hook.close()
     await session.close()

@@ -16,6 +16,7 @@ from daemon.intake import Intake
 from daemon.peers import PeerBook
 from daemon.status import (
     Ban,
+    EngineCheckStatus,
     EngineStatus,
     NodeStatus,
     Peer,
@@ -123,6 +124,8 @@ def build_status(node: Sources) -> NodeStatus:
 
     n = node.notifier()
     engine = EngineStatus(type=node.engine_type)
+    check = getattr(n.hook, "check", None) if n is not None else None
+    engine_check = EngineCheckStatus(**check.as_dict()) if check is not None else None
     if n is not None:
         engine = EngineStatus(type=n.kind, notifications=n.ok, failures=n.failed,
                               last_version=n.last_version, last_error=n.last_error or None,
@@ -155,6 +158,7 @@ def build_status(node: Sources) -> NodeStatus:
         self_check=SelfCheckStatus(**node.self_check()),
         warmup=Warmup(**node.warmup()),
         refused_manifests=refused, refused_by_kind=refused_by, engine=engine, spool=spool,
+        engine_check=engine_check,
         weights_problem=node.weights_problem())
 
 

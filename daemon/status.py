@@ -156,6 +156,33 @@ class EngineStatus(_Model):
     last_error_at: float | None = None
 
 
+class EngineCheckStatus(_Model):
+    """Proof the engine's live weights are the version's (the vLLM backend hook reads them back
+    after every update and compares with the version's digests; daemon/engine_vllm.py)."""
+
+    enabled: bool = True
+    last_version: int | None = Field(None, description="version the last check was for")
+    ok: bool | None = Field(None, description="False: live weights differ; None: not checked")
+    mode: str | None = Field(None, description="how the last update applied: patch|changed|full")
+    checked: int = Field(0, ge=0, description="tensors read back and matching, last check")
+    unreadable: int = Field(0, ge=0, description="tensors the engine could not read back")
+    mismatched: list[str] = Field(default_factory=list,
+                                  description="tensors that differed at the last mismatch")
+    loaded_tensors: int = Field(0, ge=0)
+    loaded_bytes: int = Field(0, ge=0)
+    update_s: float = Field(0.0, ge=0, description="last update, pause to resume")
+    check_s: float = Field(0.0, ge=0, description="last read-back")
+    checks: int = Field(0, ge=0)
+    mismatches: int = Field(0, ge=0, description="checks that failed (each set off a full reload)")
+    repairs: int = Field(0, ge=0, description="full reloads that then verified")
+    repair_failures: int = Field(0, ge=0, description="full reloads that still differed")
+    last_mismatch_version: int | None = None
+    last_mismatch_at: float | None = None
+    last_error: str | None = None
+    phases: dict[str, float] = Field(default_factory=dict,
+                                     description="seconds per vLLM call of the last update")
+
+
 class SpoolStatus(_Model):
     upstream: str | None = None
     depth: int = Field(0, ge=0, description="trajectories held, not yet acknowledged")
@@ -200,6 +227,8 @@ class NodeStatus(_Model):
     )
     refused_by_kind: dict[str, int] = Field(default_factory=dict)
     engine: EngineStatus = Field(default_factory=EngineStatus)
+    engine_check: EngineCheckStatus | None = Field(
+        None, description="vLLM backend hook only: the weight check after each update")
     spool: SpoolStatus = Field(default_factory=SpoolStatus)
     weights_problem: str | None = Field(
         None, description="what the start-up check of the weights found (the damaged version was "

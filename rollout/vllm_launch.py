@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -81,7 +82,11 @@ class VllmLaunchConfig:
     logprobs_mode: str = "processed_logprobs"
     """Log-probs of logits / temperature, as the rollout Engine contract asks."""
     cpu_checkpoint_layout: bool = False
-    """CPU only: keep linear weights unpacked (as on GPU) so in-place patches apply; slower."""
+    """CPU only: keep linear weights unpacked (as on GPU) so in-place patches apply and the
+    weight check can read every tensor back; slower."""
+    transfer_backend: str | None = "deltaswarm"
+    """--weight-transfer-config backend (rollout.vllm_transfer, found through the plugin
+    entry point); None leaves weight transfer off (then only the reload path works)."""
     omp_threads: int | None = None
     startup_timeout_s: float = 300.0
     extra_args: tuple[str, ...] = ()
@@ -122,6 +127,8 @@ def build_command(cfg: VllmLaunchConfig, port: int) -> list[str]:
         cmd.append("--enforce-eager")
     if cfg.scale_out:
         cmd.append("--enable-scale-out")
+    if cfg.transfer_backend:
+        cmd += ["--weight-transfer-config", json.dumps({"backend": cfg.transfer_backend})]
     return cmd + list(cfg.extra_args)
 
 
@@ -236,13 +243,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--transfer-backend", default="deltaswarm",
+                    help="--weight-transfer-config backend; 'none' for the reload path only")
     ap.add_argument("--shim-dir", type=Path,
                     default=Path(tempfile.gettempdir()) / "deltaswarm-vllm-shim")
     ap.add_argument("--dry-run", action="store_true", help="print the command, do not run it")
     a, extra = ap.parse_known_args(argv)  # everything unknown goes on to `vllm serve`
     cfg = VllmLaunchConfig(model=a.model.resolve(), venv=a.venv, host=a.host, port=a.port,
                            device=a.device, max_model_len=a.max_model_len,
-                           enforce_eager=a.device == "cpu", extra_args=tuple(extra))
+                           enforce_eager=a.device == "cpu", extra_args=tuple(extra),
+                           transfer_backend=None if a.transfer_backend == "none"
+                           else a.transfer_backend)
     cmd = build_command(cfg, cfg.port)
     if a.dry_run:
         print(" ".join(cmd))

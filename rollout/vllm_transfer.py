@@ -1,0 +1,369 @@
+"""The `deltaswarm` weight-transfer backend for vLLM's RL API (vLLM 0.32: vllm/distributed/
+weight_transfer, the /start_weight_update, /update_weights, /finish_weight_update routes).
+
+A stock `vllm serve MODEL --weight-transfer-config '{"backend": "deltaswarm"}'` (with
+VLLM_SERVER_DEV_MODE=1, which vLLM asks for its RL routes) finds it through the
+`vllm.general_plugins` entry point (rollout.vllm_plugin). The transfer is local: the region
+daemon on the same host has already received and verified the version into its weights
+directory, so `update_weights` only names it, and each worker reads what changed from there.
+
+One round, as the daemon's vllm hook drives it (daemon/engine_vllm.py):
+  /init_weight_transfer_engine {"init_info": {"weights_dir": W, "report_dir": R}}
+  /pause?mode=keep, /start_weight_update,
+  /update_weights {"update_info": {"version": N, "path": P, "mode": "auto", "ticket": T}},
+  /finish_weight_update {"weight_version": "N"}: vLLM's post-load processing (repacking,
+  re-quantization) runs here, then every worker reads its weights back and compares them with
+  the version's digests (rollout/engine_check.py); it writes R/<worker>.json for ticket T.
+  A mismatch makes the daemon run another round with mode "full"; then /resume.
+
+Modes: `patch` writes only the changed elements in place (scattered straight into the live
+tensors the check can locate, else vLLM's checkpoint-weight-patch API; needs the engine at N-1,
+the version's CHANGES file, and unquantized weights in checkpoint layout: GPU, or CPU with
+DELTASWARM_VLLM_CPU_CHECKPOINT_LAYOUT=1); `changed` reloads, through vLLM's layerwise
+reload, the modules whose tensors' digests differ from what the engine holds (whole fused
+q/k/v and gate/up groups); `full` reloads everything; `check` only reads back; `auto` is patch
+where possible, else changed. finish never raises for a mismatch: a raising finish would leave
+vLLM's worker stuck in its update session; the report carries the verdict instead.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm.config.weight_transfer import WeightTransferConfig
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+from vllm.model_executor.model_loader.checkpoint_weight_patch import (
+    CheckpointWeightPatch,
+    load_checkpoint_weight_patches,
+)
+from vllm.model_executor.model_loader.reload import (
+    finalize_layerwise_reload,
+    initialize_layerwise_reload,
+)
+
+from chain.safetensors_io import TensorFiles
+from chain.versiondir import read_changes
+from chain.weights import version_dir_name
+from rollout import engine_check
+from rollout.version_files import Target, read_target, scatter
+from rollout.vllm_ext import expand_to_groups, read_tensors
+
+MODES = ("auto", "patch", "changed", "full", "check")
+log = logging.getLogger("deltaswarm.vllm_transfer")
+
+
+@dataclass
+class DeltaswarmInitInfo(WeightTransferInitInfo):
+    weights_dir: str = ""
+    """The local daemon's weights directory (its vNNNNNNNN version directories)."""
+    report_dir: str = ""
+    """Where each worker writes its round report (JSON); empty: no reports."""
+
+
+@dataclass
+class DeltaswarmUpdateInfo(WeightTransferUpdateInfo):
+    version: int
+    path: str = ""
+    """The verified version directory; default weights_dir/vNNNNNNNN."""
+    mode: str = "auto"
+    check: bool = True
+    ticket: str = ""
+    """Copied into the report, so the caller knows the report is this round's."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.version, int) or self.version < 0:
+            raise ValueError(f"version must be an int >= 0, not {self.version!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, not {self.mode!r}")
+
+
+@dataclass
+class Session:
+    """One start ... finish: what was asked and done, for the report."""
+
+    started: float = field(default_factory=time.perf_counter)
+    target: Target | None = None
+    info: DeltaswarmUpdateInfo | None = None
+    mode: str = ""
+    layerwise: bool = False
+    loaded: list[str] = field(default_factory=list)
+    loaded_bytes: int = 0
+    base: dict[str, str | None] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+class DeltaswarmWeightTransferEngine(WeightTransferEngine[DeltaswarmInitInfo,
+                                                         DeltaswarmUpdateInfo]):
+    """Loads verified versions from the local daemon's weights directory (see module doc)."""
+
+    init_info_cls = DeltaswarmInitInfo
+    update_info_cls = DeltaswarmUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config: WeightTransferConfig, vllm_config: Any, device: torch.device,
+                 model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.weights_dir: Path | None = None
+        self.report_dir: Path | None = None
+        self.loaded_version: int | None = None
+        self.loaded: dict[str, str | None] = {}
+        """checkpoint name -> digest the live weights are known to hold (None: unknown)."""
+        self.session: Session | None = None
+        pc = self.parallel_config
+        self.worker = f"dp{getattr(pc, 'data_parallel_index', 0)}-rank{getattr(pc, 'rank', 0)}"
+        self.tensor_parallel = getattr(pc, "tensor_parallel_size", 1) > 1
+        # compile the digest kernels (numba) now, at vLLM's start, not inside the first update
+        engine_check.digest_of(torch.zeros(8, dtype=torch.bfloat16))
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def init_transfer_engine(self, init_info: DeltaswarmInitInfo) -> None:
+        """Where versions and reports live; may be called again (e.g. after a daemon restart)."""
+        if init_info.weights_dir:
+            wd = Path(init_info.weights_dir)
+            if not wd.is_dir():
+                raise ValueError(f"weights_dir {wd} is not a directory")
+            self.weights_dir = wd
+        if init_info.report_dir:
+            self.report_dir = Path(init_info.report_dir)
+            self.report_dir.mkdir(parents=True, exist_ok=True)
+
+    def start_weight_update(self) -> None:
+        """Opens a round. The layerwise reload starts in update_weights, once the mode is
+        known: an in-place patch must find the weights where they are, not on the meta
+        device where initialize_layerwise_reload puts them."""
+        self.session = Session()
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.receive_weights(self.parse_update_info(update_info))
+        if torch.accelerator.is_available():
+            torch.accelerator.synchronize()
+
+    def receive_weights(self, update_info: DeltaswarmUpdateInfo) -> None:
+        s = self.session
+        if s is None:
+            raise RuntimeError("update_weights without start_weight_update")
+        path = self._path(update_info)
+        target = read_target(path, update_info.version)
+        s.target, s.info = target, update_info
+        t0 = time.perf_counter()
+        if update_info.mode == "check":
+            s.mode = "check"
+            return
+        mode = update_info.mode
+        changes = None
+        if mode in ("auto", "patch"):
+            changes, why = self._patch_plan(target)
+            if changes is None and mode == "patch":
+                raise ValueError(f"cannot patch v{target.version} in place: {why}")
+            mode = "patch" if changes is not None else "changed"
+        s.mode = mode
+        if mode == "patch":
+            self._apply_patch(s, target, changes)
+        else:
+            self._reload(s, target, full=mode == "full")
+        s.seconds["load"] = time.perf_counter() - t0
+
+    def finish_weight_update(self) -> None:
+        s, self.session = self.session, None
+        if s is None:
+            return
+        t0 = time.perf_counter()
+        report: dict[str, Any] = {"check": None, "error": None}
+        try:
+            if s.layerwise:
+                # post-load processing (repacking, re-quantization) of the reloaded layers
+                finalize_layerwise_reload(self.model, self.model_config)
+                s.seconds["finalize"] = time.perf_counter() - t0
+            if s.target is None:
+                return
+            result = self._verify(s) if s.info is not None and s.info.check else None
+        except Exception as e:
+            # into the report, not out of finish: vLLM's worker would stay stuck in its update
+            # session (every later start_weight_update refused); the daemon reloads in full
+            self.loaded_version = None
+            report["error"] = f"{type(e).__name__}: {e}"[:500]
+        else:
+            self._remember(s, result)
+            if result is not None:
+                report["check"] = result.summary()
+                s.seconds["check"] = result.seconds
+        s.seconds["total"] = time.perf_counter() - s.started
+        self._write_report(s, report)
+
+    def shutdown(self) -> None:
+        return None
+
+    # ------------------------------------------------------------------ loading
+
+    def _path(self, info: DeltaswarmUpdateInfo) -> Path:
+        if info.path:
+            return Path(info.path).resolve()
+        if self.weights_dir is None:
+            raise ValueError("update_info has no path and init_weight_transfer_engine gave no "
+                             "weights_dir")
+        return (self.weights_dir / version_dir_name(info.version)).resolve()
+
+    def _patchable(self) -> str:
+        """Why elements cannot be written in place here ('' if they can)."""
+        if getattr(self.model_config, "quantization", None):
+            return "quantized weights need the layerwise reload"
+        emptied = [n for n, p in self.model.named_parameters() if p.numel() == 0]
+        if emptied:
+            return f"vLLM repacked {len(emptied)} weights into kernel layout (e.g. {emptied[0]})"
+        return ""
+
+    def _patch_plan(self, t: Target) -> tuple[dict | None, str]:
+        if self.loaded_version != t.version - 1:
+            held = "no verified version" if self.loaded_version is None \
+                else f"v{self.loaded_version}"
+            return None, f"the engine holds {held}, not v{t.version - 1}"
+        why = self._patchable()
+        if why:
+            return None, why
+        changes = read_changes(t.path, t.version)
+        if changes is None:
+            return None, f"{t.path} has no usable CHANGES file for v{t.version}"
+        stale = [n for n in t.digests if n not in changes and self.loaded.get(n) != t.digests[n]]
+        if stale:
+            return None, f"tensors outside CHANGES differ from what the engine holds: {stale[:3]}"
+        return changes, ""
+
+    def _apply_patch(self, s: Session, t: Target, changes: dict) -> None:
+        """Write the changed elements in place. Where the check can locate a tensor in the live
+        model (unsharded, unquantized, checkpoint layout) they are scattered straight into it,
+        reading only those elements from the memory-mapped file: cost follows the change, not
+        the model. Anything else goes through vLLM's checkpoint-weight-patch API (which also
+        handles TP shards, but builds a dense NaN-masked tensor per patched tensor)."""
+        files = TensorFiles(t.path)
+        params = dict(self.model.named_parameters())
+        runtime = {n: tuple(p.shape) for n, p in params.items()}
+        packed = dict(getattr(self.model, "packed_modules_mapping", {}) or {})
+        via_vllm = []
+        with torch.no_grad():
+            for name in sorted(changes):
+                loc = None if self.tensor_parallel else engine_check.locate(
+                    name, t.shapes, runtime, packed)
+                block = None
+                if loc is not None and params[loc.param].numel():
+                    p = params[loc.param].data
+                    block = p if loc.whole else p.narrow(0, loc.start, loc.rows)
+                if block is None or not block.is_contiguous():
+                    via_vllm.append(name)
+                    continue
+                s.loaded_bytes += scatter(block.view(-1), files.bits(name),
+                                                changes[name], t.dtypes[name])
+        if via_vllm:
+            self._patch_through_vllm(s, t, {n: changes[n] for n in via_vllm})
+        s.loaded = sorted(changes)
+
+    def _patch_through_vllm(self, s: Session, t: Target, changes: dict) -> None:
+        dense, sparse = [], []
+        for name, tensor in read_tensors(t.files, sorted(changes)):
+            flat = tensor.reshape(-1)
+            pos = changes[name]
+            if pos is None:
+                dense.append(CheckpointWeightPatch(name, t.shapes[name], tensor.dtype, flat))
+                continue
+            idx = torch.from_numpy(pos.astype("int64"))
+            values = flat[idx]
+            if values.is_floating_point() and bool(torch.isnan(values).any()):
+                raise ValueError(f"{name}: a NaN value cannot be patched through vLLM (its patch "
+                                 "marks unchanged elements with NaN); use mode changed")
+            sparse.append(CheckpointWeightPatch(name, t.shapes[name], tensor.dtype,
+                                                values.to(self.device), idx.to(self.device)))
+            s.loaded_bytes += values.numel() * (values.element_size() + 8)
+        for group in (dense, sparse):
+            if group:
+                load_checkpoint_weight_patches(self.model, group)
+        s.loaded_bytes += sum(p.values.numel() * p.values.element_size() for p in dense)
+
+    def _reload(self, s: Session, t: Target, full: bool) -> None:
+        if full:
+            names = sorted(t.digests)
+        else:
+            s.base = dict(self.loaded) if self.loaded_version is not None else self._readback(t)
+            names = sorted(n for n in t.digests if s.base.get(n) != t.digests[n])
+        if not names:
+            return
+        packed = dict(getattr(self.model, "packed_modules_mapping", {}) or {})
+        load = expand_to_groups(names, t.files, packed)
+        if not s.layerwise:
+            initialize_layerwise_reload(self.model)
+            s.layerwise = True
+        sizes: list[int] = []
+
+        def counted():
+            for name, tensor in read_tensors(t.files, load):
+                sizes.append(tensor.numel() * tensor.element_size())
+                yield name, tensor
+
+        try:
+            self.model.load_weights(counted())
+        except BaseException:
+            # put the untouched layers back from their kept tensors: serving must not meet
+            # meta tensors; what was half loaded is caught by the check and reloaded in full
+            finalize_layerwise_reload(self.model, self.model_config)
+            s.layerwise = False
+            self.loaded_version = None
+            raise
+        s.loaded, s.loaded_bytes = load, sum(sizes)
+
+    def _readback(self, t: Target) -> dict[str, str | None]:
+        if self.tensor_parallel:
+            return {}
+        return engine_check.live_digests(self.model, t.shapes, t.dtypes)
+
+    # ------------------------------------------------------------------ proof
+
+    def _verify(self, s: Session) -> engine_check.CheckResult:
+        t = s.target
+        assert t is not None
+        if self.tensor_parallel:
+            return engine_check.CheckResult(version=t.version, ok=None,
+                                            unreadable=sorted(t.digests))
+        return engine_check.check(self.model, t.version, t.digests, t.shapes, t.dtypes)
+
+    def _remember(self, s: Session, result: engine_check.CheckResult | None) -> None:
+        """What the live weights hold now: read back where readable; elsewhere the target's
+        digest if this round loaded the tensor or it was already right, else unknown."""
+        t = s.target
+        assert t is not None
+        touched = set(s.loaded) if s.mode != "full" else set(t.digests)
+        before = s.base or self.loaded
+        known: dict[str, str | None] = {}
+        for n, want in t.digests.items():
+            live = result.live.get(n) if result is not None else want
+            if live is None:
+                live = want if (n in touched or before.get(n) == want) else None
+            known[n] = live
+        self.loaded = known
+        bad = result is not None and (result.mismatched or result.ok is False)
+        self.loaded_version = None if bad else t.version
+
+    def _write_report(self, s: Session, extra: dict[str, Any]) -> None:
+        if self.report_dir is None or s.target is None or s.info is None:
+            return
+        doc = {"ticket": s.info.ticket, "worker": self.worker, "version": s.target.version,
+               "path": str(s.target.path), "mode": s.mode, "loaded_tensors": len(s.loaded),
+               "loaded_bytes": s.loaded_bytes, "total_tensors": len(s.target.digests),
+               "seconds": {k: round(v, 6) for k, v in s.seconds.items()}, "time": time.time(),
+               **extra}
+        out = self.report_dir / f"{self.worker}.json"
+        tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_text(json.dumps(doc))
+            os.replace(tmp, out)
+        except OSError as e:  # the daemon sees no report and reloads in full; never raise here
+            log.warning("cannot write the weight-update report %s: %s", out, e)

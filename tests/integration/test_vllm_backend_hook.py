@@ -1,0 +1,149 @@
+"""The daemon's vLLM backend hook (daemon/engine_vllm.py): its call order, how a failed weight
+check sets off a full reload, and that weights which never verify leave vLLM paused. Against a
+loopback aiohttp stand-in for vLLM's RL routes that writes worker reports as the deltaswarm
+backend does (runs without .venv-vllm; test_vllm_swarm drives the real backend)."""
+
+import json
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
+
+from daemon.config import VllmHook
+from daemon.engine_vllm import EngineRoundFailed, VllmBackendHook
+from daemon.hooks import VllmNotifyHook, build_hook
+from daemon.metrics import build_registry, render
+from daemon.status import EngineCheckStatus, NodeStatus
+
+
+class FakeBackend:
+    """Records (route, query, body); `verdicts` says per round whether the check passes
+    (None: the worker writes no report). The last verdict repeats."""
+
+    def __init__(self, verdicts: list[bool | None]) -> None:
+        self.verdicts = verdicts
+        self.calls: list[tuple[str, dict, dict]] = []
+        self.report_dir: Path | None = None
+        self.update: dict = {}
+
+    async def handle(self, request: web.Request) -> web.Response:
+        body = json.loads(await request.read() or b"{}")
+        self.calls.append((request.path, dict(request.query), body))
+        if request.path == "/init_weight_transfer_engine":
+            self.report_dir = Path(body["init_info"]["report_dir"])
+        elif request.path == "/update_weights":
+            self.update = body["update_info"]
+        elif request.path == "/finish_weight_update":
+            ok = self.verdicts[0] if len(self.verdicts) == 1 else self.verdicts.pop(0)
+            if ok is not None:
+                assert self.report_dir is not None
+                bad = [] if ok else ["model.layers.0.mlp.down_proj.weight"]
+                (self.report_dir / "dp0-rank0.json").write_text(json.dumps({
+                    "ticket": self.update["ticket"], "worker": "dp0-rank0",
+                    "version": self.update["version"], "mode": self.update["mode"],
+                    "loaded_tensors": 3, "loaded_bytes": 300, "error": None,
+                    "check": {"ok": ok, "checked": 20 if ok else 19, "mismatched": bad,
+                              "mismatched_count": len(bad), "unreadable_count": 1,
+                              "seconds": 0.01}}))
+        elif request.path == "/reset_prefix_cache":
+            return web.json_response({"success": True})
+        return web.json_response({"status": "ok"})
+
+    def routes(self) -> list[str]:
+        return [c[0] for c in self.calls]
+
+    def modes(self) -> list[str]:
+        return [c[2]["update_info"]["mode"] for c in self.calls if c[0] == "/update_weights"]
+
+
+async def run_hook(fake: FakeBackend, tmp_path: Path, version: int = 5) -> VllmBackendHook:
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", fake.handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    vdir = tmp_path / "weights" / f"v{version:08d}"
+    vdir.mkdir(parents=True)
+    cfg = VllmHook(type="vllm", url=f"http://127.0.0.1:{port}", timeout_s=10)
+    try:
+        async with aiohttp.ClientSession() as session:
+            hook = VllmBackendHook(cfg, session, tmp_path / "state")
+            try:
+                await hook.notify(version, vdir, "digest")
+            finally:
+                fake.hook = hook
+            return hook
+    finally:
+        await runner.cleanup()
+
+
+async def test_an_update_names_the_version_and_resumes_once_the_check_passes(
+        tmp_path: Path) -> None:
+    fake = FakeBackend([True])
+    hook = await run_hook(fake, tmp_path)
+    assert fake.routes() == ["/init_weight_transfer_engine", "/pause", "/start_weight_update",
+                             "/update_weights", "/finish_weight_update", "/reset_prefix_cache",
+                             "/resume"]
+    assert fake.calls[0][2]["init_info"]["weights_dir"] == str(tmp_path / "weights")
+    assert fake.calls[1][1] == {"mode": "keep"}
+    assert fake.update["version"] == 5 and fake.update["mode"] == "auto"
+    assert fake.update["path"] == str(tmp_path / "weights" / "v00000005")
+    assert fake.calls[4][2] == {"weight_version": "5"}
+    c = hook.check
+    assert (c.ok, c.last_version, c.checks, c.checked, c.unreadable) == (True, 5, 1, 20, 1)
+    assert (c.mismatches, c.repairs) == (0, 0)
+
+
+async def test_a_mismatch_sets_off_a_full_reload_and_is_reported(tmp_path: Path) -> None:
+    fake = FakeBackend([False, True])
+    hook = await run_hook(fake, tmp_path)
+    assert fake.modes() == ["auto", "full"]
+    assert fake.routes()[-2:] == ["/reset_prefix_cache", "/resume"]
+    c = hook.check
+    assert (c.ok, c.mismatches, c.repairs, c.repair_failures, c.mode) == (True, 1, 1, 0, "full")
+    assert c.mismatched == ["model.layers.0.mlp.down_proj.weight"]
+    assert c.last_mismatch_version == 5
+
+
+@pytest.mark.parametrize("verdicts", [[False], [None]], ids=["still-differs", "no-report"])
+async def test_weights_that_never_verify_leave_vllm_paused_and_fail_the_hook(
+        verdicts: list[bool | None], tmp_path: Path) -> None:
+    fake = FakeBackend(verdicts)
+    with pytest.raises(EngineRoundFailed, match="left paused"):
+        await run_hook(fake, tmp_path)
+    assert fake.modes() == ["auto", "full"]
+    assert "/resume" not in fake.routes()
+    assert fake.hook.check.repair_failures == 1
+    assert fake.hook.check.last_error
+
+
+def samples(status: NodeStatus) -> dict[str, float]:
+    text = render(build_registry(lambda: status))[0].decode()
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def test_the_check_shows_in_metrics() -> None:
+    sample = samples(NodeStatus(node="n", engine_check=EngineCheckStatus(
+        ok=False, checks=4, mismatches=1, repairs=1, checked=19, unreadable=2, update_s=0.5)))
+    assert sample["deltaswarm_engine_checks_total"] == 4
+    assert sample["deltaswarm_engine_check_mismatches_total"] == 1
+    assert sample["deltaswarm_engine_repairs_total"] == 1
+    assert sample["deltaswarm_engine_check_ok"] == 0
+    assert sample["deltaswarm_engine_unreadable_tensors"] == 2
+    assert "deltaswarm_engine_checks_total" not in samples(NodeStatus())
+
+
+async def test_the_config_picks_the_backend_by_default_and_the_reload_path_on_request(
+        tmp_path: Path) -> None:
+    url = "http://127.0.0.1:9"
+    async with aiohttp.ClientSession() as session:
+        assert isinstance(build_hook(VllmHook(type="vllm", url=url), session, "t", tmp_path),
+                          VllmBackendHook)
+        assert isinstance(build_hook(VllmHook(type="vllm", url=url, transfer="reload"),
+                                     session, "t"), VllmNotifyHook)
+        with pytest.raises(ValueError, match="state_dir"):
+            build_hook(VllmHook(type="vllm", url=url), session, "t")
