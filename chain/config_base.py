@@ -49,6 +49,18 @@ def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
     return doc
 
 
+def read_token(path: Path, field: str = "token_file") -> str:
+    """The bearer token on the first line of `path` (every process reads it the same way, so the
+    same file serves the daemon, the ingest and the publishers). ConfigError naming `field`."""
+    try:
+        tok = path.read_text().strip().splitlines()[0].strip()
+    except (OSError, IndexError) as e:
+        raise ConfigError(f"{field} {path}: cannot read a token ({e})") from None
+    if len(tok) < 8:
+        raise ConfigError(f"{field} {path}: token shorter than 8 characters")
+    return tok
+
+
 def resolve_paths(doc: dict[str, Any], base: Path, fields: Iterable[str]) -> None:
     """Make the (dotted) path `fields` of `doc` absolute against `base`, expanding `~`."""
     for dotted in fields:

@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from chain.config_base import ConfigError, load_yaml
+from chain.config_base import ConfigError, load_yaml, read_token
 from chain.config_base import Section as _Section
 from chain.policy import Retention
 from daemon.names import NODE_NAME, BadName, check_url
@@ -320,13 +320,7 @@ class Config(_Section):
         if self.token is not None:
             return self.token
         assert self.token_file is not None
-        try:
-            tok = self.token_file.read_text().strip().splitlines()[0].strip()
-        except (OSError, IndexError) as e:
-            raise ConfigError(f"token_file {self.token_file}: cannot read a token ({e})") from None
-        if len(tok) < 8:
-            raise ConfigError(f"token_file {self.token_file}: token shorter than 8 characters")
-        return tok
+        return read_token(self.token_file, "token_file")
 
     def bt_advertise(self) -> str:
         return self.bittorrent.advertise_host or self.bittorrent.host

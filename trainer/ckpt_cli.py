@@ -33,7 +33,7 @@ from pathlib import Path
 
 from pydantic import Field, field_validator
 
-from chain.config_base import NAME_PATTERN, ConfigError, Section, load_yaml
+from chain.config_base import NAME_PATTERN, ConfigError, Section, load_yaml, read_token
 from chain.errors import ChainError
 
 log = logging.getLogger("deltaswarm.watch")
@@ -49,15 +49,7 @@ class DaemonSection(Section):
     def bearer(self) -> str | None:
         if self.token_file is None:
             return None
-        try:
-            tok = self.token_file.read_text().strip().splitlines()[0].strip()
-        except (OSError, IndexError) as e:
-            raise ConfigError(f"daemon.token_file {self.token_file}: cannot read a token "
-                              f"({e})") from None
-        if len(tok) < 8:
-            raise ConfigError(f"daemon.token_file {self.token_file}: token shorter than 8 "
-                              "characters")
-        return tok
+        return read_token(self.token_file, "daemon.token_file")
 
 
 class WatchSection(Section):

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from pydantic import Field, model_validator
 
-from chain.config_base import ConfigError, Section, load_yaml
+from chain.config_base import ConfigError, Section, load_yaml, read_token
 
 
 class IngestServiceConfig(Section):
@@ -47,13 +47,7 @@ class IngestServiceConfig(Section):
         if self.token is not None:
             return self.token
         assert self.token_file is not None
-        try:
-            tok = self.token_file.read_text().strip().splitlines()[0].strip()
-        except (OSError, IndexError) as e:
-            raise ConfigError(f"token_file {self.token_file}: cannot read a token ({e})") from None
-        if len(tok) < 8:
-            raise ConfigError(f"token_file {self.token_file}: token shorter than 8 characters")
-        return tok
+        return read_token(self.token_file, "token_file")
 
 
 def load_ingest_config(path: str | Path) -> IngestServiceConfig:
