@@ -12,7 +12,20 @@ import json
 import os
 import shutil
 import subprocess
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+
+def _delete_namespaces(names: Iterable[str]) -> list[str]:
+    """Delete each namespace (its veth ends go with it); the errors, one per namespace that
+    could not be deleted and still exists."""
+    errors = []
+    for ns in names:
+        proc = subprocess.run(["ip", "netns", "del", ns], capture_output=True, text=True,
+                              check=False)
+        if proc.returncode and "No such file" not in proc.stderr:
+            errors.append(f"{ns}: {proc.stderr.strip()}")
+    return errors
 
 
 class NetnsUnavailable(RuntimeError):
@@ -91,12 +104,7 @@ class Topology:
         return int(out)
 
     def close(self) -> None:
-        errors = []
-        for ns in reversed(self._namespaces):
-            proc = subprocess.run(["ip", "netns", "del", ns], capture_output=True, text=True,
-                                  check=False)
-            if proc.returncode and "No such file" not in proc.stderr:
-                errors.append(f"{ns}: {proc.stderr.strip()}")
+        errors = _delete_namespaces(reversed(self._namespaces))
         self._namespaces.clear()
         self.nodes.clear()
         self._bridge_up = False
@@ -284,12 +292,7 @@ class RegionNet:
             _setns(RegionNet._home, "the starting namespace")
 
     def close(self) -> None:
-        errors = []
-        for ns in reversed(self._namespaces):
-            proc = subprocess.run(["ip", "netns", "del", ns], capture_output=True, text=True,
-                                  check=False)
-            if proc.returncode and "No such file" not in proc.stderr:
-                errors.append(f"{ns}: {proc.stderr.strip()}")
+        errors = _delete_namespaces(reversed(self._namespaces))
         self._namespaces.clear()
         self.nodes.clear()
         if errors:
