@@ -253,6 +253,7 @@ def _drive(c: Cluster, p: Params, run: ChaosRun, sampler: Sampler,
     for v in range(1, p.final + 1):
         state = step(state, v, p.density)
         if v == p.trainer_kill_after:
+            _wait_regions_at(c, run.regions, v - 1, 5.0)  # only v's delta meets the throttle
             _set_uplink(trainer, p.throttle_rate)
         time.sleep(max(0.0, last + p.interval_s - time.monotonic()))
         out = pub.publish(v, state)
@@ -274,7 +275,8 @@ def _drive(c: Cluster, p: Params, run: ChaosRun, sampler: Sampler,
             note(f"trainer daemon restarted at v{v}; v{p.trainer_kill_after}'s delta "
                  f"{'was' if gone else 'was not'} deleted by retention meanwhile")
         if v >= p.late_from and not run.late:
-            _corrupt_and_join(c, p, run, sampler, note)
+            _corrupt_and_join(c, p, run, sampler, note,
+                              anyway=v >= p.late_from + p.snapshot_every - 1)
         last = max(last, time.monotonic() - p.interval_s / 2)  # faults never cause a burst
     run.final = p.final
     run.published_digest = out.delta.state_digest
@@ -307,6 +309,15 @@ def _wait_warm(c: Cluster, timeout: float = 120.0) -> None:
             if not w or w.get("state") in ("ready", "failed"):
                 break
             time.sleep(0.3)
+
+
+def _wait_regions_at(c: Cluster, names: list[str], version: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, ValueError):
+            if all((c.daemons[n].current() or -1) >= version for n in names):
+                return
+        time.sleep(0.1)
 
 
 def _set_uplink(trainer: Daemon, rate: int) -> None:
@@ -347,18 +358,22 @@ def _kill_trainer(c: Cluster, trainer: Daemon, v: int, run: ChaosRun,
 
 
 def _corrupt_and_join(c: Cluster, p: Params, run: ChaosRun, sampler: Sampler,
-                      note: Callable[[str], None]) -> None:
-    """Once eu1 is current on a delta right after a snapshot and the trainer no longer offers
-    v0: flip bytes in that delta's block on eu1's disk and start the late joiner from eu1."""
+                      note: Callable[[str], None], anyway: bool) -> None:
+    """Once the trainer no longer offers v0 and eu1 is current on the delta right after a
+    snapshot (the late joiner will want it), or `anyway` on the newest delta eu1 seeds: flip
+    bytes in that delta's block on eu1's disk and start the late joiner from eu1."""
     eu1, trainer = c.daemons["eu1"], c.daemons["trainer"]
     try:
         cur = eu1.current()
         index = trainer.get("/v1/chain/index")["artifacts"]
     except (OSError, ValueError):
         return
-    if cur is None or cur % p.snapshot_every != 1 or artifact_name(0, "snapshot") in index:
+    if artifact_name(0, "snapshot") in index or cur is None:
         return
-    art = artifact_name(cur, "delta")
+    if not anyway and cur % p.snapshot_every != 1:
+        return
+    held = sorted(a.name for a in (eu1.state_dir / "swarm").glob("v*.delta"))
+    art = artifact_name(cur, "delta") if not anyway or not held else held[-1]
     try:
         bid, path = served_block(eu1, art)
     except FileNotFoundError:
