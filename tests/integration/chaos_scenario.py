@@ -372,7 +372,8 @@ def _corrupt_and_join(c: Cluster, p: Params, run: ChaosRun, sampler: Sampler,
         return
     if not anyway and cur % p.snapshot_every != 1:
         return
-    held = sorted(a.name for a in (eu1.state_dir / "swarm").glob("v*.delta"))
+    held = sorted(a.name for a in (eu1.state_dir / "swarm").glob("v*.delta")
+                  if int(a.name[1:9]) <= cur)
     art = artifact_name(cur, "delta") if not anyway or not held else held[-1]
     try:
         bid, path = served_block(eu1, art)
