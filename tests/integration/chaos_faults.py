@@ -70,17 +70,19 @@ def served_block(d: Daemon, artifact: str) -> tuple[str, Path]:
     return b.id, path
 
 
-def flip_bytes(path: Path, count: int = 64) -> int:
-    """Invert `count` bytes in the middle of `path`, in place (same inode, so every hard link
-    and the page cache libtorrent reads from see it); returns the offset."""
+def flip_bytes(path: Path, count: int = 16, every: int = 16 * 1024) -> list[int]:
+    """Invert `count` bytes in the middle of every `every`-byte chunk of `path` (16 KiB: each
+    request a peer makes of it), in place: same inode, so every hard link and the page cache
+    libtorrent reads from see it. Returns the offsets."""
     size = path.stat().st_size
-    offset = max(0, size // 2 - count // 2)
+    offsets = [min(size - count, start + every // 2) for start in range(0, size, every)]
     with open(path, "r+b") as f:
-        f.seek(offset)
-        data = f.read(count)
-        f.seek(offset)
-        f.write(bytes(b ^ 0xFF for b in data))
-    return offset
+        for offset in offsets:
+            f.seek(offset)
+            data = f.read(count)
+            f.seek(offset)
+            f.write(bytes(b ^ 0xFF for b in data))
+    return offsets
 
 
 def block_verifies(path: Path, bid: str) -> bool:

@@ -379,8 +379,8 @@ def _corrupt_and_join(c: Cluster, p: Params, run: ChaosRun, sampler: Sampler,
         bid, path = served_block(eu1, art)
     except FileNotFoundError:
         return
-    offset = flip_bytes(path)
-    run.corrupted = {"artifact": art, "block": bid, "path": str(path), "offset": offset,
+    offsets = flip_bytes(path)
+    run.corrupted = {"artifact": art, "block": bid, "path": str(path), "flipped": len(offsets),
                      "links": path.stat().st_nlink}
     late = c.region("ap1", bootstrap=[eu1.url], region="ap", **_extras(p, "region")[0])
     late.start()
@@ -388,7 +388,7 @@ def _corrupt_and_join(c: Cluster, p: Params, run: ChaosRun, sampler: Sampler,
     run.regions.append("ap1")
     run.late = {"started_with_trainer_head": max(
         (int(a[1:9]) for a in index), default=None), "early_gone": True}
-    note(f"flipped 64 bytes of {art} block {bid[:8]}… on eu1; ap1 started late "
+    note(f"flipped bytes in {len(offsets)} places of {art} block {bid[:8]}… on eu1; ap1 late "
          f"(trainer offers {sorted(index)[:2]}…)")
 
 
