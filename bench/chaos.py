@@ -26,7 +26,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from tests.integration.chaos_checks import CHECKS, describe  # noqa: E402
-from tests.integration.chaos_scenario import Params, run_scenario  # noqa: E402
+from tests.integration.chaos_record import Params  # noqa: E402
+from tests.integration.chaos_scenario import run_scenario  # noqa: E402
 
 
 def main() -> int:

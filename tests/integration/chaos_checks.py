@@ -6,7 +6,7 @@ judge a run the same way, plus `describe`, the run told in a few lines for a fai
 import json
 
 from tests.integration.chaos_faults import ban_key
-from tests.integration.chaos_scenario import ChaosRun
+from tests.integration.chaos_record import ChaosRun
 
 
 def premise_problems(run: ChaosRun) -> list[str]:

@@ -23,7 +23,8 @@ from tests.integration.chaos_checks import (
     premise_problems,
     self_check_problems,
 )
-from tests.integration.chaos_scenario import ChaosRun, run_scenario
+from tests.integration.chaos_record import ChaosRun
+from tests.integration.chaos_scenario import run_scenario
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
 
