@@ -88,8 +88,8 @@ class Sampler(threading.Thread):
         self.lock = threading.Lock()
         self.done = threading.Event()
         self.bans: dict[str, dict[str, dict]] = {}
-        self.apply_s = {"snapshot": 0.0, "delta": 0.0}
-        self.snapshot_fetch_s: dict[str, float] = {}
+        self.applied: dict[str, list[dict]] = {}
+        self.snapshot_rate: dict[str, float] = {}
         self.first_at: dict[str, dict[int, float]] = {}
 
     def watch(self, d: Daemon) -> None:
@@ -115,24 +115,33 @@ class Sampler(threading.Thread):
         if st.get("current_version") is not None:
             self.first_at.setdefault(name, {}).setdefault(st["current_version"], now)
         sync = st.get("detail", {}).get("sync") or {}
-        for a in sync.get("applied", []):
-            kind = a["artifact"].rsplit(".", 1)[1]
-            self.apply_s[kind] = max(self.apply_s.get(kind, 0.0), a.get("apply_seconds") or 0.0)
-        for art, t in (sync.get("transfers") or {}).items():
-            if art.endswith(".snapshot") and t.get("seconds"):
-                self.snapshot_fetch_s[name] = max(self.snapshot_fetch_s.get(name, 0.0),
-                                                  t["seconds"])
+        if sync.get("applied"):
+            self.applied[name] = sync["applied"]
+        first = (sync.get("transfers") or {}).get("v00000000.snapshot") or {}
+        if first.get("seconds") and first.get("total") and name not in self.snapshot_rate:
+            self.snapshot_rate[name] = first["total"] / first["seconds"]
+
+    def apply_seconds(self, kind: str, last: int) -> float:
+        """The longest of each region's `last` applies of `kind` (steady state: a first apply
+        that waited for the kernels to compile is not what a region pays at the end)."""
+        return max([a.get("apply_seconds") or 0.0 for applied in self.applied.values()
+                    for a in [x for x in applied if x["artifact"].endswith(kind)][-last:]],
+                   default=0.0)
 
 
 def bound_terms(p: Params, s: Sampler, snapshot_bytes: int, knobs: dict[str, bool]
                  ) -> dict[str, float]:
-    """What one region may need after the last publish, each from this run's own figures."""
-    fetch = max([snapshot_bytes / p.thin_rate, *s.snapshot_fetch_s.values()])
+    """What one region may need after the last publish, each from this run's own figures:
+    a snapshot over the slowest link (us2's cap, or the slowest first-snapshot rate measured
+    on the others), a snapshot apply plus a snapshot interval of delta applies (recent ones,
+    measured), the sync deadlines set, one retry backoff, and two publish intervals."""
+    rates = [p.thin_rate] + [r for n, r in s.snapshot_rate.items() if n != "us2"]
     terms = {
         "2 publish intervals": 2 * p.interval_s,
-        "a snapshot over the slowest link": fetch,
-        f"apply a snapshot + {p.snapshot_every} deltas (measured max)":
-            s.apply_s["snapshot"] + p.snapshot_every * s.apply_s["delta"],
+        "a snapshot over the slowest link": snapshot_bytes / min(rates),
+        f"apply a snapshot + {p.snapshot_every} deltas (recent, measured)":
+            s.apply_seconds(".snapshot", 1) + p.snapshot_every * s.apply_seconds(
+                ".delta", p.snapshot_every),
         "one sync retry backoff": RETRY_S,
     }
     if knobs.get("sync"):

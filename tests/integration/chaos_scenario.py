@@ -122,7 +122,7 @@ def _drive(c: Cluster, p: Params, run: ChaosRun, sampler: Sampler,
     c.start_all()
     for d in c.daemons.values():
         sampler.watch(d)
-    _wait_warm(c)
+    note(f"daemons up; warm-up {_wait_warm(c)}")
     sampler.start()
 
     from trainer.publisher import Publisher
@@ -190,15 +190,19 @@ def _drive(c: Cluster, p: Params, run: ChaosRun, sampler: Sampler,
             run.restart_to_current_s = round(max(times) - restarted, 1)
 
 
-def _wait_warm(c: Cluster, timeout: float = 120.0) -> None:
-    """Where daemons report `warmup` (issue 11), wait until each is ready."""
+def _wait_warm(c: Cluster, timeout: float = 180.0) -> dict[str, str]:
+    """Where daemons report `warmup` (issue 11), wait until each is ready (compiling the codec
+    kernels into an empty cache takes minutes on two loaded cores; later runs load them)."""
     deadline = time.monotonic() + timeout
+    seen = {}
     for d in c.daemons.values():
-        while time.monotonic() < deadline:
+        while True:
             w = d.status().get("warmup")
-            if not w or w.get("state") in ("ready", "failed"):
+            if not w or w.get("state") in ("ready", "failed") or time.monotonic() > deadline:
+                seen[d.name] = f"{w.get('state')} {w.get('seconds')}s" if w else "not reported"
                 break
             time.sleep(0.3)
+    return seen
 
 
 def _wait_regions_at(c: Cluster, names: list[str], version: int, timeout: float) -> None:
