@@ -37,7 +37,9 @@ def main() -> int:
     ap.add_argument("--interval", type=float, default=Params.interval_s,
                     help="seconds between versions")
     ap.add_argument("--json", action="store_true", help="one JSON line per run, then a summary")
-    ap.add_argument("--verbose", action="store_true", help="print each run's timeline")
+    ap.add_argument("--verbose", action="store_true",
+                    help="print each run's timeline as it happens (a failed run's is always "
+                    "printed after it)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     params = dataclasses.replace(Params(), final=args.final, interval_s=args.interval)
@@ -64,7 +66,7 @@ def main() -> int:
                   + ("all properties held" if not failed else
                      "FAILED " + "; ".join(f"{k}: {v[0]}" for k, v in failed.items())),
                   flush=True)
-        if failed and args.verbose:
+        if failed:
             print(describe(run), flush=True)
     times = [r["converge_s"] for r in rows if r["converge_s"] is not None]
     summary = {"runs": len(rows), "passed": sum(not r["failed"] for r in rows),
