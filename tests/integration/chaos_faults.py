@@ -127,7 +127,7 @@ class KillMidDownload(threading.Thread):
                     return
                 self.victim.start()
                 self.restarted_at = time.monotonic()
-                self.victim.wait_ready()
+                self.victim.wait_ready(120)
                 return
             time.sleep(0.1)
         if not self.stop_event.is_set():

@@ -159,7 +159,7 @@ def _drive(c: Cluster, p: Params, run: ChaosRun, sampler: Sampler,
                         f"{artifact_name(p.trainer_kill_after, 'delta')}.json").exists()
             run.trainer_kill["dropped_while_down"] = gone
             trainer.start()
-            trainer.wait_ready()
+            trainer.wait_ready(120)
             run.trainer_kill["restarted_at"] = time.monotonic()
             run.trainer_kill["head_at_restart"] = v
             note(f"trainer daemon restarted at v{v}; v{p.trainer_kill_after}'s delta "
@@ -223,7 +223,7 @@ def _set_uplink(trainer: Daemon, rate: int) -> None:
     trainer.config["limits"] = {"upload_bytes_per_s": rate}
     trainer.write_config()
     trainer.proc.send_signal(signal.SIGHUP)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while trainer.log(10**9).count("SIGHUP: reloaded") <= before:
         if time.monotonic() > deadline:
             raise AssertionError(f"trainer did not reload its config:\n{trainer.log()}")
