@@ -198,7 +198,8 @@ def _wait_warm(c: Cluster, timeout: float = 180.0) -> dict[str, str]:
     for d in c.daemons.values():
         while True:
             w = d.status().get("warmup")
-            if not w or w.get("state") in ("ready", "failed") or time.monotonic() > deadline:
+            if not w or w.get("state") not in ("pending", "running") \
+                    or time.monotonic() > deadline:
                 seen[d.name] = f"{w.get('state')} {w.get('seconds')}s" if w else "not reported"
                 break
             time.sleep(0.3)
