@@ -66,6 +66,19 @@ def ban_problems(run: ChaosRun) -> list[str]:
     return out
 
 
+def peer_book_problems(run: ChaosRun) -> list[str]:
+    """A peer-book ban (daemon/peers.py: BAN_FAILURES failures in a row, 600 s) also takes a
+    peer out of a node's swarm: only the corrupted seeder may earn one. A daemon that was
+    killed and restarted, or a region that does not hold what it was asked for, is innocent."""
+    out = []
+    for node, urls in sorted(run.shunned.items()):
+        for url, why in sorted(urls.items()):
+            name = run.urls.get(url, url)
+            if name != "eu1":
+                out.append(f"{node}'s peer book banned innocent {name} ({url}): {why}")
+    return out
+
+
 def self_check_problems(run: ChaosRun) -> list[str]:
     st = run.statuses.get("eu1")
     if st is None:
@@ -100,7 +113,8 @@ def late_joiner_problems(run: ChaosRun) -> list[str]:
 
 
 CHECKS = {"premise": premise_problems, "converged": convergence_problems,
-          "bans": ban_problems, "self_check": self_check_problems,
+          "bans": ban_problems, "peer_book": peer_book_problems,
+          "self_check": self_check_problems,
           "late_joiner": late_joiner_problems}
 
 
@@ -115,7 +129,8 @@ def describe(run: ChaosRun) -> str:
         sync = st.get("detail", {}).get("sync") or {}
         lines.append(f"-- {n}: v{st.get('current_version')} head v{st.get('head_version')} "
                      f"verification {st.get('verification', {}).get('failures_by_kind')} "
-                     f"bans {[ban_key(b) for b in run.bans_seen.get(n, [])]} "
+                     f"bans {[ban_key(b) for b in run.bans_seen.get(n, [])]} peer-book bans "
+                     f"{[run.urls.get(u, u) for u in run.shunned.get(n, {})]} "
                      f"self_check {st.get('self_check')} last_error "
                      f"{sync.get('last_error')!r}")
         lines += [f"     {line}" for line in run.log_lines.get(n, [])[-12:]]

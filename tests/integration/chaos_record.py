@@ -64,6 +64,8 @@ class ChaosRun:
     statuses: dict[str, dict] = field(default_factory=dict)
     weights: dict[str, str] = field(default_factory=dict)
     bans_seen: dict[str, list[dict]] = field(default_factory=dict)
+    shunned: dict[str, dict[str, str]] = field(default_factory=dict)
+    urls: dict[str, str] = field(default_factory=dict)
     guilty_host: str | None = None
     corrupted: dict | None = None
     block_ok_at_end: bool | None = None
@@ -91,6 +93,7 @@ class Sampler(threading.Thread):
         self.applied: dict[str, list[dict]] = {}
         self.snapshot_rate: dict[str, float] = {}
         self.first_at: dict[str, dict[int, float]] = {}
+        self.shunned: dict[str, dict[str, str]] = {}
 
     def watch(self, d: Daemon) -> None:
         with self.lock:
@@ -112,6 +115,9 @@ class Sampler(threading.Thread):
             self.bans.setdefault(name, {})[json.dumps(
                 {k: v for k, v in b.items() if k not in ("at", "since", "expires")},
                 sort_keys=True)] = b
+        for e in st.get("detail", {}).get("peer_book") or []:
+            if e.get("banned_s", 0) > 0:
+                self.shunned.setdefault(name, {})[e["url"]] = e.get("last_error") or ""
         if st.get("current_version") is not None:
             self.first_at.setdefault(name, {}).setdefault(st["current_version"], now)
         sync = st.get("detail", {}).get("sync") or {}
@@ -168,6 +174,8 @@ def collect(c: Cluster, run: ChaosRun, sampler: Sampler) -> None:
         except Exception as e:  # reported as the region's weights
             run.weights[name] = f"unverifiable: {type(e).__name__}: {e}"
     run.bans_seen = {n: list(b.values()) for n, b in sampler.bans.items()}
+    run.shunned = sampler.shunned
+    run.urls = {d.url: name for name, d in c.daemons.items()}
     for name, st in run.statuses.items():
         for b in st.get("bans", []):
             run.bans_seen.setdefault(name, [])

@@ -32,7 +32,14 @@ from tests.integration.chaos_faults import (
     served_block,
     within_field,
 )
-from tests.integration.chaos_record import ChaosRun, Params, Sampler, bound_terms, collect
+from tests.integration.chaos_record import (
+    RETRY_S,
+    ChaosRun,
+    Params,
+    Sampler,
+    bound_terms,
+    collect,
+)
 from tests.integration.harness import TOKEN, Cluster, Daemon, step, tiny_model
 
 
@@ -166,7 +173,7 @@ def _drive(c: Cluster, p: Params, run: ChaosRun, sampler: Sampler,
                  f"{'was' if gone else 'was not'} deleted by retention meanwhile")
         if v >= p.late_from and not run.late:
             _corrupt_and_join(c, p, run, sampler, note,
-                              anyway=v >= p.late_from + p.snapshot_every - 1)
+                              anyway=v >= p.late_from + 2)
         last = max(last, time.monotonic() - p.interval_s / 2)  # faults never cause a burst
     run.final = p.final
     run.published_digest = out.delta.state_digest
@@ -181,6 +188,8 @@ def _drive(c: Cluster, p: Params, run: ChaosRun, sampler: Sampler,
     run.converge_s = _wait_converged(c, run, t_final, run.bound_s)
     note(f"converged in {run.converge_s:.1f}s" if run.converge_s is not None
          else f"NOT converged within {run.bound_s}s")
+    if run.knobs.get("self_check") and run.corrupted:
+        _wait_repaired(c.daemons["eu1"], p, run, note)
     restarted = run.trainer_kill.get("restarted_at")
     if restarted is not None:
         head = run.trainer_kill["head_at_restart"]
@@ -204,6 +213,24 @@ def _wait_warm(c: Cluster, timeout: float = 180.0) -> dict[str, str]:
                 break
             time.sleep(0.3)
     return seen
+
+
+def _wait_repaired(eu1: Daemon, p: Params, run: ChaosRun, note: Callable[[str], None]) -> None:
+    """Give eu1 the time its own schedule promises to find and refetch the flipped block: one
+    self-check interval after the corruption plus one sync retry backoff for the refetch."""
+    assert run.corrupted is not None
+    interval = within_field(p.self_check_interval_s, "self_check", "interval_s")
+    deadline = run.corrupted["at"] + interval + RETRY_S
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, ValueError):
+            if (eu1.status().get("self_check") or {}).get("repaired", 0) >= 1:
+                run.corrupted["repaired_after_s"] = round(time.monotonic() - run.corrupted["at"],
+                                                          1)
+                note(f"eu1 repaired its block {run.corrupted['repaired_after_s']}s after the "
+                     "corruption")
+                return
+        time.sleep(0.3)
+    note(f"eu1 did not repair its block within {interval + RETRY_S:.0f}s of the corruption")
 
 
 def _wait_regions_at(c: Cluster, names: list[str], version: int, timeout: float) -> None:
@@ -276,7 +303,7 @@ def _corrupt_and_join(c: Cluster, p: Params, run: ChaosRun, sampler: Sampler,
         return
     offsets = flip_bytes(path)
     run.corrupted = {"artifact": art, "block": bid, "path": str(path), "flipped": len(offsets),
-                     "links": path.stat().st_nlink}
+                     "links": path.stat().st_nlink, "at": time.monotonic()}
     late = c.region("ap1", bootstrap=[eu1.url], region="ap", **_extras(p, "region")[0])
     late.start()
     sampler.watch(late)

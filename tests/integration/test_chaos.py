@@ -20,6 +20,7 @@ from tests.integration.chaos_checks import (
     convergence_problems,
     describe,
     late_joiner_problems,
+    peer_book_problems,
     premise_problems,
     self_check_problems,
 )
@@ -55,6 +56,10 @@ def test_every_live_region_reaches_the_final_version_with_the_trainers_digest_in
 
 def test_no_innocent_peer_is_banned(chaos: ChaosRun) -> None:
     _ok(ban_problems(chaos), chaos)
+
+
+def test_no_innocent_peer_is_dropped_from_a_peer_book(chaos: ChaosRun) -> None:
+    _ok(peer_book_problems(chaos), chaos)
 
 
 def test_the_corrupted_seeder_finds_and_repairs_its_block(chaos: ChaosRun) -> None:
