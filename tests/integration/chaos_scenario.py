@@ -6,7 +6,9 @@ it runs:
 1. `us2` (a thin 1.5 MB/s link) is killed -9 in the middle of its first snapshot and restarted;
 2. the trainer's daemon is killed -9 right after publishing v`trainer_kill_after`, while that
    delta is still leaving its (momentarily throttled) uplink, and restarted only once the
-   publisher's retention window has moved past it;
+   publisher's retention window has moved past it (the next publish waits until it serves:
+   a version written while the daemon starts up, after its start-up scan of the chain dir and
+   before it listens, is never seeded by it; that is its own finding, kept out of this run);
 3. `eu1` gets bytes flipped in the block of a delta it seeds (on disk, in place);
 4. `ap1` joins late (after the trainer garbage-collected the early versions), bootstrapping from
    the corrupted seeder.
