@@ -174,8 +174,7 @@ def _drive(c: Cluster, p: Params, run: ChaosRun, sampler: Sampler,
             note(f"trainer daemon restarted at v{v}; v{p.trainer_kill_after}'s delta "
                  f"{'was' if gone else 'was not'} deleted by retention meanwhile")
         if v >= p.late_from and not run.late:
-            _corrupt_and_join(c, p, run, sampler, note,
-                              anyway=v >= p.late_from + 2)
+            _corrupt_and_join(c, p, run, sampler, note, v)
         last = max(last, time.monotonic() - p.interval_s / 2)  # faults never cause a burst
     run.final = p.final
     run.published_digest = out.delta.state_digest
@@ -282,10 +281,12 @@ def _kill_trainer(c: Cluster, trainer: Daemon, v: int, run: ChaosRun,
 
 
 def _corrupt_and_join(c: Cluster, p: Params, run: ChaosRun, sampler: Sampler,
-                      note: Callable[[str], None], anyway: bool) -> None:
-    """Once the trainer no longer offers v0 and eu1 is current on the delta right after a
-    snapshot (the late joiner will want it), or `anyway` on the newest delta eu1 seeds: flip
-    bytes in that delta's block on eu1's disk and start the late joiner from eu1."""
+                      note: Callable[[str], None], v: int) -> None:
+    """Once the trainer no longer offers v0, flip bytes in a delta eu1 is current on and seeds
+    (so retention keeps serving it), and start the late joiner from eu1. Preferred: the delta
+    right after a snapshot, which the late joiner will fetch; from v`late_from`+2 any recent
+    one; from 3 versions before the end, the newest delta eu1 holds at all (eu1 stuck, as on a
+    daemon without issue 11's fixes), so the late joiner still runs."""
     eu1, trainer = c.daemons["eu1"], c.daemons["trainer"]
     try:
         cur = eu1.current()
@@ -294,11 +295,14 @@ def _corrupt_and_join(c: Cluster, p: Params, run: ChaosRun, sampler: Sampler,
         return
     if artifact_name(0, "snapshot") in index or cur is None:
         return
-    if not anyway and cur % p.snapshot_every != 1:
+    recent = cur >= p.late_from - p.snapshot_every
+    art = artifact_name(cur, "delta")
+    if v >= p.final - 3:
+        held = sorted(a.name for a in (eu1.state_dir / "swarm").glob("v*.delta")
+                      if int(a.name[1:9]) <= cur)
+        art = art if recent or not held else held[-1]
+    elif not recent or (v < p.late_from + 2 and cur % p.snapshot_every != 1):
         return
-    held = sorted(a.name for a in (eu1.state_dir / "swarm").glob("v*.delta")
-                  if int(a.name[1:9]) <= cur)
-    art = artifact_name(cur, "delta") if not anyway or not held else held[-1]
     try:
         bid, path = served_block(eu1, art)
     except FileNotFoundError:
