@@ -295,7 +295,7 @@ def _corrupt_and_join(c: Cluster, p: Params, run: ChaosRun, sampler: Sampler,
         return
     if artifact_name(0, "snapshot") in index or cur is None:
         return
-    recent = cur >= p.late_from - p.snapshot_every
+    recent = cur >= p.late_from  # kept by retention to the end (its snapshot is older)
     art = artifact_name(cur, "delta")
     if v >= p.final - 3:
         held = sorted(a.name for a in (eu1.state_dir / "swarm").glob("v*.delta")
