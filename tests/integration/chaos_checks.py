@@ -133,5 +133,7 @@ def describe(run: ChaosRun) -> str:
                      f"{[run.urls.get(u, u) for u in run.shunned.get(n, {})]} "
                      f"self_check {st.get('self_check')} last_error "
                      f"{sync.get('last_error')!r}")
-        lines += [f"     {line}" for line in run.log_lines.get(n, [])[-12:]]
+        logged = run.log_lines.get(n, [])
+        cut = next((i for i, x in enumerate(logged) if x.startswith("(exited")), len(logged))
+        lines += [f"     {line}" for line in logged[:cut][-12:] + logged[cut:]]
     return "\n".join(lines)

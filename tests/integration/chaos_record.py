@@ -18,7 +18,8 @@ from tests.integration.harness import Cluster, Daemon
 RETRY_S = 15.0
 """The sync loop's longest backoff after a failed step (daemon/sync.py `Syncer.run`)."""
 LOG_WORDS = ("plan v", "SyncError", "banned", "sync step failed", "retention dropped", "self",
-             "replan", "given up", "gave up", "corrupt", "complain", "refused")
+             "replan", "given up", "gave up", "corrupt", "complain", "refused", "Error",
+             "Traceback", "exited", "stopp")
 
 
 @dataclass(frozen=True)
@@ -166,6 +167,8 @@ def collect(c: Cluster, run: ChaosRun, sampler: Sampler) -> None:
             run.errors.append(f"{name} is not running (exit {d.proc.returncode})")
         run.log_lines[name] = [line[-300:] for line in d.log(10**9).splitlines()
                                if any(w in line for w in LOG_WORDS)][-25:]
+        if d.proc is not None and d.proc.poll() not in (None, 0):
+            run.log_lines[name] += ["(exited; its log ends:)", *d.log(2500).splitlines()]
     run.trainer_digest = run.statuses.get("trainer", {}).get("state_digest")
     for name in run.regions:
         try:

@@ -222,7 +222,7 @@ def _wait_repaired(eu1: Daemon, p: Params, run: ChaosRun, note: Callable[[str], 
     assert run.corrupted is not None
     interval = within_field(p.self_check_interval_s, "self_check", "interval_s")
     deadline = run.corrupted["at"] + interval + RETRY_S
-    while time.monotonic() < deadline:
+    while True:  # at least once: convergence may have taken longer than the deadline
         with contextlib.suppress(OSError, ValueError):
             if (eu1.status().get("self_check") or {}).get("repaired", 0) >= 1:
                 run.corrupted["repaired_after_s"] = round(time.monotonic() - run.corrupted["at"],
@@ -230,6 +230,8 @@ def _wait_repaired(eu1: Daemon, p: Params, run: ChaosRun, note: Callable[[str], 
                 note(f"eu1 repaired its block {run.corrupted['repaired_after_s']}s after the "
                      "corruption")
                 return
+        if time.monotonic() > deadline:
+            break
         time.sleep(0.3)
     note(f"eu1 did not repair its block within {interval + RETRY_S:.0f}s of the corruption")
 
