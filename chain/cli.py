@@ -3,7 +3,7 @@
     deltaswarm delta encode OLD.safetensors NEW.safetensors -o FILE
     deltaswarm delta apply OLD.safetensors FILE -o OUT.safetensors
     deltaswarm delta stats FILE [--tensors]
-    deltaswarm chain ls|show|verify DIR [ARTIFACT] [--key HEX]
+    deltaswarm chain ls|show|verify DIR [ARTIFACT] [--key HEX] [--require-all]
 """
 
 import argparse
@@ -125,24 +125,60 @@ def chain_cmd(a: argparse.Namespace) -> int:
         name = a.artifact or store.artifacts()[-1]
         sys.stdout.write(json.dumps(json.loads(store.manifest_bytes(name)), indent=1) + "\n")
         return 0
-    # verify: signatures (if a key is given), parents, and every block's content
-    bad = 0
-    for name in store.artifacts():
-        raw = store.manifest_bytes(name)
-        try:
-            from chain.manifest import Manifest
+    return verify(store, key, a.require_all, a.artifact)
 
-            m = Manifest.parse(raw, key)
+
+VERIFY_EPILOG = """chain verify exit codes:
+  0  every block this node holds matches its id (artifacts whose blocks are not here are listed
+     as "not held": a region never fetches snapshots it did not need, and retention drops
+     artifacts)
+  1  corrupt: a manifest fails its signature or chain checks, or a held block's bytes do not
+     match its id (delete the block; the daemon refetches it)
+  2  the command could not run (bad arguments, unreadable directory)
+  3  only with --require-all: nothing is corrupt, but some artifacts are not fully held
+"""
+
+
+def verify(store: ChainStore, key, require_all: bool, only: str | None = None) -> int:
+    """Signatures (if a key is given), parents, and the content of every held block; blocks
+    that are absent are "not held", never "bad" (see VERIFY_EPILOG for the exit codes)."""
+    from chain.errors import BadBlock
+    from chain.manifest import Manifest
+
+    names = [only] if only else store.artifacts()
+    ok = bad = absent = 0
+    for name in names:
+        try:
+            m = Manifest.parse(store.manifest_bytes(name), key)
             store.check(m)
-            for b in m.blocks:
-                store.blocks.get(b.id, b.size)
-            console.print(f"[green]ok[/] {name}")
         except ChainError as e:
             bad += 1
             console.print(f"[red]BAD[/] {name}: {e}")
-    console.print(f"{len(store.artifacts()) - bad} ok, {bad} bad"
+            continue
+        missing, corrupt = 0, []
+        for b in m.blocks:
+            if not store.blocks.has(b.id):
+                missing += 1
+                continue
+            try:
+                store.blocks.get(b.id, b.size)
+            except BadBlock as e:
+                corrupt.append(str(e))
+        if corrupt:
+            bad += 1
+            console.print(f"[red]BAD[/] {name}: {len(corrupt)} corrupt block(s): {corrupt[0]}")
+        elif missing:
+            absent += 1
+            console.print(f"[yellow]not held[/] {name}: {missing} of {len(m.blocks)} blocks "
+                          "not in this store")
+        else:
+            ok += 1
+            console.print(f"[green]ok[/] {name}")
+    console.print(f"{ok} ok, {bad} bad, {absent} not held"
                   + ("" if key else " (signatures not checked: pass --key)"))
-    return 1 if bad else 0
+    if bad:
+        return 1
+    return 3 if absent and require_all else 0
 
 
 def main(argv: list[str]) -> int:
@@ -165,11 +201,14 @@ def main(argv: list[str]) -> int:
     s.add_argument("delta")
     s.add_argument("--tensors", action="store_true", help="one line per tensor")
     s.set_defaults(fn=delta_stats)
-    c = sub.add_parser("chain", help="list, show and verify a chain directory")
+    c = sub.add_parser("chain", help="list, show and verify a chain directory",
+                       epilog=VERIFY_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     c.add_argument("action", choices=["ls", "show", "verify"])
     c.add_argument("dir")
     c.add_argument("artifact", nargs="?")
     c.add_argument("--key", help="trainer public key (hex) to check signatures against")
+    c.add_argument("--require-all", action="store_true",
+                   help="verify: exit 3 when some artifact's blocks are not all held")
     c.set_defaults(fn=chain_cmd)
     a = p.parse_args(argv)
     try:

@@ -6,6 +6,7 @@ parent check against what the store already holds, so a forged or wrong-parent m
 changes stored state.
 """
 
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -15,7 +16,7 @@ from chain.blocks import BlockStore
 from chain.errors import BadManifest, OtherRun, Replay, WrongParent
 from chain.manifest import Manifest, artifact_name, parse_artifact
 from chain.planner import plan
-from chain.policy import Retention
+from chain.policy import Decision, Retention
 
 
 class ChainStore:
@@ -70,8 +71,9 @@ class ChainStore:
     def missing_blocks(self, m: Manifest) -> list[str]:
         return [b.id for b in m.blocks if not self.blocks.has(b.id)]
 
-    def plan(self, have: int | None, target: int) -> list[Manifest]:
-        return plan(self._cache, have, target)
+    def plan(self, have: int | None, target: int,
+             holders: Mapping[str, int] | None = None) -> list[Manifest]:
+        return plan(self._cache, have, target, holders)
 
     # writing
     def check(self, m: Manifest) -> None:
@@ -105,9 +107,15 @@ class ChainStore:
     def add(self, m: Manifest) -> Manifest:
         return self.add_manifest(m.to_bytes())
 
-    def gc(self, retention: Retention, protect: set[str] = frozenset()) -> list[str]:
-        """Drop artifacts outside retention (except `protect`) and unreferenced blocks."""
-        keep = retention.keep(self._cache) | set(protect)
+    def gc(self, retention: Retention, protect: Iterable[str] = frozenset(),
+           live: Iterable[int | None] = ()) -> list[str]:
+        """Drop artifacts outside retention (except `protect`) and unreferenced blocks; `live`
+        are the versions live nodes hold (see Retention.decide)."""
+        return self.apply_decision(retention.decide(self._cache, live), protect)
+
+    def apply_decision(self, decision: Decision, protect: Iterable[str] = frozenset()
+                       ) -> list[str]:
+        keep = set(decision.keep) | set(protect)
         dropped = [a for a in self._cache if a not in keep]
         for a in dropped:
             (self.manifest_dir / f"{a}.json").unlink(missing_ok=True)

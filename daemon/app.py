@@ -23,6 +23,7 @@ from chain.store import ChainStore
 from daemon.artifacts import Artifacts
 from daemon.board import Board
 from daemon.intake import Intake
+from daemon.live import LiveNodes
 from daemon.peer_client import hello_proof
 from daemon.peers import HEADER, BadPeer, BookFull, PeerBook, check_node, check_url, parse_endpoint
 from daemon.publish import PublishError
@@ -59,6 +60,10 @@ class Parts:
     status: Callable[[], dict]
     metrics: Callable[[], tuple[bytes, str]]
     stopping: Callable[[], bool]
+    live: LiveNodes | None = None
+    """Where the `node`/`region`/`have` of head long-polls are recorded (retention's input)."""
+    complaint: Callable[[str], bool] = lambda artifact: False
+    """A peer says we sent it bad data for an artifact: re-check it (rate-limited there)."""
 
 
 NODE: web.AppKey[Parts] = web.AppKey("node")
@@ -159,10 +164,27 @@ def head_doc(node: Parts) -> dict[str, Any]:
             "url": node.url}
 
 
+def record_poller(request: web.Request, node: Parts) -> None:
+    """A polling node's `node`, `region` and `have` (its current version; empty: none yet)."""
+    name = request.query.get("node")
+    if name is None or node.live is None:
+        return
+    region = request.query.get("region") or None
+    try:
+        check_node(name)
+        if region is not None:
+            check_node(region)
+    except BadPeer as e:
+        raise fail(400, f"query parameter node or region: {e}") from None
+    have = int_param(request, "have", None, 0, 2**62)
+    node.live.seen(name, region, have)
+
+
 async def chain_head(request: web.Request) -> web.Response:
     node = request.app[NODE]
     after = int_param(request, "after", None, -1, 2**62)
     timeout = timeout_param(request, node.long_poll_timeout_s)
+    record_poller(request, node)
     if after is not None:
         await node.board.wait(lambda: (node.store.head() if node.store.head() is not None
                                        else -1) > after or node.stopping(), timeout)
@@ -178,7 +200,7 @@ async def chain_index(request: web.Request) -> web.Response:
     return web.json_response({
         "artifacts": node.store.artifacts(), "head": node.store.head(),
         "bt": node.bt(), "node": node.node, "url": node.url,
-        "seeding": sorted(node.artifacts.seeding()),
+        "seeding": sorted(node.artifacts.seeding()), "held": node.artifacts.held(),
         "peers": [{k: p[k] for k in ("url", "bt", "node")} for p in peers]})
 
 
@@ -284,6 +306,24 @@ async def peers_announce(request: web.Request) -> web.Response:
     return web.json_response({"ok": True, "peers": len(node.book.peers)})
 
 
+async def swarm_complaint(request: web.Request) -> web.Response:
+    """A peer that banned us says we sent it data failing the hash check for an artifact. It
+    proves nothing (the peer may lie or be wrong), so it only schedules our own check of that
+    artifact, at most once per artifact every few seconds (daemon/selfcheck.py)."""
+    node = request.app[NODE]
+    try:
+        doc = await request.json()
+    except ValueError:
+        raise fail(400, 'body must be JSON {"artifact": "v00000001.delta"}') from None
+    artifact = doc.get("artifact") if isinstance(doc, dict) else None
+    try:
+        parse_artifact(artifact)
+    except (BadManifest, TypeError):
+        raise fail(400, f'body must be {{"artifact": "vNNNNNNNN.delta|snapshot"}}, got '
+                        f'{artifact!r:.80}') from None
+    return web.json_response({"ok": True, "checking": node.complaint(artifact)})
+
+
 def build_app(node: Parts) -> web.Application:
     app = web.Application(middlewares=[auth], client_max_size=node.max_body_bytes)
     app[NODE] = node
@@ -300,5 +340,6 @@ def build_app(node: Parts) -> web.Application:
         web.post("/v1/publish", publish),
         web.get("/v1/peers", peers_list),
         web.post("/v1/peers", peers_announce),
+        web.post("/v1/swarm/complaints", swarm_complaint),
     ])
     return app

@@ -2,7 +2,8 @@
 block links, behind one object that sync, publish, report and the routes share.
 
 It owns the swarm's thread (libtorrent calls are short but blocking), turns swarm events into
-counts (piece failures are counted once, by the swarm; bans keep their time here), writes
+counts (piece failures are counted once, by the swarm), records bad-data bans per (endpoint,
+artifact) in the persisted ban list and hands them back to the swarm at start, writes
 resume data while something downloads, reseeds what a restarted node holds, and forgets what
 retention drops.
 """
@@ -19,25 +20,33 @@ from chain.atomic import write_atomic
 from chain.manifest import Manifest
 from chain.store import ChainStore
 from daemon import torrents
-from daemon.swarm import Swarm, SwarmConfig, SwarmError
+from daemon.bans import BanList, BanRecord
+from daemon.swarm import Swarm, SwarmConfig, SwarmError, SwarmEvent
 
 log = logging.getLogger("deltaswarm.artifacts")
 
 
 class Artifacts:
     def __init__(self, torrents_dir: Path, swarm_dir: Path, resume_dir: Path,
-                 piece_size: int) -> None:
+                 piece_size: int, bans: BanList) -> None:
         self.torrents_dir = torrents_dir
         self.swarm_dir = swarm_dir
         self.resume_dir = resume_dir
         self.piece_size = piece_size
         self.swarm: Swarm | None = None
         self.exec = ThreadPoolExecutor(1, thread_name_prefix="swarm")
-        self.banned_at: dict[str, float] = {}
+        self.bans = bans
+        self.on_ban: Callable[[BanRecord], None] = lambda rec: None
+        """Told of each new ban (the node complains to the peer, so it re-checks itself)."""
+        self.on_bad_piece: Callable[[str], None] = lambda artifact: None
+        """Told of a piece failing its hash check on an artifact (self-check of a seed)."""
+        self._pruned_at = 0.0
 
     # --- lifecycle --------------------------------------------------------------------------
     def open(self, config: SwarmConfig) -> Swarm:
         self.swarm = Swarm(config)
+        for artifact in self.bans.artifacts():
+            self.swarm.set_bans(artifact, self.bans.endpoints(artifact))
         return self.swarm
 
     async def close(self) -> None:
@@ -56,11 +65,23 @@ class Artifacts:
             assert self.swarm is not None
             events = await loop.run_in_executor(self.exec, self.swarm.pump, 0.5)
             for ev in events:
-                if ev.kind == "banned" and ev.peer:
-                    self.banned_at[ev.peer] = time.time()
-                    log.warning("banned peer %s: %s", ev.peer, ev.detail)
-                elif ev.kind in ("hash_failed", "error"):
-                    log.warning("swarm %s on %s: %s", ev.kind, ev.artifact, ev.detail)
+                self.handle(ev)
+            if time.monotonic() - self._pruned_at > 5.0:
+                self._pruned_at = time.monotonic()
+                for artifact in self.bans.prune():
+                    await loop.run_in_executor(self.exec, self.swarm.set_bans, artifact,
+                                               self.bans.endpoints(artifact))
+
+    def handle(self, ev: SwarmEvent) -> None:
+        if ev.kind == "banned" and ev.peer and ev.artifact:
+            rec = self.bans.add(ev.peer, ev.artifact, ev.detail)
+            self.on_ban(rec)
+        elif ev.kind == "hash_failed":
+            log.warning("swarm %s on %s: %s", ev.kind, ev.artifact, ev.detail)
+            if ev.artifact:
+                self.on_bad_piece(ev.artifact)
+        elif ev.kind == "error":
+            log.warning("swarm %s on %s: %s", ev.kind, ev.artifact, ev.detail)
 
     async def save_resume(self) -> None:
         if self.swarm is None:
@@ -136,6 +157,8 @@ class Artifacts:
         """Stop seeding an artifact dropped by retention and delete its swarm files."""
         if self.swarm is not None:
             self.swarm.remove(artifact)
+            self.swarm.set_bans(artifact, ())
+        self.bans.forget_artifact(artifact)
         shutil.rmtree(self.swarm_dir / artifact, ignore_errors=True)
         self.torrent_path(artifact).unlink(missing_ok=True)
         (self.resume_dir / f"{artifact}.resume").unlink(missing_ok=True)
@@ -143,9 +166,13 @@ class Artifacts:
     def seeding(self) -> list[str]:
         return self.swarm.artifacts() if self.swarm is not None else []
 
+    def held(self) -> list[str]:
+        """Artifacts this node holds in full and serves (what peers plan with)."""
+        return self.swarm.complete() if self.swarm is not None else []
+
     def status(self) -> dict:
         if self.swarm is None:
-            return {"torrents": {}, "uploaded": 0, "downloaded": 0, "banned": {},
+            return {"torrents": {}, "uploaded": 0, "downloaded": 0, "banned": {}, "bans": 0,
                     "hash_failures": 0}
         return self.swarm.status()
 

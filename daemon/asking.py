@@ -94,12 +94,16 @@ async def prove_loop(book: PeerBook, client: PeerClient, parallel: int = 8) -> N
 
 class HeadWatcher:
     """One long-poll loop per watched (trusted) peer, so a silent peer holds up only its own
-    loop; calls `on_head(peer, version)` on every reply."""
+    loop; calls `on_head(peer, version)` on every reply. Each poll says who asks and what it
+    holds (`poller()`: node, region, have), which is how the polled daemon's retention knows
+    who is behind."""
 
     def __init__(self, book: PeerBook, client: PeerClient, on_head: OnHead,
                  known_head: Callable[[], int | None], max_peers: int,
-                 poll_timeout: float) -> None:
+                 poll_timeout: float,
+                 poller: Callable[[], dict[str, str]] | None = None) -> None:
         self.book = book
+        self.poller = poller
         self.client = client
         self.on_head = on_head
         self.known_head = known_head
@@ -152,7 +156,8 @@ class HeadWatcher:
     async def _poll(self, peer: Peer) -> None:
         heads = [h for h in (self.known_head(), peer.head) if h is not None]
         after = max(heads, default=-1)
-        params = {"timeout": str(self.poll_timeout), "after": str(after)}
+        params = {"timeout": str(self.poll_timeout), "after": str(after),
+                  **(self.poller() if self.poller is not None else {})}
         reply = await self.client.get_json(f"{peer.url}/v1/chain/head", "head", params=params,
                                            timeout=self.poll_timeout + 10)
         version, bt, node = parse_head(reply, peer.url)
@@ -161,6 +166,40 @@ class HeadWatcher:
         await self.on_head(peer, version)
         if version is None or version <= after:
             await asyncio.sleep(0.2)
+
+
+class HeadQuorum:
+    """Whether enough heads are in to plan (issue 11, finding 5: a late joiner acted on the first
+    head it heard, a stale one, and downloaded two snapshots). Settled once `quorum` peers
+    replied, or every peer known (and askable now) replied after an index said who they are,
+    or `wait_s` passed since the first reply; once settled it stays so."""
+
+    def __init__(self, quorum: int, wait_s: float) -> None:
+        self.quorum, self.wait_s = quorum, wait_s
+        self.heard: dict[str, int | None] = {}
+        self.started = time.monotonic()
+        self.first: float | None = None
+        self.read_index = False
+        self.settled = False
+
+    def reply(self, url: str, version: int | None) -> None:
+        self.heard[url] = version
+        if self.first is None:
+            self.first = time.monotonic()
+
+    def check(self, book: PeerBook) -> bool:
+        """Also true, for now, while no peer has answered at all for `wait_s` since start: the
+        node may go on with what it holds (a plan its own store allows) meanwhile."""
+        now = time.monotonic()
+        if self.settled or self.first is None:
+            return self.settled or now - self.started >= self.wait_s
+        pending = [p for p in book.peers.values()
+                   if p.url not in self.heard and not p.banned(now) and p.retry_at <= now]
+        if (len(self.heard) >= self.quorum or (self.read_index and not pending)
+                or now - self.first >= self.wait_s):
+            self.settled = True
+            log.info("heads settled after %.2fs: %s", now - self.first, self.heard)
+        return self.settled
 
 
 async def first_good(peers: Iterable[Peer], ask: Callable[[Peer], Awaitable[T]],

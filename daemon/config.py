@@ -14,6 +14,7 @@ from pydantic import Field, field_validator, model_validator
 
 from chain.config_base import ConfigError, load_yaml
 from chain.config_base import Section as _Section
+from chain.policy import Retention
 from daemon.names import NODE_NAME, BadName, check_url
 
 __all__ = ["Config", "ConfigError", "check_state_dir", "load_config"]
@@ -83,6 +84,45 @@ class RetentionConfig(_Section):
     deltas a late joiner needs to reach them)."""
     weight_dirs: int = Field(2, ge=1, le=100)
     """Reconstructed HF weight directories kept on disk (the current one included)."""
+    behind_budget_bytes: int = Field(1 << 30, ge=0, le=1 << 50)
+    """Artifact bytes kept beyond `versions` so live nodes that are behind still reach the head
+    by deltas from their own version; past it they fall back to a snapshot (status `retention`
+    says for whom). 0 keeps the window only."""
+    live_within_s: float = Field(120.0, gt=0, le=86400)
+    """A node counts as live (its version is kept for) if it long-polled this daemon's head
+    within this many seconds."""
+
+    def policy(self) -> Retention:
+        return Retention(versions=self.versions, behind_budget_bytes=self.behind_budget_bytes)
+
+
+class SyncConfig(_Section):
+    progress_timeout_s: float = Field(20.0, gt=0, le=86400)
+    """A download that gains no bytes for this long is given up (its partial data kept for
+    resume) and the region replans around that artifact."""
+    unoffered_timeout_s: float = Field(10.0, gt=0, le=86400)
+    """An artifact no peer has listed as held for this long counts as gone: plans go around it
+    (a later snapshot plus deltas)."""
+    head_quorum: int = Field(3, ge=1, le=1000)
+    """Before its first plan a region waits for head replies from this many peers (or from
+    every peer it knows, or `head_wait_s`), so it plans once toward the real head."""
+    head_wait_s: float = Field(3.0, ge=0, le=600)
+    """Longest wait for `head_quorum` after the first head reply."""
+
+
+class BanConfig(_Section):
+    expiry_s: float = Field(3600.0, ge=10, le=7 * 86400)
+    """How long a peer that sent data failing the hash check stays banned on that artifact."""
+
+
+class SelfCheckConfig(_Section):
+    on_start: bool = True
+    """Re-verify every served block once at start (in the background, within the budget)."""
+    interval_s: float = Field(3600.0, ge=1, le=30 * 86400)
+    """Seconds between scheduled passes over everything served."""
+    bytes_per_s: int = Field(200_000_000, ge=1 << 20, le=1 << 40)
+    """Read budget of a pass: keep it well under the disk's throughput so serving and applying
+    stay fast (a 14 GB model takes 70 s at the default)."""
 
 
 class NoHook(_Section):
@@ -184,6 +224,13 @@ class Config(_Section):
     """Swarm bandwidth caps."""
     retention: RetentionConfig = RetentionConfig()
     """How many versions' artifacts and weight directories are kept."""
+    sync: SyncConfig = SyncConfig()
+    """When a region gives up on a download or an artifact nobody offers, and how long it
+    gathers heads before planning (regions only)."""
+    bans: BanConfig = BanConfig()
+    """Bans of peers that sent bad data (per endpoint and artifact, persisted)."""
+    self_check: SelfCheckConfig = SelfCheckConfig()
+    """Re-verification of the blocks this node serves."""
     engine: EngineHook = NoHook()
     """The inference engine to notify after each verified version."""
     trajectories: Trajectories = Trajectories()

@@ -134,7 +134,21 @@ class StatusCollector(Collector):
             refused.add_metric([kind], n)
         yield fails
         yield refused
-        yield from _gauge("banned_peers", "Peers banned now", len(s.bans))
+        yield from _gauge("banned_peers", "Bad-data bans in force, one per (peer endpoint, "
+                          "artifact)", len(s.bans))
+        c = s.self_check
+        yield _counter("self_check_bytes", "Bytes of served blocks re-read and hashed",
+                       c.bytes_checked)
+        yield _counter("self_check_corrupt_blocks", "Served blocks found corrupt on disk",
+                       c.corrupt_found)
+        yield _counter("self_check_repaired_blocks", "Corrupt blocks refetched and verified",
+                       c.repaired)
+        yield from _gauge("self_check_last_run_timestamp_seconds", "When the last pass ended",
+                          c.last_run_at)
+        yield from _gauge("warmup_ready", "1 once the codec kernels are compiled",
+                          1.0 if s.warmup.state == "ready" else 0.0)
+        yield from _gauge("warmup_seconds", "How long compiling the codec kernels took",
+                          s.warmup.seconds)
 
     def _engine(self, s: NodeStatus) -> Iterator[Metric]:
         e = s.engine

@@ -15,10 +15,13 @@ listed as "restart to apply", wrapped in sd_notify RELOADING=1 / READY=1.
 
 import asyncio
 import ipaddress
+import json
 import logging
 import os
+import shutil
 import signal
 import socket
+import threading
 import time
 from collections.abc import AsyncIterator, Coroutine
 from concurrent.futures import ThreadPoolExecutor
@@ -35,15 +38,19 @@ from daemon import metrics, sdnotify
 from daemon.app import Parts, build_app
 from daemon.artifacts import Artifacts
 from daemon.asking import HeadWatcher, prove_loop
+from daemon.bans import BanList, BanRecord
 from daemon.board import Board
 from daemon.config import Config, ConfigError, load_config
 from daemon.hooks import Notifier, build_hook
 from daemon.intake import Intake
-from daemon.peer_client import PeerClient
-from daemon.peers import BadPeer, PeerBook, check_url
+from daemon.live import LiveNodes
+from daemon.peer_client import PeerClient, PeerError
+from daemon.peers import BadPeer, Peer, PeerBook, check_url
 from daemon.publish import Seeder
 from daemon.report import Sources, build_status
+from daemon.retain import Keeper
 from daemon.roles import RegionRole, TrainerRole
+from daemon.selfcheck import SelfCheck
 from daemon.spool import Forwarder, Spool
 from daemon.swarm import SwarmConfig
 from daemon.sync import Syncer
@@ -51,7 +58,7 @@ from daemon.tasks import stop as stop_task
 from daemon.tasks import watched, within
 
 log = logging.getLogger("deltaswarm.node")
-RELOADABLE = frozenset({"bootstrap", "limits", "retention", "trajectories",
+RELOADABLE = frozenset({"bootstrap", "limits", "retention", "sync", "trajectories",
                         "long_poll_timeout_s", "max_peers", "token", "token_file"})
 """Config fields SIGHUP applies; any other change is logged as "restart to apply"."""
 
@@ -126,39 +133,107 @@ class Node:
         self.store = ChainStore(self.paths.chain, keys.parse_public(cfg.trainer_public_key))
         self.weights = WeightsDir(self.paths.weights, keep=cfg.retention.weight_dirs)
         self.board = Board()
+        self.live = LiveNodes(cfg.retention.live_within_s)
         self.client = PeerClient(None, cfg.bearer(), self.book.announce)
         self.artifacts = Artifacts(self.paths.torrents, self.paths.swarm, self.paths.resume,
-                                   cfg.bittorrent.piece_size)
+                                   cfg.bittorrent.piece_size,
+                                   BanList(self.paths.root / "bans.json", cfg.bans.expiry_s))
         self.intake = Intake(cfg.trajectories.retry_initial_s, cfg.trajectories.retry_max_s)
         self.notifier: Notifier | None = None
         self.weights_problem: str | None = None
         self.role = self._role()
+        self.selfcheck = SelfCheck(self.store, self.artifacts, cfg.self_check,
+                                   self.book.bt_endpoints, self._fetching)
+        self.artifacts.on_bad_piece = lambda a: self.selfcheck.request(a, "hash_failed")
+        self.artifacts.on_ban = self._complain
+        self._complaints: set[asyncio.Task] = set()
+        self.warmup: dict = {"state": "pending", "seconds": None, "error": None}
         self.parts = Parts(
             node=cfg.node, url=self.url, token=self.client.token, bt=self.bt_advertised,
             long_poll_timeout_s=cfg.long_poll_timeout_s,
             max_body_bytes=cfg.http.max_body_bytes, store=self.store, book=self.book,
             board=self.board, artifacts=self.artifacts, role=self.role, intake=self.intake,
-            status=self.status, metrics=self.metrics_text, stopping=lambda: self.stopping)
+            status=self.status, metrics=self.metrics_text, stopping=lambda: self.stopping,
+            live=self.live,
+            complaint=lambda artifact: self.selfcheck.request(artifact, "complaint"))
         self._registry = metrics.build_registry(self.status_model)
         self._forwarding: asyncio.Task | None = None
 
     def _role(self) -> TrainerRole | RegionRole:
         """Trainer or region behaviour, chosen here once."""
-        retention = self.cfg.retention.versions
-        if self.cfg.role == "trainer":
-            return TrainerRole(Seeder(self.store, self.artifacts, self.board, retention),
+        cfg = self.cfg
+        keeper = Keeper(self.store, cfg.retention.policy(), self.live.versions,
+                        cfg.retention.live_within_s, record=cfg.role == "trainer")
+        if cfg.role == "trainer":
+            return TrainerRole(Seeder(self.store, self.artifacts, self.board, keeper),
                                self.store)
         syncer = Syncer(store=self.store, weights=self.weights, book=self.book,
                         client=self.client, artifacts=self.artifacts, board=self.board,
-                        notify=self._notify, retention_versions=retention)
+                        notify=self._notify, keeper=keeper, settings=cfg.sync)
+
+        def poller() -> dict[str, str]:
+            have = syncer.current_version()
+            return {"node": cfg.node, "region": cfg.region,
+                    "have": "" if have is None else str(have)}
+
         watcher = HeadWatcher(self.book, self.client, syncer.on_head, self.store.head,
-                              self.cfg.max_peers, self.cfg.long_poll_timeout_s)
+                              cfg.max_peers, cfg.long_poll_timeout_s, poller)
         return RegionRole(syncer, watcher, self.weights, self.store, self.artifacts,
                           self.cfg.node)
 
     @property
     def syncer(self) -> Syncer | None:
         return self.role.syncer
+
+    def _fetching(self, artifact: str) -> bool:
+        return self.role.syncer is not None and artifact in self.role.syncer.downloads
+
+    # --- bans and self-checks ---------------------------------------------------------------
+    def _complain(self, rec: BanRecord) -> None:
+        """Tell the banned peer (if the book knows its control URL) so it re-checks what it
+        serves; its own self-check decides, our word is only a trigger."""
+        peer = self.book.at_endpoint(rec.endpoint)
+        if peer is None or self.client.session is None:
+            return
+        task = asyncio.get_running_loop().create_task(self._send_complaint(peer, rec))
+        self._complaints.add(task)
+        task.add_done_callback(self._complaints.discard)
+
+    async def _send_complaint(self, peer: Peer, rec: BanRecord) -> None:
+        body = json.dumps({"artifact": rec.artifact, "reason": rec.reason}).encode()
+        try:
+            await self.client.request("POST", f"{peer.url}/v1/swarm/complaints", "ack",
+                                      auth=True, timeout=10.0, data=body,
+                                      headers={"Content-Type": "application/json"})
+            log.info("told %s it sent bad data for %s", peer.url, rec.artifact)
+        except PeerError as e:
+            log.info("could not tell %s about its bad data: %s", peer.url, e)
+
+    def start_warmup(self) -> None:
+        """Compile the codec kernels in a daemon thread (chain/warmup.py); a stop never waits
+        for it, and a real apply meanwhile waits only for the kernel it needs."""
+        def run() -> None:
+            from chain.warmup import warm
+
+            self.warmup["state"] = "running"
+            t0 = time.monotonic()
+            try:
+                warm(self.paths.root)
+            except Exception as e:
+                self.warmup.update(state="failed", error=f"{type(e).__name__}: {e}"[:300])
+                log.warning("codec warm-up failed: %s", self.warmup["error"])
+            else:
+                self.warmup["state"] = "ready"
+                log.info("codec kernels ready in %.1fs", time.monotonic() - t0)
+            finally:
+                self.warmup["seconds"] = round(time.monotonic() - t0, 3)
+
+        if self.role.syncer is None:  # the trainer's daemon seeds; it never applies
+            self.warmup["state"] = "off"
+            return
+        for stale in self.paths.root.glob("deltaswarm-warmup-*"):  # left by a kill -9
+            shutil.rmtree(stale, ignore_errors=True)
+        threading.Thread(target=run, name="warmup", daemon=True).start()
 
     async def _notify(self, version: int, path: Path, digest: str) -> None:
         if self.notifier is not None:
@@ -178,13 +253,17 @@ class Node:
                        current=self.role.current, syncer=self.role.syncer, intake=self.intake,
                        notifier=lambda: self.notifier, engine_type=self.cfg.engine.type,
                        upstream=self.cfg.trajectories.upstream,
-                       weights_problem=lambda: self.weights_problem)
+                       weights_problem=lambda: self.weights_problem,
+                       self_check=self.selfcheck.status, warmup=lambda: dict(self.warmup))
 
     def status_model(self):
         return build_status(self.sources())
 
     def status(self) -> dict:
-        return self.status_model().model_dump(mode="json") | {"detail": self.detail()}
+        sections = self.role.sections()
+        sections["retention"]["nodes"] = self.live.snapshot()
+        return (self.status_model().model_dump(mode="json") | sections
+                | {"detail": self.detail()})
 
     def detail(self) -> dict:
         return {"url": self.url, "peer_book": self.book.snapshot(),
@@ -243,8 +322,8 @@ class Node:
             old, old_token = self.cfg, self.client.token
             self.artifacts.set_rate_limits(new.limits.upload_bytes_per_s,
                                            new.limits.download_bytes_per_s)
-            self.role.reconfigure(new.retention.versions, new.max_peers,
-                                  new.long_poll_timeout_s)
+            self.role.reconfigure(new)
+            self.live.within_s = new.retention.live_within_s
             self.weights.keep = new.retention.weight_dirs
             self.client.reconfigure(token)
             self.parts.token = token
@@ -309,8 +388,11 @@ async def _role(app: web.Application) -> AsyncIterator[None]:
     await node.check_weights()
     prover = node.spawn(prove_loop(node.book, node.client), "prove-peers")
     await node.role.start(node.spawn)
+    checker = node.spawn(node.selfcheck.run(), "self-check")
     yield
     node.stopping = True
+    node.selfcheck.stop()
+    await stop_task(checker)
     await node.role.stop(node.cfg.shutdown_timeout_s / 2)
     await stop_task(prover)
 
@@ -347,6 +429,7 @@ async def serve(cfg: Config, config_path: Path) -> int:
     node = Node(cfg, config_path, await asyncio.to_thread(bt_host, cfg, config_path))
     app = build_app(node.parts)
     app[NODE_OBJ] = node
+    node.start_warmup()
     app.cleanup_ctx.extend([_http_client, _swarm, _role, _spool, _systemd])
     runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=3.0, access_log=None)
     loop = asyncio.get_running_loop()

@@ -265,6 +265,14 @@ class PeerBook:
         live = [p for p in self.peers.values() if p.trusted and not p.banned(now)]
         return sorted(live, key=Peer.rank, reverse=True)[:limit]
 
+    def at_endpoint(self, endpoint: str) -> Peer | None:
+        """The peer at a BitTorrent `ip:port` (a ban names one): the exact endpoint, else the
+        only peer at that address (a connection it made may show another source port)."""
+        ip = endpoint.rpartition(":")[0].strip("[]")
+        exact = [p for p in self.peers.values() if p.bt and f"{p.bt[0]}:{p.bt[1]}" == endpoint]
+        found = exact or [p for p in self.peers.values() if p.bt and p.bt[0] == ip]
+        return found[0] if len(found) == 1 else None
+
     def snapshot(self) -> list[dict]:
         return [p.as_dict() for p in sorted(self.peers.values(), key=lambda p: p.url)]
 

@@ -3,7 +3,9 @@
 The publisher (trainer/publisher.py) writes blocks and signed manifests into
 `<state_dir>/chain`, then calls `POST /v1/publish {"version": N}`. Here the manifests of that
 version are verified against the pinned key, their blocks checked present, the torrents built
-and seeded, the head bumped (long-polls wake), and retention applied.
+and seeded, the head bumped (long-polls wake), and retention applied: one decision
+(daemon/retain.py) that keeps what live regions behind still need and records its inputs for
+the publisher.
 """
 
 import asyncio
@@ -11,11 +13,11 @@ import logging
 
 from chain.errors import BadManifest
 from chain.manifest import artifact_name
-from chain.policy import Retention
 from chain.store import ChainStore
 from daemon import torrents
 from daemon.artifacts import Artifacts
 from daemon.board import Board
+from daemon.retain import Keeper
 from daemon.swarm import SwarmError
 
 log = logging.getLogger("deltaswarm.publish")
@@ -28,19 +30,16 @@ class PublishError(Exception):
 
 
 class Seeder:
-    """Receives the chain store, the artifact component and the board."""
+    """Receives the chain store, the artifact component, the board and the retention keeper."""
 
     def __init__(self, store: ChainStore, artifacts: Artifacts, board: Board,
-                 retention_versions: int) -> None:
+                 keeper: Keeper) -> None:
         self.store = store
         self.artifacts = artifacts
         self.board = board
-        self.retention_versions = retention_versions
+        self.keeper = keeper
         self.lock = asyncio.Lock()
         self.published: list[dict] = []
-
-    def reconfigure(self, retention_versions: int) -> None:
-        self.retention_versions = retention_versions
 
     async def start(self) -> None:
         """Seed everything already in the chain (a restarted trainer daemon)."""
@@ -84,8 +83,7 @@ class Seeder:
             self.published.append({"version": version, "artifacts": seeded})
             del self.published[:-50]
             await self.board.bump()
-            dropped = await asyncio.to_thread(
-                store.gc, Retention(versions=self.retention_versions))
+            dropped = await asyncio.to_thread(self.keeper.run)
             for a in dropped:
                 self.artifacts.forget(a)
             log.info("published v%d: seeding %s%s", version, seeded,

@@ -21,10 +21,12 @@ from daemon.status import (
     Peer,
     Rates,
     RefusedManifest,
+    SelfCheckStatus,
     SpoolStatus,
     Totals,
     Transfer,
     Verification,
+    Warmup,
 )
 from daemon.sync import Syncer
 
@@ -49,6 +51,10 @@ class Sources:
     engine_type: str
     upstream: str | None
     weights_problem: Callable[[], str | None] = lambda: None
+    self_check: Callable[[], dict] = dict
+    """SelfCheck.status() (daemon/selfcheck.py)."""
+    warmup: Callable[[], dict] = dict
+    """The codec warm-up's state (daemon/node.py)."""
 
 
 def build_status(node: Sources) -> NodeStatus:
@@ -143,12 +149,15 @@ def build_status(node: Sources) -> NodeStatus:
                       payload_bytes=payload, full_bytes=full, versions_applied=applied),
         rates=Rates(download=rate_dn, upload=rate_up),
         verification=Verification(failures_by_kind=failures),
-        bans=[Ban(peer=ip, reason=reason, at=node.artifacts.banned_at.get(ip, 0.0),
-                  node=_node_of(node.book, ip)) for ip, reason in sw["banned"].items()],
+        bans=[Ban(endpoint=b.endpoint, artifact=b.artifact, reason=b.reason, since=b.since,
+                  expires=b.expires, node=_node_of(node.book, b.endpoint))
+              for b in node.artifacts.bans.active()],
+        self_check=SelfCheckStatus(**node.self_check()),
+        warmup=Warmup(**node.warmup()),
         refused_manifests=refused, refused_by_kind=refused_by, engine=engine, spool=spool,
         weights_problem=node.weights_problem())
 
 
-def _node_of(book: PeerBook, ip: str) -> str | None:
-    names = {p.node for p in book.peers.values() if p.bt and p.bt[0] == ip}
-    return names.pop() if len(names) == 1 else None
+def _node_of(book: PeerBook, endpoint: str) -> str | None:
+    peer = book.at_endpoint(endpoint)
+    return peer.node if peer is not None else None

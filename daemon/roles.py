@@ -12,6 +12,7 @@ from chain.store import ChainStore
 from chain.weights import WeightsDir
 from daemon.artifacts import Artifacts
 from daemon.asking import HeadWatcher
+from daemon.config import Config
 from daemon.publish import PublishError, Seeder, current_of_head
 from daemon.sync import Syncer
 from daemon.tasks import stop as stop_task
@@ -42,11 +43,14 @@ class TrainerRole:
     def downloading(self) -> bool:
         return False
 
-    def reconfigure(self, retention_versions: int, max_peers: int, poll_timeout: float) -> None:
-        self.seeder.reconfigure(retention_versions)
+    def reconfigure(self, cfg: Config) -> None:
+        self.seeder.keeper.reconfigure(cfg.retention.policy(), cfg.retention.live_within_s)
 
     def detail(self) -> dict:
         return {"published": self.seeder.published[-10:]}
+
+    def sections(self) -> dict:
+        return {"retention": self.seeder.keeper.status()}
 
 
 class RegionRole:
@@ -95,9 +99,13 @@ class RegionRole:
     def downloading(self) -> bool:
         return bool(self.syncer.downloads)
 
-    def reconfigure(self, retention_versions: int, max_peers: int, poll_timeout: float) -> None:
-        self.syncer.reconfigure(retention_versions)
-        self.watcher.reconfigure(max_peers, poll_timeout)
+    def reconfigure(self, cfg: Config) -> None:
+        self.syncer.reconfigure(cfg.sync)
+        self.syncer.keeper.reconfigure(cfg.retention.policy(), cfg.retention.live_within_s)
+        self.watcher.reconfigure(cfg.max_peers, cfg.long_poll_timeout_s)
 
     def detail(self) -> dict:
         return {"sync": self.syncer.status()}
+
+    def sections(self) -> dict:
+        return {"sync": self.syncer.sync_status(), "retention": self.syncer.keeper.status()}

@@ -88,10 +88,51 @@ class Verification(_Model):
 
 
 class Ban(_Model):
-    peer: str = Field(description="address (or host:port) that is banned")
-    node: str | None = None
+    """A peer refused on one artifact's torrent because it sent data failing the hash check."""
+
+    endpoint: str = Field(description="the peer's BitTorrent ip:port")
+    artifact: str = Field(description="the torrent the ban applies to; others are unaffected")
+    node: str | None = Field(None, description="the peer's node name, when the book knows it")
     reason: str
+    since: float = Field(description="unix time the ban was made")
+    expires: float = Field(description="unix time the ban ends")
+
+
+class SelfCheckCorrupt(_Model):
+    artifact: str
+    block: str
     at: float
+    repaired: bool = False
+
+
+class SelfCheckStatus(_Model):
+    """Re-verification of the blocks this node serves, against their content-addressed ids."""
+
+    state: Literal["idle", "running"] = "idle"
+    runs: int = Field(0, ge=0, description="passes finished since start")
+    last_run_at: float | None = Field(None, description="unix time the last pass finished")
+    last_seconds: float | None = None
+    last_trigger: str | None = Field(
+        None, description="start | schedule | hash_failed | complaint")
+    bytes_checked: int = Field(0, ge=0, description="bytes read and hashed since start")
+    blocks_checked: int = Field(0, ge=0)
+    corrupt_found: int = Field(0, ge=0, description="blocks found corrupt since start")
+    repaired: int = Field(0, ge=0, description="corrupt blocks refetched and verified")
+    corrupt: list[SelfCheckCorrupt] = Field(default_factory=list,
+                                            description="the most recent finds, oldest first")
+    bytes_per_s: int = Field(0, ge=0, description="read budget")
+    interval_s: float = Field(0.0, ge=0, description="seconds between scheduled passes")
+
+
+class Warmup(_Model):
+    """Compiling the codec and digest kernels in the background at start, so the first apply
+    costs what later ones do."""
+
+    state: Literal["pending", "running", "ready", "failed", "off"] = Field(
+        "pending", description="off: a trainer's daemon, which never applies")
+    seconds: float | None = Field(None, description="how long compiling (or loading the numba "
+                                  "cache) took")
+    error: str | None = None
 
 
 class RefusedManifest(_Model):
@@ -150,7 +191,10 @@ class NodeStatus(_Model):
     totals: Totals = Field(default_factory=Totals)
     rates: Rates = Field(default_factory=Rates)
     verification: Verification = Field(default_factory=Verification)
-    bans: list[Ban] = Field(default_factory=list)
+    bans: list[Ban] = Field(default_factory=list,
+                            description="bad-data bans, one per (peer endpoint, artifact)")
+    self_check: SelfCheckStatus = Field(default_factory=SelfCheckStatus)
+    warmup: Warmup = Field(default_factory=Warmup)
     refused_manifests: list[RefusedManifest] = Field(
         default_factory=list, description="the most recent refusals, oldest first"
     )

@@ -106,6 +106,13 @@ def summary(s: NodeStatus) -> Table:
     table.add_row("peers", str(len(s.peers)))
     table.add_row("verify failures", _plain(fails, style="red" if v.failures else ""))
     table.add_row("bans", Text(str(len(s.bans)), style="red" if s.bans else ""))
+    c = s.self_check
+    table.add_row("self-check", _plain(
+        f"{c.state}, {c.runs} passes, {_human(c.bytes_checked)} read, {c.corrupt_found} corrupt, "
+        f"{c.repaired} repaired", style="red" if c.corrupt_found > c.repaired else ""))
+    w = s.warmup
+    table.add_row("warm-up", _plain(w.state + (f" ({w.seconds:.1f}s)" if w.seconds else "")
+                                    + (f": {w.error}" if w.error else "")))
     table.add_row("refused manifests", _plain(refused))
     table.add_row("engine", _plain(engine))
     table.add_row("spool", _plain(spool))
@@ -116,17 +123,16 @@ def peers_table(s: NodeStatus) -> Table:
     table = Table(title="peers", title_justify="left")
     for col in ("node", "bittorrent", "http", "↓ bytes", "↑ bytes", "↓ rate", "↑ rate", "seen"):
         table.add_column(col, justify="right" if "bytes" in col or "rate" in col else "left")
-    banned = {b.peer: b for b in s.bans}
+    banned = {b.endpoint: b for b in s.bans}
     for p in sorted(s.peers, key=lambda p: (p.node or "", p.key)):
-        host = (p.bt_endpoint or "").rsplit(":", 1)[0]
-        style = "red" if p.bt_endpoint in banned or host in banned else ""
+        style = "red" if p.bt_endpoint in banned else ""
         table.add_row(_plain(p.node or "?"), _plain(p.bt_endpoint or "—"),
                       _plain(p.http_url or "—"),
                       _human(p.bytes_down), _human(p.bytes_up), _rate(p.download_rate),
                       _rate(p.upload_rate), _ago(p.last_seen, s.time), style=style)
     for b in s.bans:
-        table.add_row(_plain(b.node or "?"), _plain(b.peer), "", "", "", "", "",
-                      _plain(f"banned: {b.reason}"), style="red")
+        table.add_row(_plain(b.node or "?"), _plain(b.endpoint), "", "", "", "", "",
+                      _plain(f"banned on {b.artifact}: {b.reason}"), style="red")
     if not table.row_count:
         table.caption = "no peers known yet"
     return table

@@ -5,8 +5,22 @@ that apply on private addresses too, optional seed-side choking (`seed_mode`, fo
 Peers come only from the caller: `download(..., peers=)` / `add_peers()` with the BitTorrent
 endpoints that other daemons report on their control plane; ut_pex (on by default) spreads the
 rest. Methods are synchronous and short; `pump(timeout)` turns alerts into `SwarmEvent`s
-(call it from a thread, e.g. `await asyncio.to_thread(swarm.pump, 1.0)`). Bans are per IP address
-(an `ip_filter`): peers that send pieces failing v2 hash checks are banned automatically.
+(call it from a thread, e.g. `await asyncio.to_thread(swarm.pump, 1.0)`).
+
+Bans are per (peer endpoint, artifact). What libtorrent 2.1 allows, read from its source: the
+smart_ban plugin is on by default (`lt.session(settings)` adds the default plugins) but is not
+instantiated for v2 torrents, which ours all are: for them libtorrent itself names the sender,
+banning a peer for a failed piece only when that peer sent the whole piece, or, once it has
+fetched the piece's 16 KiB block hashes, only the peers whose blocks failed; a peer in a failed
+piece with others only loses trust points (banned after about four such pieces), and parole mode
+(on by default) then gives it whole pieces alone, so its next failure is its own. That ban lives
+in that torrent's peer list (one `torrent_peer` per ip:port), so it is per torrent; we turn each
+`peer_ban_alert` into a 'banned' event and re-apply held bans through `banned_peers` when a
+torrent is added. libtorrent has no call to lift it, and with several connections per IP allowed
+an incoming connection from the banned peer that announces the same listen port replaces the
+banned entry; so a torrent that holds bans also applies the session `ip_filter`, which holds
+every banned address: per IP, but only on torrents with a ban. Every other torrent ignores the
+filter, so the peer, and any innocent daemon on its address, trade all other artifacts freely.
 """
 
 import os
@@ -141,7 +155,8 @@ class Swarm:
         self._session: lt.session | None = lt.session(settings)
         self._torrents: dict[str, _Torrent] = {}
         self._by_hash: dict[str, str] = {}
-        self._banned: dict[str, str] = {}
+        self._bans: dict[str, set[Peer]] = {}
+        """artifact → endpoints banned on its torrent (kept across remove(), for a refetch)."""
         self._lock = threading.RLock()
         self._resume: dict[str, bytes] = {}
         self._resume_failed: dict[str, str] = {}
@@ -185,8 +200,9 @@ class Swarm:
 
     def add_peers(self, artifact: str, peers: Iterable[Peer]) -> None:
         handle = self._get(artifact).handle
+        banned = self._bans.get(artifact, set())
         for host, port in peers:
-            if host not in self._banned and (host, port) != self.endpoint:
+            if (host, port) not in banned and (host, port) != self.endpoint:
                 try:
                     handle.connect_peer((host, int(port)))
                 except (TypeError, ValueError, RuntimeError) as e:
@@ -226,7 +242,9 @@ class Swarm:
             out[artifact] = {**p.__dict__, "seeding": t.seeding, "peer_list": peers}
         return {"listen": f"{self._host}:{self.listen_port}", "torrents": out,
                 "uploaded": up, "downloaded": down, "hash_failures": self.hash_failures,
-                "bans": len(self._banned), "banned": dict(self._banned),
+                "bans": sum(len(b) for b in self._bans.values()),
+                "banned": {a: sorted(f"{h}:{p}" for h, p in b)
+                           for a, b in sorted(self._bans.items()) if b},
                 "upload_rate_limit": self._limit("upload_rate_limit"),
                 "download_rate_limit": self._limit("download_rate_limit")}
 
@@ -236,17 +254,39 @@ class Swarm:
             raise SwarmError(f"rate limits must be >= 0 bytes/s, got {upload}, {download}")
         self._ses().apply_settings({"upload_rate_limit": upload, "download_rate_limit": download})
 
-    def ban(self, ip: str, reason: str = "banned by operator") -> None:
-        """Refuse and drop every connection from this IP address, across all torrents."""
+    def ban(self, artifact: str, endpoint: Peer, reason: str = "banned by operator") -> None:
+        """Refuse this endpoint on this artifact's torrent (and, per IP, on that torrent only)."""
         with self._lock:
-            if ip in self._banned:
+            self._bans.setdefault(artifact, set()).add(endpoint)
+            self._refilter()
+            self._pending.append(SwarmEvent("banned", artifact, reason,
+                                            _fmt(endpoint)))
+
+    def set_bans(self, artifact: str, endpoints: Iterable[Peer]) -> None:
+        """Make the bans of one artifact exactly `endpoints` (held bans at start, expiry).
+        Lifting a ban stops our filter and dialling refusing it; libtorrent's own ban of that
+        peer in a running torrent has no undo and lasts until the torrent is added again."""
+        with self._lock:
+            eps = set(endpoints)
+            if eps == self._bans.get(artifact, set()):
                 return
-            self._banned[ip] = reason
-            f = lt.ip_filter()
-            for addr in self._banned:
-                f.add_rule(addr, addr, 1)
-            self._ses().set_ip_filter(f)
-            self._pending.append(SwarmEvent("banned", None, reason, ip))
+            if eps:
+                self._bans[artifact] = eps
+            else:
+                self._bans.pop(artifact, None)
+            self._refilter()
+
+    def _refilter(self) -> None:
+        """Session ip_filter = every banned address; only torrents holding a ban apply it."""
+        f = lt.ip_filter()
+        for addr in sorted({h for eps in self._bans.values() for h, _ in eps}):
+            f.add_rule(addr, addr, 1)
+        for artifact, t in self._torrents.items():
+            if self._bans.get(artifact):
+                t.handle.set_flags(lt.torrent_flags.apply_ip_filter)
+            else:
+                t.handle.unset_flags(lt.torrent_flags.apply_ip_filter)
+        self._ses().set_ip_filter(f)
 
     def remove(self, artifact: str, delete_files: bool = False) -> None:
         with self._lock:
@@ -302,6 +342,15 @@ class Swarm:
     def artifacts(self) -> list[str]:
         return sorted(self._torrents)
 
+    def complete(self) -> list[str]:
+        """Artifacts held in full (seeded, or downloaded and flushed)."""
+        return sorted(a for a, t in list(self._torrents.items()) if t.complete)
+    def is_complete(self, artifact: str) -> bool:
+        """Seeded, or downloaded and flushed: every block file is whole on disk (a piece that
+        later fails a seed's lazy hash check does not undo this)."""
+        t = self._torrents.get(artifact)
+        return t is not None and t.complete
+
     def close(self) -> None:
         if self._session is not None:
             self._session.pause()
@@ -324,7 +373,12 @@ class Swarm:
             params.flags = (params.flags | lt.torrent_flags.seed_mode if seeding
                             else params.flags & ~lt.torrent_flags.seed_mode)
             params.flags &= ~(lt.torrent_flags.paused | lt.torrent_flags.auto_managed)
-            params.flags |= lt.torrent_flags.apply_ip_filter
+            banned = sorted(self._bans.get(artifact, set()))
+            if banned:
+                params.flags |= lt.torrent_flags.apply_ip_filter
+                params.banned_peers = [(h, int(p)) for h, p in banned]
+            else:
+                params.flags &= ~lt.torrent_flags.apply_ip_filter
             handle = self._ses().add_torrent(params)
             self._torrents[artifact] = _Torrent(handle, str(save_path), seeding, complete=seeding)
             self._by_hash[str(ti.info_hashes().v2)] = artifact
@@ -375,7 +429,9 @@ class Swarm:
             self._pending.append(SwarmEvent("hash_failed", artifact,
                                             f"piece {a.piece_index} failed its hash check"))
         elif isinstance(a, lt.peer_ban_alert):
-            self.ban(a.endpoint[0], f"{artifact}: libtorrent banned it for bad data")
+            if artifact is not None:
+                self.ban(artifact, (a.endpoint[0], int(a.endpoint[1])),
+                         "sent data failing the v2 hash check (libtorrent named the sender)")
         elif isinstance(a, lt.torrent_error_alert | lt.file_error_alert | lt.listen_failed_alert):
             self._pending.append(SwarmEvent("error", artifact, a.message()))
 
@@ -399,3 +455,8 @@ class Swarm:
             raise SwarmError("the swarm is closed")
         return self._session
 
+
+
+def _fmt(endpoint: Peer) -> str:
+    host, port = endpoint
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -7,6 +7,13 @@ refusals are counted with their kind (the exception's type). Peers are asked con
 whose claimed head it cannot back with a manifest is struck (daemon/peers.py). The plan's
 artifacts download concurrently and apply in order in a worker thread; a stop request abandons
 an apply between tensors (the journal makes that safe) and downloads keep their resume data.
+
+Plans follow what exists (issue 11): before its first plan a region gathers heads from several
+peers (`head_quorum`, `head_wait_s`) so it plans once toward the real head; each plan counts, per
+artifact, the peers whose index lists it as held, and prefers a path every artifact of which has
+a holder; a download that gains no bytes for `progress_timeout_s`, or an artifact nobody lists
+or serves for `unoffered_timeout_s`, is given up for a while and the region replans (a later
+snapshot plus deltas). Retention runs after every step, failed ones included.
 """
 
 import asyncio
@@ -30,15 +37,17 @@ from chain.errors import (
     WrongParent,
 )
 from chain.manifest import BlockEntry, Manifest, parse_artifact
-from chain.policy import Retention
 from chain.store import ChainStore
 from chain.weights import WeightsDir
 from daemon import torrents
 from daemon.artifacts import Artifacts
-from daemon.asking import first_good
+from daemon.asking import HeadQuorum, first_good
 from daemon.board import Board
+from daemon.config import SyncConfig
+from daemon.holders import Holders
 from daemon.peer_client import BadReply, PeerClient, PeerError, torrent_cap
 from daemon.peers import BadPeer, Peer, PeerBook, check_node, parse_endpoint
+from daemon.retain import Keeper
 from daemon.swarm import SwarmError
 
 log = logging.getLogger("deltaswarm.sync")
@@ -47,6 +56,10 @@ Notify = Callable[[int, Path, str], Awaitable[object]]
 
 class SyncError(RuntimeError):
     """A sync step could not complete (no peer served what was needed); it is retried."""
+
+
+class Stalled(SyncError):
+    """A download gained no bytes for `progress_timeout_s`; the region plans around it."""
 
 
 class Abandoned(Exception):
@@ -59,7 +72,7 @@ class Syncer:
 
     def __init__(self, *, store: ChainStore, weights: WeightsDir, book: PeerBook,
                  client: PeerClient, artifacts: Artifacts, board: Board, notify: Notify,
-                 retention_versions: int) -> None:
+                 keeper: Keeper, settings: SyncConfig) -> None:
         self.store = store
         self.weights = weights
         self.book = book
@@ -67,7 +80,8 @@ class Syncer:
         self.artifacts = artifacts
         self.board = board
         self.notify = notify
-        self.retention_versions = retention_versions
+        self.keeper = keeper
+        self.settings = settings
         self.stopping = False
         self.wake = asyncio.Event()
         self.downloads: dict[str, asyncio.Task] = {}
@@ -82,9 +96,16 @@ class Syncer:
         self.last_error = ""
         self._notify_pending: tuple[int, Path, str] | None = None
         self._notify_wake = asyncio.Event()
+        self.holders = Holders(settings)
+        self.heads = HeadQuorum(settings.head_quorum, settings.head_wait_s)
+        self.plan_now: list[str] = []
+        self.plan_holders: dict[str, int] = {}
+        self.plans = 0
+        self.replans = 0
 
-    def reconfigure(self, retention_versions: int) -> None:
-        self.retention_versions = retention_versions
+    def reconfigure(self, settings: SyncConfig) -> None:
+        self.settings = self.holders.settings = settings
+        self.heads.quorum, self.heads.wait_s = settings.head_quorum, settings.head_wait_s
 
     # --- the loop -------------------------------------------------------------------------
     async def run(self) -> None:
@@ -97,7 +118,8 @@ class Syncer:
             except (ChainError, SyncError, SwarmError, OSError, PeerError) as e:
                 self.last_error = f"{type(e).__name__}: {e}"[:500]
                 log.warning("sync step failed: %s", self.last_error)
-                delay = min(delay * 2, 15.0)
+                delay = 1.0 if isinstance(e, Stalled) else min(delay * 2, 15.0)
+                await self.gc_quietly()
             except Abandoned:
                 return
             self.wake.clear()
@@ -105,6 +127,7 @@ class Syncer:
                 await asyncio.wait_for(self.wake.wait(), delay)
 
     async def on_head(self, peer: Peer, version: int | None) -> None:
+        self.heads.reply(peer.url, version)
         self.wake.set()
 
     def current_version(self) -> int | None:
@@ -112,6 +135,10 @@ class Syncer:
         return None if cur is None else cur.version
 
     async def step(self) -> int | None:
+        if not self.heads.check(self.book):
+            await self.refresh_holders()  # reading indexes is how the other peers are learned
+            if not self.heads.check(self.book):
+                return None
         claimed = self.book.claimed_head()
         target = max((h for h in (claimed, self.store.head()) if h is not None), default=None)
         cur = self.current_version()
@@ -123,11 +150,21 @@ class Syncer:
         if head is None or (cur is not None and head <= cur):
             raise SyncError(f"peers claim v{target} but no valid manifest past "
                             f"v{cur if cur is not None else 'nothing'} could be fetched")
+        await self.refresh_holders()
+        holders = self.holder_counts()
         try:
-            plan = self.store.plan(cur, head)
+            plan = self.store.plan(cur, head, holders)
         except NoPath as e:
             raise SyncError(str(e)) from None
-        log.info("plan v%s → v%d: %s", cur, head, [m.artifact for m in plan])
+        names = [m.artifact for m in plan]
+        self.plan_holders = {a: holders.get(a, 0) for a in names}
+        if names != self.plan_now:
+            self.replans += bool(self.plan_now)
+            self.plans += 1
+            self.plan_now = names
+            log.info("plan v%s → v%d: %s (holders %s)", cur, head, names,
+                     [self.plan_holders[a] for a in names])
+        self.holders.note_plan(names, holders)
         for m in plan:
             if m.artifact not in self.downloads or self.downloads[m.artifact].cancelled():
                 self.downloads[m.artifact] = asyncio.create_task(self.download(m),
@@ -140,8 +177,36 @@ class Syncer:
                 if task.done():
                     self.downloads.pop(m.artifact, None)
             await self.apply(m)
+        self.plan_now = []
         await self.gc()
         return head
+
+    # --- who holds what ---------------------------------------------------------------------
+    async def refresh_holders(self) -> None:
+        """Re-read the index of every usable peer whose listing is old (or older than the head
+        it now claims), all at once and bounded: what each holds in full, and whom it knows."""
+
+        async def read(peer: Peer) -> None:
+            try:
+                index = await self.client.get_json(f"{peer.url}/v1/chain/index", "index",
+                                                   timeout=5.0)
+                self._learn_from_index(peer, index)
+                self.book.succeeded(peer)
+            except (PeerError, BadPeer) as e:
+                self.book.failed(peer, e)
+
+        todo = [p for p in self.book.by_head() if self.holders.stale(p.url, p.head)]
+        if todo:
+            await asyncio.gather(*(read(p) for p in todo))
+
+    def holder_counts(self) -> dict[str, int]:
+        now = time.monotonic()
+
+        def usable(url: str) -> bool:
+            peer = self.book.peers.get(url)
+            return peer is not None and not peer.banned(now)
+
+        return self.holders.counts(usable, self.artifacts.held())
 
     # --- manifests ------------------------------------------------------------------------
     async def fetch_manifests(self, target: int, cur: int | None) -> None:
@@ -188,6 +253,13 @@ class Syncer:
         await first_good(self.book.by_head(target), from_peer, self.book)
 
     def _learn_from_index(self, peer: Peer, index: dict) -> None:
+        held = index.get("held")
+        if held is not None and not (isinstance(held, list) and len(held) <= 1_000_000):
+            raise BadReply(peer.url, "index held is not a list")
+        head = index.get("head")
+        self.holders.record(peer.url, head if isinstance(head, int) else None,
+                            (a for a in held or () if isinstance(a, str)))
+        self.heads.read_index = True
         if index.get("bt"):
             try:
                 self.book.learn(peer.url, parse_endpoint(index["bt"]))
@@ -248,7 +320,9 @@ class Syncer:
         got = await first_good(self.book.by_head(m.version), from_peer, self.book,
                                settle=False)
         if got is None:
+            self.holders.torrent_missing(m.artifact)
             raise SyncError(f"no peer served a valid torrent for {m.artifact}")
+        self.holders.torrent_found(m.artifact)
         await asyncio.to_thread(self.artifacts.keep_torrent, m.artifact, got)
         return got
 
@@ -271,7 +345,8 @@ class Syncer:
             log.info("downloading %s (%d bytes, resume data: %s)", m.artifact, m.payload_bytes,
                      resume is not None)
         known: set = set()
-        t0 = time.monotonic()
+        t0 = moved_at = time.monotonic()
+        moved = -1
         while True:
             p = swarm.progress(m.artifact)
             info.update(total=p.total, done=p.done, downloaded=p.downloaded, state=p.state)
@@ -279,6 +354,14 @@ class Syncer:
                 info["resumed_bytes"] = p.done
             if p.finished:
                 break
+            now = time.monotonic()
+            if p.done + p.downloaded != moved:
+                moved, moved_at = p.done + p.downloaded, now
+            elif now - moved_at > self.settings.progress_timeout_s:
+                why = (f"no bytes for {now - moved_at:.0f}s at {p.done} of {p.total} "
+                       f"({p.peers} peers)")
+                self.holders.give_up(m.artifact, why)
+                raise Stalled(f"{m.artifact}: {why}; its partial data is kept")
             endpoints = set(self.book.bt_endpoints())
             if endpoints - known:
                 swarm.add_peers(m.artifact, endpoints - known)
@@ -354,17 +437,34 @@ class Syncer:
 
     # --- retention ------------------------------------------------------------------------
     async def gc(self) -> None:
+        """Retention: the window, what live peers behind need (this node's own version
+        counted), the current version, and what is downloading or planned."""
         cur = self.current_version()
-        protect = set(self.downloads)
+        protect = set(self.downloads) | set(self.plan_now)
         if cur is not None:
             protect |= {a for a in self.store.artifacts() if parse_artifact(a)[0] == cur}
-        dropped = await asyncio.to_thread(
-            self.store.gc, Retention(versions=self.retention_versions), protect)
+        dropped = await asyncio.to_thread(self.keeper.run, protect, [cur])
         for a in dropped:
             self.artifacts.forget(a)
             self.transfers.pop(a, None)
+            self.holders.forget(a)
         if dropped:
             log.info("retention dropped %s", dropped)
+
+    async def gc_quietly(self) -> None:
+        """Retention after a failed step too: a stuck node must not keep stale data forever."""
+        try:
+            await self.gc()
+        except (ChainError, OSError, SwarmError) as e:
+            log.warning("retention after a failed step failed: %s", e)
+
+    def sync_status(self) -> dict:
+        return {"heads_settled": self.heads.settled, "heads_heard": len(self.heads.heard),
+                "plan": list(self.plan_now), "holders": dict(self.plan_holders),
+                "plans": self.plans, "replans": self.replans,
+                "given_up": self.holders.status(),
+                "progress_timeout_s": self.settings.progress_timeout_s,
+                "unoffered_timeout_s": self.settings.unoffered_timeout_s}
 
     def status(self) -> dict:
         return {"refused": list(self.refused), "refused_counts": dict(self.refused_counts),

@@ -102,7 +102,8 @@ class TrainerConfig(Section):
     snapshot_every: int = Field(10, ge=1, le=1_000_000)
     """Publish a full snapshot every this many versions (late joiners start from one)."""
     retention_versions: int = Field(16, ge=1, le=1_000_000)
-    """Versions whose artifacts the chain directory keeps."""
+    """Versions whose artifacts the chain directory keeps when no daemon is linked; with
+    `daemon.url` set, the daemon's `retention` settings decide (one decision for both)."""
     block_size: int = Field(4 << 20, ge=1 << 16, le=64 << 20)
     """Size of the content-addressed blocks a version's payload is cut into, in bytes."""
     on_exit: Literal["stop", "serve"] = "stop"

@@ -10,7 +10,8 @@ swarm.
 Each call encodes the change against the last published version, writes blocks and a signed
 manifest (plus a snapshot when the policy says so) through `chain`, and tells the local daemon
 over HTTP to seed it. The daemon also picks up anything in the chain dir when it starts, so a
-daemon that was down misses nothing.
+daemon that was down misses nothing. Retention is the daemon's decision when one is linked
+(`_retain`): the publisher's own `retention` applies only to a chain dir no daemon serves.
 
 Cost per delta version: one encode pass over old and new (it finds the changes), then
 O(changes): the tensor digests are the head's moved by the changes, and the one kept CPU copy
@@ -35,7 +36,7 @@ from chain import codec, dtypes, keys
 from chain.blocks import DEFAULT_BLOCK
 from chain.errors import ChainError
 from chain.manifest import Manifest
-from chain.policy import Retention, SnapshotPolicy
+from chain.policy import Retention, SnapshotPolicy, recorded_decision
 from chain.sources import StateDictSource, source_digest
 from chain.store import ChainStore
 from chain.writer import write_artifact
@@ -136,14 +137,32 @@ class Publisher:
             if delta is None:
                 stats = snap_stats
                 self._last = _cpu_copy(state_dict)
-        self.store.gc(self.retention)
         notified = self._notify(version)
+        self._retain(notified)
         return Published(
             version=version, delta=delta, snapshot=snapshot,
             changed_elements=stats.changed_elements, elements=stats.elements,
             delta_bytes=delta.payload_bytes if delta else 0, dense_bytes=stats.dense_bytes,
             seconds=time.perf_counter() - t0, notified=notified,
         )
+
+    def _retain(self, notified: bool) -> None:
+        """Retention is one decision (chain.policy). Without a daemon the publisher applies its
+        own. With one, the daemon decides on each publish from the live nodes it sees; while it
+        is down, the publisher deletes only what the daemon's recorded decision (its settings
+        and the live versions it last saw) drops, so a delta that regions behind still need
+        survives the outage. Before the daemon recorded anything, nothing is deleted here."""
+        if self.daemon_url is None:
+            self.store.gc(self.retention)
+            return
+        if notified:
+            return
+        recorded = recorded_decision(self.store.root)
+        if recorded is not None:
+            retention, live = recorded
+            dropped = self.store.gc(retention, live=live)
+            if dropped:
+                log.info("daemon down: retention as it last decided dropped %s", dropped)
 
     def _notify(self, version: int) -> bool:
         if self.daemon_url is None:

@@ -37,7 +37,8 @@ def test_corrupt_peer_is_banned_and_download_completes_verified(tmp_path: Path) 
 
         st = good.status()
         assert st["state_digest"] == trainer.status()["state_digest"]
-        assert [b["peer"] for b in st["bans"]] == [bad.host]
+        assert [(b["endpoint"], b["artifact"]) for b in st["bans"]] == [
+            (f"{bad.host}:{bad.bt_port}", ART)]
         assert st["verification"]["failures_by_kind"].get("piece", 0) >= 1
         assert st["verification"]["failures_by_kind"].get("tensor", 0) == 0
         assert [a["artifact"] for a in st["detail"]["sync"]["applied"]] == [ART]

@@ -78,3 +78,28 @@ def test_chain_ls_show_verify(tmp_path, signing_key):
     assert r.returncode == 1 and "4 bad" in r.stdout
     r = ds("chain", "verify", str(tmp_path / "chain"), "--key", pub)
     assert r.returncode == 1 and "v00000002.delta" in r.stdout and "3 ok, 1 bad" in r.stdout
+
+
+def test_chain_verify_tells_corrupt_from_not_held(tmp_path, signing_key):
+    """A region holds manifests of snapshots it never fetched: that is "not held" (exit 0, or
+    3 with --require-all), never "bad"; a flipped byte in a held block is corrupt (exit 1)."""
+    store = ChainStore(tmp_path / "chain", signing_key.public_key())
+    build_chain(store, signing_key, 3)
+    pub = keys.public_hex(signing_key)
+    gone = store.manifest("v00000001.delta")
+    for b in gone.blocks:
+        store.blocks.delete(b.id)
+    r = ds("chain", "verify", str(tmp_path / "chain"), "--key", pub)
+    assert r.returncode == 0, r.stdout
+    assert "not held v00000001.delta" in r.stdout and "3 ok, 0 bad, 1 not held" in r.stdout
+    r = ds("chain", "verify", str(tmp_path / "chain"), "--key", pub, "--require-all")
+    assert r.returncode == 3, r.stdout
+    m = store.manifest("v00000002.delta")
+    path = store.blocks.path(m.blocks[0].id)
+    path.write_bytes(path.read_bytes()[:-1] + b"!")
+    for extra in ((), ("--require-all",)):
+        r = ds("chain", "verify", str(tmp_path / "chain"), "--key", pub, *extra)
+        assert r.returncode == 1, r.stdout
+        assert "BAD v00000002.delta" in r.stdout and "2 ok, 1 bad, 1 not held" in r.stdout
+    r = ds("chain", "--help")
+    assert "exit codes" in r.stdout and "--require-all" in r.stdout

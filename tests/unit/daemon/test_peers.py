@@ -127,3 +127,15 @@ def test_the_config_refuses_bootstrap_and_advertise_urls_that_are_not_api_roots(
             Config.model_validate(base | doc)
     cfg = Config.model_validate(base | {"bootstrap": ["http://10.0.0.1:7000/"]})
     assert cfg.bootstrap == ["http://10.0.0.1:7000"]
+
+
+def test_a_ban_endpoint_names_its_peer_exactly_or_by_its_only_address() -> None:
+    b = new_book(max_peers=8)
+    b.learn("http://127.0.0.5:8700", ("127.0.0.5", 6881), "r5")
+    b.learn("http://127.0.0.6:8700", ("127.0.0.6", 6881), "r6a")
+    b.learn("http://127.0.0.6:8701", ("127.0.0.6", 6882), "r6b")
+    assert b.at_endpoint("127.0.0.5:6881").node == "r5"
+    assert b.at_endpoint("127.0.0.5:40000").node == "r5"  # the only daemon at that address
+    assert b.at_endpoint("127.0.0.6:6882").node == "r6b"
+    assert b.at_endpoint("127.0.0.6:40000") is None  # two daemons there: name neither
+    assert b.at_endpoint("127.0.0.9:6881") is None

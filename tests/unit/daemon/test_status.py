@@ -50,7 +50,8 @@ def busy_status() -> NodeStatus:
                       versions_applied=1),
         verification=Verification(failures_by_kind={"piece": 1},
                                   last_error="piece: hash mismatch from 10.0.0.9", last_at=1000),
-        bans=[Ban(peer="10.0.0.9", reason="sent a piece failing its v2 hash", at=1000.0)],
+        bans=[Ban(endpoint="10.0.0.9:6881", artifact="v00000001.delta",
+                 reason="sent a piece failing its v2 hash", since=1000.0, expires=4600.0)],
         refused_manifests=[RefusedManifest(artifact="v00000008.delta",
                                            source="http://10.0.0.9:8700", kind="unsigned",
                                            reason="no signature", at=1000.0)],
@@ -160,7 +161,7 @@ def test_cli_renders_summary_peers_and_versions(server):
     assert "eu-1" in out and "6 / head 7" in out
     assert "94.7 KiB (97.0% of full checkpoints)" in out
     assert "us-1" in out and "10.0.0.2:6881" in out
-    assert "banned: sent a piece failing its v2 hash" in out
+    assert "banned on v00000001.delta: sent a piece failing its v2 hash" in out
     assert "v00000007.delta" in out and "25.0%" in out
     assert "refused unsigned: no signature" in out
 
@@ -261,7 +262,8 @@ def test_names_and_reasons_from_peers_are_shown_literally_not_as_markup():
     s = NodeStatus(
         node="[bold]me", region="eu", current_version=1, head_version=1,
         peers=[Peer(node=hostile, bt_endpoint="10.0.0.2:6881", http_url="http://[::1]:1")],
-        bans=[Ban(peer="10.0.0.9", node="[red]x[/]", reason="[/] bad piece", at=1.0)],
+        bans=[Ban(endpoint="10.0.0.9:6881", artifact="v00000001.delta",
+                 node="[red]x[/]", reason="[/] bad piece", since=1.0, expires=2.0)],
         versions=[Transfer(artifact="v00000001.delta", version=1, state="failed",
                            error="peer said [/link]")],
         refused_manifests=[RefusedManifest(kind="unsigned", reason="[/", at=1.0)],
@@ -270,6 +272,6 @@ def test_names_and_reasons_from_peers_are_shown_literally_not_as_markup():
     console = wide_console()
     console.print(status_cli.render(s, peers=True, versions=True))
     out = console.export_text()
-    for literal in (hostile, "[bold]me", "[red]x[/]", "banned: [/] bad piece",
+    for literal in (hostile, "[bold]me", "[red]x[/]", "v00000001.delta: [/] bad piece",
                     "failed: peer said [/link]", "refused unsigned: [/", "(last: [/i])"):
         assert literal in out, literal

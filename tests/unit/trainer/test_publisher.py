@@ -9,7 +9,7 @@ import chain.writer
 from chain import keys
 from chain.digest import tensor_digest
 from chain.errors import ChainError
-from chain.policy import SnapshotPolicy
+from chain.policy import Retention, SnapshotPolicy, record_decision
 from chain.sources import StateDictSource, source_digest
 from trainer.publisher import Publisher
 
@@ -106,3 +106,54 @@ def test_digests_are_reused_only_from_a_manifest_of_the_same_weights(publisher):
         chain.writer.write_artifact(publisher.store.blocks, publisher.key, run="r", version=1,
                                     kind="snapshot", new=StateDictSource(_step(s0, 1)),
                                     same_tensors_as=p0.snapshot)
+
+
+def _sparse(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """About 1 % of the elements move one bf16 step: deltas much smaller than a snapshot."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for k, v in state.items():
+        bits = v.view(torch.int16).clone()
+        bits[torch.rand(bits.shape, generator=g) < 0.01] += 1
+        out[k] = bits.view(torch.bfloat16)
+    return out
+
+
+def _linked(tmp_path) -> Publisher:
+    """A publisher linked to a daemon that is down (nothing listens on the port)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    keys.generate(tmp_path / "trainer.key")
+    return Publisher(tmp_path / "chain", tmp_path / "trainer.key", run="r",
+                     daemon_url=f"http://127.0.0.1:{port}", token="t" * 12,
+                     snapshots=SnapshotPolicy(every=3, max_delta_ratio=100.0),
+                     retention=Retention(versions=2))
+
+
+def _publish_versions(pub: Publisher, n: int) -> None:
+    state = _state(0)
+    for v in range(n):
+        pub.publish(v, state)
+        state = _sparse(state, v + 1)
+
+
+def test_a_publisher_whose_daemon_is_down_keeps_what_the_daemon_decided_to_keep(tmp_path):
+    """Issue 11 finding 4: the publisher's own window dropped v8 while the trainer's daemon was
+    down, and regions at v7 sat waiting for it. Now it follows the daemon's recorded decision:
+    regions live at v1 keep deltas v2.. on disk."""
+    pub = _linked(tmp_path)
+    record_decision(tmp_path / "chain", Retention(versions=2, behind_budget_bytes=1 << 20), [1])
+    _publish_versions(pub, 8)
+    held = set(pub.store.artifacts())
+    assert {f"v{v:08d}.delta" for v in range(2, 8)} <= held
+    assert "v00000000.snapshot" not in held  # what nobody needs still goes
+
+
+def test_a_publisher_whose_daemon_never_decided_deletes_nothing(tmp_path):
+    pub = _linked(tmp_path)
+    _publish_versions(pub, 6)
+    assert pub.store.artifacts() == sorted(
+        ["v00000000.snapshot", "v00000003.snapshot", *(f"v{v:08d}.delta" for v in range(1, 6))])

@@ -1,0 +1,45 @@
+"""Which versions the nodes polling this daemon hold: each region's head long-poll carries
+`node`, `region` and `have` (its current version), so any daemon, the trainer's above all, knows
+who is behind without another round trip. Retention keeps what those live nodes still need
+(chain.policy.Retention.decide); a node that stops polling ages out after `within_s`.
+"""
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+MAX_NODES = 10_000
+"""Most nodes remembered (oldest forgotten first): a flood of names cannot grow memory."""
+
+
+@dataclass
+class Seen:
+    node: str
+    region: str | None
+    have: int | None
+    at: float
+    """Unix time of the last poll."""
+
+
+class LiveNodes:
+    def __init__(self, within_s: float = 120.0) -> None:
+        self.within_s = within_s
+        self._seen: OrderedDict[str, Seen] = OrderedDict()
+
+    def seen(self, node: str, region: str | None, have: int | None,
+             now: float | None = None) -> None:
+        self._seen.pop(node, None)
+        self._seen[node] = Seen(node, region, have, time.time() if now is None else now)
+        while len(self._seen) > MAX_NODES:
+            self._seen.popitem(last=False)
+
+    def versions(self, now: float | None = None) -> list[int | None]:
+        """Versions held by nodes seen within `within_s` (None: a node holding nothing yet)."""
+        now = time.time() if now is None else now
+        return [s.have for s in self._seen.values() if now - s.at <= self.within_s]
+
+    def snapshot(self, now: float | None = None) -> list[dict]:
+        now = time.time() if now is None else now
+        return [{"node": s.node, "region": s.region, "have": s.have,
+                 "seen_s_ago": round(now - s.at, 1)}
+                for s in self._seen.values() if now - s.at <= self.within_s]
