@@ -37,6 +37,8 @@ def main() -> int:
     ap.add_argument("--interval", type=float, default=Params.interval_s,
                     help="seconds between versions")
     ap.add_argument("--json", action="store_true", help="one JSON line per run, then a summary")
+    ap.add_argument("--keep-failed", action="store_true",
+                    help="keep a failed run's state dirs and logs (the path is printed)")
     ap.add_argument("--verbose", action="store_true",
                     help="print each run's timeline as it happens (a failed run's is always "
                     "printed after it)")
@@ -47,12 +49,16 @@ def main() -> int:
     for i in range(1, args.runs + 1):
         root = Path(tempfile.mkdtemp(prefix="chaos-"))
         t0 = time.monotonic()
+        run = None
         try:
             run = run_scenario(root, params, log=print if args.verbose else lambda _: None)
+            failed = {name: probs for name, probs in ((n, f(run)) for n, f in CHECKS.items())
+                      if probs}
         finally:
-            shutil.rmtree(root, ignore_errors=True)
-        failed = {name: probs for name, probs in ((n, f(run)) for n, f in CHECKS.items())
-                  if probs}
+            if run is not None and failed and args.keep_failed:
+                print(f"kept {root}", flush=True)
+            else:
+                shutil.rmtree(root, ignore_errors=True)
         row = {"run": i, "converge_s": run.converge_s, "bound_s": run.bound_s,
                "restart_to_current_s": run.restart_to_current_s,
                "wall_s": round(time.monotonic() - t0, 1), "failed": failed}
