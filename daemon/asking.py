@@ -208,10 +208,10 @@ async def first_good(peers: Iterable[Peer], ask: Callable[[Peer], Awaitable[T]],
     """Ask peers `fanout` at a time, in order; the first truthy answer is returned. A failing
     peer is backed off (book.failed, once for requests that overlapped an earlier failure); one
     answering that it does not hold what was asked (404) takes no strike (book.lacks); a slow
-    one only costs its own slot. Once any peer has
-    answered, nobody new is asked after a good answer, and the requests still running get
-    `grace` seconds to finish (so a peer halfway through serving manifests is not cut off)
-    before they are cancelled; with `settle=False` a good answer cancels them at once."""
+    one only costs its own slot. Once any peer has answered, nobody new is asked after a good
+    answer, and the requests still running get `grace` seconds to finish (so a peer halfway
+    through serving manifests is not cut off) before they are cancelled; with `settle=False` a
+    good answer cancels them at once."""
     queue = list(peers)
     running: dict[asyncio.Task, Peer] = {}
     started: dict[asyncio.Task, float] = {}

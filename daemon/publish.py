@@ -58,11 +58,12 @@ class Seeder:
         async with self.lock:
             return await self._catch_up()
 
-    async def _catch_up(self) -> list[str]:
+    async def _catch_up(self, skip: int | None = None) -> list[str]:
         """Each manifest file in the chain dir not seeded yet, oldest first: verified against
         the pinned key and the chain (add_manifest), its blocks checked present, seeded. One
         that cannot be is logged once and skipped (the publish asked for still succeeds);
-        long-polls wake when the head moved."""
+        long-polls wake when the head moved. `skip`: the version a publish call seeds itself
+        (its errors are that call's answer)."""
         head = self.store.head()
         seeding = set(self.artifacts.seeding())
         found = []
@@ -74,7 +75,7 @@ class Seeder:
         seeded = []
         for (version, kind), path in sorted(found):
             name = artifact_name(version, kind)
-            if name in seeding:
+            if name in seeding or version == skip:
                 continue
             try:
                 m = self.store.get(version, kind) or await asyncio.to_thread(
@@ -113,6 +114,9 @@ class Seeder:
             if head is not None and version < head and store.get(version, "delta") is None \
                     and store.get(version, "snapshot") is None:
                 raise PublishError(409, f"v{version} is older than the head v{head}")
+            # First what the publisher wrote while this daemon could not be told (down, or
+            # starting), so the chain is added oldest first.
+            earlier = await self._catch_up(skip=version)
             seeded = []
             for path in found:
                 try:
@@ -128,8 +132,6 @@ class Seeder:
                 except (SwarmError, torrents.BadTorrent) as e:
                     raise PublishError(409, f"{m.artifact} could not be seeded: {e}") from None
                 seeded.append(m.artifact)
-            # Versions written while this daemon could not be told (down, or starting).
-            earlier = [a for a in await self._catch_up() if a not in seeded]
             self.published.append({"version": version, "artifacts": seeded})
             del self.published[:-50]
             await self.board.bump()
