@@ -4,9 +4,15 @@
 content-addressed block store. A manifest enters only after validation, signature check and a
 parent check against what the store already holds, so a forged or wrong-parent manifest never
 changes stored state.
+
+Threads: a daemon reads the store on its event loop while worker threads (asyncio.to_thread) add
+manifests and run retention. The manifest map is copy-on-write: writers, serialised by a lock,
+build a new dict and swap it in; readers take the current one and iterate it without a lock, so
+a reader never sees a dict change size under it (a region once crashed in `head()` that way).
 """
 
-from collections.abc import Iterable, Mapping
+import threading
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -26,15 +32,18 @@ class ChainStore:
         self.blocks = BlockStore(self.root / "blocks")
         self.manifest_dir = self.root / "manifests"
         self.manifest_dir.mkdir(parents=True, exist_ok=True)
-        self._cache: dict[str, Manifest] = {}
-        self._run: str | None = None
+        self._cache: Mapping[str, Manifest] = {}
+        """Never changed in place: writers swap in a new dict (see the module docstring)."""
+        self._write = threading.RLock()
+        cache: dict[str, Manifest] = {}
         for path in sorted(self.manifest_dir.glob("v*.json")):
             try:
                 m = Manifest.parse(path.read_bytes(), None)
             except BadManifest as e:
                 raise BadManifest(f"{path}: {e}; delete the file to refetch it from peers"
                                   ) from None
-            self._cache[m.artifact] = m
+            cache[m.artifact] = m
+        self._cache = cache
 
     # reading
     def artifacts(self) -> list[str]:
@@ -63,7 +72,8 @@ class ChainStore:
         return max((m.version for m in self._cache.values()), default=None)
 
     def run(self) -> str | None:
-        return next(iter(self._cache.values())).run if self._cache else None
+        cache = self._cache
+        return next(iter(cache.values())).run if cache else None
 
     def has_blocks(self, m: Manifest) -> bool:
         return all(self.blocks.has(b.id) for b in m.blocks)
@@ -98,10 +108,11 @@ class ChainStore:
 
     def add_manifest(self, raw: bytes, public_key: Ed25519PublicKey | None = None) -> Manifest:
         m = Manifest.parse(raw, public_key or self.public_key)
-        self.check(m)
-        if m.artifact not in self._cache:
-            write_atomic(self.manifest_dir / f"{m.artifact}.json", m.to_bytes())
-            self._cache[m.artifact] = m
+        with self._write:
+            self.check(m)
+            if m.artifact not in self._cache:
+                write_atomic(self.manifest_dir / f"{m.artifact}.json", m.to_bytes())
+                self._cache = {**self._cache, m.artifact: m}
         return m
 
     def add(self, m: Manifest) -> Manifest:
@@ -111,16 +122,31 @@ class ChainStore:
            live: Iterable[int | None] = ()) -> list[str]:
         """Drop artifacts outside retention (except `protect`) and unreferenced blocks; `live`
         are the versions live nodes hold (see Retention.decide)."""
-        return self.apply_decision(retention.decide(self._cache, live), protect)
+        live = tuple(live)
+        return self.retain(lambda held: retention.decide(held, live), protect)[1]
+
+    def retain(self, decide: Callable[[Mapping[str, Manifest]], Decision],
+               protect: Iterable[str] = frozenset()) -> tuple[Decision, list[str]]:
+        """`decide` on the manifests held and apply it, both under the write lock, so a
+        manifest another thread adds meanwhile is neither unseen by the decision nor dropped
+        for it."""
+        with self._write:
+            decision = decide(self._cache)
+            return decision, self.apply_decision(decision, protect)
 
     def apply_decision(self, decision: Decision, protect: Iterable[str] = frozenset()
                        ) -> list[str]:
+        """Keep what `decision` keeps (and `protect`); prefer `retain`, which decides on the
+        same manifests it applies to."""
         keep = set(decision.keep) | set(protect)
-        dropped = [a for a in self._cache if a not in keep]
-        for a in dropped:
-            (self.manifest_dir / f"{a}.json").unlink(missing_ok=True)
-            del self._cache[a]
-        live = {b.id for m in self._cache.values() for b in m.blocks}
-        for bid in self.blocks.ids() - live:
-            self.blocks.delete(bid)
+        with self._write:
+            cache = self._cache
+            dropped = [a for a in cache if a not in keep]
+            self._cache = {a: m for a, m in cache.items() if a in keep}
+            for a in dropped:
+                (self.manifest_dir / f"{a}.json").unlink(missing_ok=True)
+            # Under the lock: a manifest added meanwhile must not lose the blocks it names.
+            live = {b.id for m in self._cache.values() for b in m.blocks}
+            for bid in self.blocks.ids() - live:
+                self.blocks.delete(bid)
         return dropped

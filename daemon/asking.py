@@ -13,7 +13,7 @@ from typing import TypeVar
 
 from daemon.names import BadName, Endpoint, check_node, parse_endpoint
 from daemon.peer_client import BadReply, PeerClient, PeerError, bounded_int
-from daemon.peers import BadPeer, Peer, PeerBook
+from daemon.peers import BadPeer, Peer, PeerBook, not_held
 
 log = logging.getLogger("deltaswarm.peers")
 FANOUT = 3
@@ -206,19 +206,23 @@ async def first_good(peers: Iterable[Peer], ask: Callable[[Peer], Awaitable[T]],
                      book: PeerBook, fanout: int = FANOUT, grace: float = GRACE_S,
                      settle: bool = True) -> T | None:
     """Ask peers `fanout` at a time, in order; the first truthy answer is returned. A failing
-    peer is backed off (book.failed); a slow one only costs its own slot. Once any peer has
-    answered, nobody new is asked after a good answer, and the requests still running get
-    `grace` seconds to finish (so a peer halfway through serving manifests is not cut off)
-    before they are cancelled; with `settle=False` a good answer cancels them at once."""
+    peer is backed off (book.failed, once for requests that overlapped an earlier failure); one
+    answering that it does not hold what was asked (404) takes no strike (book.lacks); a slow
+    one only costs its own slot. Once any peer has answered, nobody new is asked after a good
+    answer, and the requests still running get `grace` seconds to finish (so a peer halfway
+    through serving manifests is not cut off) before they are cancelled; with `settle=False` a
+    good answer cancels them at once."""
     queue = list(peers)
     running: dict[asyncio.Task, Peer] = {}
+    started: dict[asyncio.Task, float] = {}
     answered_at: float | None = None
     best: T | None = None
     try:
         while queue or running:
             while queue and len(running) < fanout:
                 peer = queue.pop(0)
-                running[asyncio.create_task(ask(peer))] = peer
+                task = asyncio.create_task(ask(peer))
+                running[task], started[task] = peer, time.monotonic()
             if not running:
                 break
             timeout = None
@@ -233,7 +237,10 @@ async def first_good(peers: Iterable[Peer], ask: Callable[[Peer], Awaitable[T]],
                 try:
                     result = task.result()
                 except (PeerError, BadPeer) as e:
-                    book.failed(peer, e)
+                    if not_held(e):
+                        book.lacks(peer, e)
+                    else:
+                        book.failed(peer, e, since=started[task])
                     continue
                 if answered_at is None:
                     answered_at = time.monotonic()

@@ -512,6 +512,7 @@ async def serve(cfg: Config, config_path: Path) -> int:
                           f"{cfg.http.host}:{cfg.http.port}: {e.strerror or e}") from None
     log.info("%s (%s, %s) serving on %s, BitTorrent on %s", cfg.node, cfg.role, cfg.region,
              node.url, node.bt_advertised())
+    serving = node.spawn(node.role.serving(), "serving")
     sdnotify.ready(f"{cfg.node}: serving on {node.url}")
     await node.stop_requested.wait()
     if node.failure:
@@ -520,6 +521,7 @@ async def serve(cfg: Config, config_path: Path) -> int:
     else:
         log.info("stopping (bounded by %.0fs)", cfg.shutdown_timeout_s)
     node.stopping = True
+    await stop_task(serving)
     await node.board.bump()
     if not await within(runner.cleanup(), cfg.shutdown_timeout_s):
         # `within` returns at the deadline without waiting for the cancelled cleanup (aiohttp

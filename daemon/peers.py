@@ -18,7 +18,11 @@ first proves it holds the token (`PeerClient.prove`, no token sent); until then 
 its heads are not polled and its BitTorrent endpoint is not dialled. Every failure backs a peer
 off (1 s doubling to 60 s, jittered) and demotes it; `BAN_FAILURES` failures in a row or
 `BAN_STRIKES` refuted head claims (a claimed head whose manifest it could not serve) ban a
-non-bootstrap peer for `BAN_S`. Heads peers claim are hints for what to fetch; the head a node
+non-bootstrap peer for `BAN_S`. A peer answering that it does not hold what was asked
+(`not_held`: 404/410) has answered honestly and takes no failure; failures of requests that were
+already under way when an earlier failure was booked count once (`failed(since=)`: ten downloads
+asking one peer at once must not reach a ban from a single blip, issue 11 chaos finding).
+Heads peers claim are hints for what to fetch; the head a node
 reports is the newest manifest it verified.
 """
 
@@ -26,10 +30,11 @@ import asyncio
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from daemon.names import BadName, Endpoint, check_node, check_url, parse_endpoint
-from daemon.peer_client import PeerError
+from daemon.peer_client import PeerError, PeerHttpError
 
 log = logging.getLogger("deltaswarm.peers")
 HEADER = "X-Deltaswarm-Peer"
@@ -41,6 +46,8 @@ BACKOFF_MIN_S, BACKOFF_MAX_S = 1.0, 60.0
 BAN_FAILURES = 6
 BAN_STRIKES = 2
 BAN_S = 600.0
+NOT_HELD = (404, 410)
+"""Statuses with which a daemon says it does not hold an artifact, manifest or torrent."""
 
 
 BadPeer = BadName
@@ -71,6 +78,10 @@ class Peer:
     """The region it announced (X-Deltaswarm-Region, index entries); None until known."""
     role: str | None = None
     """'trainer' or 'region', as announced with the region."""
+    failed_at: float = 0.0
+    """Monotonic time of the last failure booked (see PeerBook.failed's `since`)."""
+    misses: int = 0
+    """Asks it answered with 'not held' (no strike; shown in status)."""
 
     @property
     def trusted(self) -> bool:
@@ -95,7 +106,7 @@ class Peer:
                 "bootstrap": self.bootstrap, "proven": self.proven, "failures": self.failures,
                 "strikes": self.strikes, "banned_s": round(max(0.0, self.banned_until - now), 1),
                 "last_seen": round(self.last_seen, 3), "last_error": self.last_error,
-                "region": self.region, "role": self.role}
+                "region": self.region, "role": self.role, "misses": self.misses}
 
 
 def parse_header(value: str) -> tuple[str, Endpoint | None, str | None]:
@@ -254,16 +265,28 @@ class PeerBook:
     def succeeded(self, peer: Peer) -> None:
         peer.failures, peer.retry_at, peer.last_error = 0, 0.0, ""
 
-    def failed(self, peer: Peer, err: Exception | str) -> None:
+    def failed(self, peer: Peer, err: Exception | str, since: float | None = None) -> None:
         """Back off and demote; a non-bootstrap peer failing BAN_FAILURES times in a row is
-        banned. The error text shown is ours (exception type and our message), never the
+        banned. `since`: when the failed request started; a failure was already booked after
+        that, so this one is the same episode (concurrent requests to one peer) and only its
+        text is kept. The error text shown is ours (exception type and our message), never the
         peer's reply."""
+        if since is not None and peer.failed_at >= since:
+            peer.last_error = describe(err)
+            return
+        peer.failed_at = time.monotonic()
         peer.failures += 1
         peer.last_error = describe(err)
         backoff = min(BACKOFF_MAX_S, BACKOFF_MIN_S * 2 ** min(peer.failures - 1, 16))
         peer.retry_at = time.monotonic() + backoff * random.uniform(0.5, 1.0)
         if peer.failures >= BAN_FAILURES:
             self.ban(peer, f"{peer.failures} failures in a row")
+
+    def lacks(self, peer: Peer, err: Exception) -> None:
+        """The peer answered that it does not hold what was asked: an honest answer, so no
+        failure and no backoff (the caller asks someone else)."""
+        peer.misses += 1
+        log.debug("peer %s does not hold what was asked: %s", peer.url, describe(err))
 
     def lied(self, peer: Peer, why: str) -> None:
         """A claim of the peer (its head) was refuted: forget the claim and strike it."""
@@ -307,13 +330,16 @@ class PeerBook:
         return max((p.head for p in self.peers.values()
                     if p.head is not None and p.trusted and not p.banned(now)), default=None)
 
-    def by_head(self, version: int | None = None) -> list[Peer]:
-        """Usable peers to ask for data: those claiming `version` first, then by standing."""
+    def by_head(self, version: int | None = None,
+                holds: Callable[[str], bool] | None = None) -> list[Peer]:
+        """Usable peers to ask for data: those known to hold it (`holds(url)`, e.g. from
+        their index) first, then those claiming `version`, then by standing."""
         now = time.monotonic()
 
         def key(p: Peer) -> tuple:
             has = version is not None and p.head is not None and p.head >= version
-            return (not has, p.strikes, p.failures, random.random())
+            held = holds is not None and holds(p.url)
+            return (not held, not has, p.strikes, p.failures, random.random())
         return sorted((p for p in self.peers.values() if p.usable(now)), key=key)
 
     def to_watch(self, limit: int) -> list[Peer]:
@@ -332,6 +358,11 @@ class PeerBook:
 
     def snapshot(self) -> list[dict]:
         return [p.as_dict() for p in sorted(self.peers.values(), key=lambda p: p.url)]
+
+
+def not_held(err: BaseException) -> bool:
+    """Whether a failed request was a peer saying it does not hold what was asked."""
+    return isinstance(err, PeerHttpError) and err.status in NOT_HELD
 
 
 def describe(err: Exception | str) -> str:

@@ -53,8 +53,8 @@ class Keeper:
             ) -> list[str]:
         """Decide and drop (blocking: call from a thread); returns the dropped artifacts."""
         live = self.versions(extra_live)
-        decision = self.retention.decide(self.store.manifests(), live)
-        dropped = self.store.apply_decision(decision, protect)
+        retention = self.retention
+        decision, dropped = self.store.retain(lambda held: retention.decide(held, live), protect)
         if self.record:
             record_decision(self.store.root, self.retention, live)
         if decision.fell_back and (self.last is None or self.last.fell_back != decision.fell_back):

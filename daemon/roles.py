@@ -34,6 +34,11 @@ class TrainerRole:
     async def start(self, spawn: Spawn) -> None:
         await self.seeder.start()
 
+    async def serving(self) -> None:
+        """Once the HTTP API listens: seed what the publisher wrote while it could not notify
+        (between the scan at start and now)."""
+        await self.seeder.catch_up()
+
     async def stop(self, timeout: float) -> None:
         return None
 
@@ -47,7 +52,8 @@ class TrainerRole:
         self.seeder.keeper.reconfigure(cfg.retention.policy(), cfg.retention.live_within_s)
 
     def detail(self) -> dict:
-        return {"published": self.seeder.published[-10:]}
+        return {"published": self.seeder.published[-10:],
+                "caught_up": self.seeder.caught_up[-10:]}
 
     def sections(self) -> dict:
         return {"retention": self.seeder.keeper.status()}
@@ -79,6 +85,9 @@ class RegionRole:
         self._tasks = [spawn(self.watcher.run(), "heads"),
                        spawn(self.syncer.notify_loop(), "notify")]
         self._loop = spawn(self.syncer.run(), "sync")
+
+    async def serving(self) -> None:
+        return None
 
     async def stop(self, timeout: float) -> None:
         self.syncer.stopping = True
