@@ -364,6 +364,7 @@ class Syncer:
                 why = (f"no bytes for {now - moved_at:.0f}s at {p.done} of {p.total} "
                        f"({p.peers} peers)")
                 self.holders.give_up(m.artifact, why)
+                await self._fresh_peer_list(m.artifact)
                 raise Stalled(f"{m.artifact}: {why}; its partial data is kept")
             endpoints = set(self.book.swarm_endpoints())
             if endpoints - known:
@@ -384,6 +385,20 @@ class Syncer:
                             "refetching") from None
         log.info("downloaded %s in %.2fs (%d payload bytes this run)", m.artifact,
                  info["seconds"], info["downloaded"])
+
+    async def _fresh_peer_list(self, artifact: str) -> None:
+        """After a stall the next attempt starts from a new torrent (same data, clean peer
+        list): libtorrent stops dialling a peer that refused a few connects, so a holder that
+        restarted on the same endpoint (the trainer, killed while it alone held a new delta)
+        would otherwise never be dialled again by this torrent (Swarm.refresh)."""
+        swarm = self.artifacts.swarm
+        assert swarm is not None
+        loop = asyncio.get_running_loop()
+        try:
+            if await loop.run_in_executor(self.artifacts.exec, swarm.refresh, artifact):
+                log.info("%s: re-added with a fresh peer list for the next attempt", artifact)
+        except SwarmError as e:
+            log.warning("%s: could not re-add it with a fresh peer list: %s", artifact, e)
 
     def _adopt(self, m: Manifest) -> None:
         save = self.artifacts.swarm_dir
