@@ -218,7 +218,10 @@ class Swarm:
 
     def progress(self, artifact: str) -> Progress:
         t = self._get(artifact)
-        s = t.handle.status()
+        try:
+            s = t.handle.status()
+        except RuntimeError:  # invalid handle: removed by another thread since _get
+            raise SwarmError(f"{artifact} left the swarm while its progress was read") from None
         if s.is_finished and not t.complete and not t.finish_flush:
             with self._lock:  # finished without a torrent_finished_alert (e.g. resumed)
                 if not t.finish_flush:
@@ -237,11 +240,15 @@ class Swarm:
         with self._lock:
             items = list(self._torrents.items())
         for artifact, t in items:
-            p = self.progress(artifact)
+            try:
+                p = self.progress(artifact)
+                infos = t.handle.get_peer_info()
+            except (RuntimeError, SwarmError):
+                continue  # removed or re-added meanwhile (retention, refresh): skip this once
             up, down = up + p.uploaded, down + p.downloaded
             peers = [{"peer": f"{pi.ip[0]}:{pi.ip[1]}", "uploaded": pi.total_upload,
                       "downloaded": pi.total_download, "seed": bool(pi.flags & pi.seed),
-                      "hashfails": pi.num_hashfails} for pi in t.handle.get_peer_info()]
+                      "hashfails": pi.num_hashfails} for pi in infos]
             out[artifact] = {**p.__dict__, "seeding": t.seeding, "peer_list": peers}
         return {"listen": f"{self._host}:{self.listen_port}", "torrents": out,
                 "uploaded": up, "downloaded": down, "hash_failures": self.hash_failures,
