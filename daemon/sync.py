@@ -13,7 +13,10 @@ peers (`head_quorum`, `head_wait_s`) so it plans once toward the real head; each
 artifact, the peers whose index lists it as held, and prefers a path every artifact of which has
 a holder; a download that gains no bytes for `progress_timeout_s`, or an artifact nobody lists
 or serves for `unoffered_timeout_s`, is given up for a while and the region replans (a later
-snapshot plus deltas). Retention runs after every step, failed ones included.
+snapshot plus deltas). Retention runs after every step, failed ones included. A stalled
+artifact's next attempt starts from a fresh torrent (libtorrent never re-dials a peer that refused
+a few connects, e.g. a trainer restarted on the same endpoint) and also dials the peers listing it
+as held, across regions too (`_dial_for`).
 """
 
 import asyncio
