@@ -218,7 +218,10 @@ class Swarm:
 
     def progress(self, artifact: str) -> Progress:
         t = self._get(artifact)
-        s = t.handle.status()
+        try:
+            s = t.handle.status()
+        except RuntimeError:  # invalid handle: removed by another thread since _get
+            raise SwarmError(f"{artifact} left the swarm while its progress was read") from None
         if s.is_finished and not t.complete and not t.finish_flush:
             with self._lock:  # finished without a torrent_finished_alert (e.g. resumed)
                 if not t.finish_flush:
@@ -237,11 +240,15 @@ class Swarm:
         with self._lock:
             items = list(self._torrents.items())
         for artifact, t in items:
-            p = self.progress(artifact)
+            try:
+                p = self.progress(artifact)
+                infos = t.handle.get_peer_info()
+            except (RuntimeError, SwarmError):
+                continue  # removed or re-added meanwhile (retention, refresh): skip this once
             up, down = up + p.uploaded, down + p.downloaded
             peers = [{"peer": f"{pi.ip[0]}:{pi.ip[1]}", "uploaded": pi.total_upload,
                       "downloaded": pi.total_download, "seed": bool(pi.flags & pi.seed),
-                      "hashfails": pi.num_hashfails} for pi in t.handle.get_peer_info()]
+                      "hashfails": pi.num_hashfails} for pi in infos]
             out[artifact] = {**p.__dict__, "seeding": t.seeding, "peer_list": peers}
         return {"listen": f"{self._host}:{self.listen_port}", "torrents": out,
                 "uploaded": up, "downloaded": down, "hash_failures": self.hash_failures,
@@ -301,6 +308,43 @@ class Swarm:
         self._removed_up += s.total_payload_upload
         self._removed_down += s.total_payload_download
         self._ses().remove_torrent(t.handle, lt.session.delete_files if delete_files else 0)
+
+    def refresh(self, artifact: str, timeout: float = 5.0) -> bool:
+        """Re-add an unfinished torrent with a fresh peer list, keeping what it has (in-memory
+        resume data; a full recheck of its files if that does not come in time). Returns whether
+        it was re-added (a complete or unknown torrent is left alone).
+
+        Why: libtorrent counts refused connects per peer of a torrent; after `max_failcount` (3)
+        it never dials that peer again, and `connect_peer` on an endpoint already in the list
+        does not reset the count. A daemon that was killed and restarted on the same ip:port (the
+        trainer holding the only copy of a new delta) is then never reached by a torrent that
+        tried it while it was down, however often the control plane re-announces it. A new
+        torrent object starts with clean counts. Blocking: call from the swarm thread."""
+        with self._lock:
+            t = self._torrents.get(artifact)
+            if t is None or t.complete:
+                return False
+            ti = t.handle.torrent_file()
+            self._resume.pop(artifact, None)
+            self._resume_failed.pop(artifact, None)
+            n = t.flush()
+        deadline = time.monotonic() + timeout
+        resume: bytes | None = None
+        try:
+            self._wait(lambda: {artifact} if t.flushes_done < n else set(), deadline,
+                       "write-cache flush")
+            t.handle.save_resume_data(lt.torrent_handle.save_info_dict)
+            self._wait(lambda: ({artifact} - self._resume.keys()
+                                - self._resume_failed.keys()), deadline, "resume data")
+            resume = self._resume.pop(artifact, None)
+        except SwarmError:
+            resume = None  # libtorrent rechecks the files instead
+        with self._lock:
+            if self._torrents.get(artifact) is not t:
+                return False  # removed meanwhile (retention)
+            self.remove(artifact)
+            self._add(artifact, ti, t.save_path, resume, [], seeding=False)
+        return True
 
     def save_resume_data(self, directory: str | os.PathLike, timeout: float = 10.0) -> list[Path]:
         """Write `<directory>/<artifact>.resume` (atomically) for every unfinished torrent, and for

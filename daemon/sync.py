@@ -13,7 +13,10 @@ peers (`head_quorum`, `head_wait_s`) so it plans once toward the real head; each
 artifact, the peers whose index lists it as held, and prefers a path every artifact of which has
 a holder; a download that gains no bytes for `progress_timeout_s`, or an artifact nobody lists
 or serves for `unoffered_timeout_s`, is given up for a while and the region replans (a later
-snapshot plus deltas). Retention runs after every step, failed ones included.
+snapshot plus deltas). Retention runs after every step, failed ones included. A stalled
+artifact's next attempt starts from a fresh torrent (libtorrent never re-dials a peer that refused
+a few connects, e.g. a trainer restarted on the same endpoint) and also dials the peers listing it
+as held, across regions too (`_dial_for`).
 """
 
 import asyncio
@@ -102,6 +105,8 @@ class Syncer:
         self.plan_holders: dict[str, int] = {}
         self.plans = 0
         self.replans = 0
+        self.stalled: set[str] = set()
+        """Artifacts whose download stalled: their holders are dialled directly (_dial_for)."""
 
     def reconfigure(self, settings: SyncConfig) -> None:
         self.settings = self.holders.settings = settings
@@ -364,8 +369,10 @@ class Syncer:
                 why = (f"no bytes for {now - moved_at:.0f}s at {p.done} of {p.total} "
                        f"({p.peers} peers)")
                 self.holders.give_up(m.artifact, why)
+                self.stalled.add(m.artifact)
+                await self._fresh_peer_list(m.artifact)
                 raise Stalled(f"{m.artifact}: {why}; its partial data is kept")
-            endpoints = set(self.book.swarm_endpoints())
+            endpoints = self._dial_for(m.artifact)
             if endpoints - known:
                 swarm.add_peers(m.artifact, endpoints - known)
                 known = endpoints
@@ -374,6 +381,7 @@ class Syncer:
                 t0 = time.monotonic()
             await asyncio.sleep(0.2)
         info["seconds"] = round(time.time() - info["started"], 3)
+        self.stalled.discard(m.artifact)
         try:
             await asyncio.to_thread(self._adopt, m)
         except BadBlock as e:
@@ -384,6 +392,37 @@ class Syncer:
                             "refetching") from None
         log.info("downloaded %s in %.2fs (%d payload bytes this run)", m.artifact,
                  info["seconds"], info["downloaded"])
+
+    def _dial_for(self, artifact: str) -> set:
+        """What the swarm dials for `artifact`: the region peering's choice, plus, once a
+        download of it stalled, every usable peer whose index lists it as held. Region-aware
+        peering lets only gateways dial across regions; a node whose own region holds none of
+        an artifact (its gateway skipped it: restarted onto a later snapshot) would otherwise
+        wait for it forever. Only after a stall, so the trainer's uplink still sends one copy
+        per region in the normal case."""
+        endpoints = set(self.book.swarm_endpoints())
+        if artifact in self.stalled:
+            now = time.monotonic()
+            for url, (_, _, held) in list(self.holders.listed.items()):
+                peer = self.book.peers.get(url)
+                if (artifact in held and peer is not None and peer.bt is not None
+                        and peer.trusted and not peer.banned(now)):
+                    endpoints.add(peer.bt)
+        return endpoints
+
+    async def _fresh_peer_list(self, artifact: str) -> None:
+        """After a stall the next attempt starts from a new torrent (same data, clean peer
+        list): libtorrent stops dialling a peer that refused a few connects, so a holder that
+        restarted on the same endpoint (the trainer, killed while it alone held a new delta)
+        would otherwise never be dialled again by this torrent (Swarm.refresh)."""
+        swarm = self.artifacts.swarm
+        assert swarm is not None
+        loop = asyncio.get_running_loop()
+        try:
+            if await loop.run_in_executor(self.artifacts.exec, swarm.refresh, artifact):
+                log.info("%s: re-added with a fresh peer list for the next attempt", artifact)
+        except SwarmError as e:
+            log.warning("%s: could not re-add it with a fresh peer list: %s", artifact, e)
 
     def _adopt(self, m: Manifest) -> None:
         save = self.artifacts.swarm_dir
@@ -451,6 +490,7 @@ class Syncer:
             self.artifacts.forget(a)
             self.transfers.pop(a, None)
             self.holders.forget(a)
+            self.stalled.discard(a)
         if dropped:
             log.info("retention dropped %s", dropped)
 

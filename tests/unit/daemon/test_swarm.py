@@ -214,3 +214,43 @@ def test_a_seed_reports_its_own_corrupt_piece_when_it_first_serves_it(tmp_path, 
     assert any(e.kind == "hash_failed" and e.artifact == ART for e in events)
     assert seed.is_complete(ART) and not node.progress(ART).finished
     assert node.status()["bans"] == 0
+
+
+def test_a_refreshed_torrent_dials_again_a_seed_that_came_back_on_its_endpoint(tmp_path, swarms):
+    """libtorrent stops dialling a peer that refused a few connects, and connect_peer does not
+    reset that: a seed restarted on the same ip:port is reached again only by a refreshed
+    torrent, which keeps what it already held."""
+    import socket
+
+    blocks, tb = _store(tmp_path, 4, PIECE)
+    torrents.link_blocks(ART, blocks, tmp_path / "seed")
+    torrents.link_blocks(ART, blocks[:1], tmp_path / "dl")  # the downloader holds one piece
+    with socket.socket() as s:
+        s.bind(("127.0.0.51", 0))
+        port = s.getsockname()[1]
+    seed = Swarm(SwarmConfig(listen=f"127.0.0.51:{port}", seed_mode=True))
+    seed.seed(ART, tb, tmp_path / "seed")
+    seed.close()  # the holder is killed
+    dl = swarms("127.0.0.52")
+    dl.download(ART, tb, tmp_path / "dl", [("127.0.0.51", port)])
+    _until([dl], lambda: dl.progress(ART).done == PIECE, 10)
+    for _ in range(6):  # dialled, and refused, while it is down
+        dl.add_peers(ART, [("127.0.0.51", port)])
+        dl.pump(0.5)
+    back = Swarm(SwarmConfig(listen=f"127.0.0.51:{port}", seed_mode=True))
+    try:
+        back.seed(ART, tb, tmp_path / "seed")
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            dl.add_peers(ART, [("127.0.0.51", port)])
+            dl.pump(0.2)
+            back.pump(0.1)
+        assert dl.progress(ART).peers == 0, "libtorrent re-dialled on its own: refresh is moot"
+        assert dl.refresh(ART)
+        dl.add_peers(ART, [("127.0.0.51", port)])
+        _until([dl, back], lambda: dl.progress(ART).finished, 15)
+        assert _holds_blocks(tmp_path / "dl", blocks)
+        assert dl.progress(ART).downloaded <= 3 * PIECE + PIECE // 2, "held piece fetched again"
+        assert not dl.refresh(ART), "a complete torrent is left alone"
+    finally:
+        back.close()
