@@ -39,7 +39,8 @@ class Params:
     trainer_kill_after: int = 10
     throttle_rate: int = 16_000  # the trainer's uplink while v`trainer_kill_after` leaves it
     late_from: int = 19
-    self_check_interval_s: float = 10.0
+    self_check_interval_s: float = 3.0  # a pass over ~50 MB takes ~0.3 s; finds the flip long
+    # before retention can drop the corrupted delta (which would leave nothing to repair)
     progress_timeout_s: float = 8.0
     unoffered_timeout_s: float = 5.0
 
