@@ -1,5 +1,7 @@
 """Shared test fixtures: small models as state dicts, a signing key, a chain with versions."""
 
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -10,6 +12,25 @@ from chain import keys
 # Two cores shared by test processes, daemons and workers: oversubscribed torch threads made
 # single tests 10-50x slower here.
 torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def children_tmp_dir(tmp_path_factory: pytest.TempPathFactory):
+    """vLLM servers put their ZMQ IPC sockets in VLLM_RPC_BASE_PATH and `vllm_dist_*` files in
+    the temp dir (both default to /tmp) and leave them behind when they stop. Every process the
+    tests start (they inherit this environment) keeps its temp files in a directory removed at
+    the end of the session, so a run leaves nothing in /tmp."""
+    ipc = tmp_path_factory.mktemp("children-tmp")
+    names = ("VLLM_RPC_BASE_PATH", "TMPDIR")
+    old = {n: os.environ.get(n) for n in names}
+    os.environ.update({n: str(ipc) for n in names})
+    yield ipc
+    for n, v in old.items():
+        if v is None:
+            os.environ.pop(n, None)
+        else:
+            os.environ[n] = v
+    shutil.rmtree(ipc, ignore_errors=True)
 
 
 @pytest.fixture
