@@ -61,6 +61,21 @@ def read_token(path: Path, field: str = "token_file") -> str:
     return tok
 
 
+def one_token(token: str | None, token_file: Path | None) -> None:
+    """The `token` / `token_file` pair every process's config has: exactly one must be set."""
+    if (token is None) == (token_file is None):
+        raise ValueError("set exactly one of `token` and `token_file`")
+
+
+def bearer_token(token: str | None, token_file: Path | None) -> str:
+    """The bearer token of a config holding the `token` / `token_file` pair (validated by
+    `one_token`): the inline one, or the file's first line."""
+    if token is not None:
+        return token
+    assert token_file is not None
+    return read_token(token_file, "token_file")
+
+
 def resolve_paths(doc: dict[str, Any], base: Path, fields: Iterable[str]) -> None:
     """Make the (dotted) path `fields` of `doc` absolute against `base`, expanding `~`."""
     for dotted in fields:

@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from chain.config_base import ConfigError, load_yaml, read_token
+from chain.config_base import ConfigError, bearer_token, load_yaml, one_token
 from chain.config_base import Section as _Section
 from chain.policy import Retention
 from daemon.names import NODE_NAME, BadName, check_url
@@ -310,17 +310,13 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _token_and_seed(self) -> "Config":
-        if (self.token is None) == (self.token_file is None):
-            raise ValueError("set exactly one of `token` and `token_file`")
+        one_token(self.token, self.token_file)
         if self.seed_mode and self.role != "trainer":
             raise ValueError("seed_mode is for role: trainer only")
         return self
 
     def bearer(self) -> str:
-        if self.token is not None:
-            return self.token
-        assert self.token_file is not None
-        return read_token(self.token_file, "token_file")
+        return bearer_token(self.token, self.token_file)
 
     def bt_advertise(self) -> str:
         return self.bittorrent.advertise_host or self.bittorrent.host

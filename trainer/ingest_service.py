@@ -20,7 +20,7 @@ from pathlib import Path
 
 from pydantic import Field, model_validator
 
-from chain.config_base import ConfigError, Section, load_yaml, read_token
+from chain.config_base import ConfigError, Section, bearer_token, load_yaml, one_token
 
 
 class IngestServiceConfig(Section):
@@ -39,15 +39,11 @@ class IngestServiceConfig(Section):
 
     @model_validator(mode="after")
     def _one_token(self) -> "IngestServiceConfig":
-        if (self.token is None) == (self.token_file is None):
-            raise ValueError("set exactly one of `token` and `token_file`")
+        one_token(self.token, self.token_file)
         return self
 
     def bearer(self) -> str:
-        if self.token is not None:
-            return self.token
-        assert self.token_file is not None
-        return read_token(self.token_file, "token_file")
+        return bearer_token(self.token, self.token_file)
 
 
 def load_ingest_config(path: str | Path) -> IngestServiceConfig:
