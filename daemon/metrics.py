@@ -149,6 +149,10 @@ class StatusCollector(Collector):
                           1.0 if s.warmup.state == "ready" else 0.0)
         yield from _gauge("warmup_seconds", "How long compiling the codec kernels took",
                           s.warmup.seconds)
+        yield from _gauge("weights_problem", "1 if the start-up check found the stored "
+                          "weights damaged (see /v1/status weights_problem)",
+                          float(s.weights_problem is not None))
+        yield from _gauge("apply_seconds", "Last version's apply, verified", s.last_apply_s)
 
     def _engine(self, s: NodeStatus) -> Iterator[Metric]:
         e = s.engine

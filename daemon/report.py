@@ -159,7 +159,8 @@ def build_status(node: Sources) -> NodeStatus:
         warmup=Warmup(**node.warmup()),
         refused_manifests=refused, refused_by_kind=refused_by, engine=engine, spool=spool,
         engine_check=engine_check,
-        weights_problem=node.weights_problem())
+        weights_problem=node.weights_problem(),
+        last_apply_s=syncer.applied[-1]["apply_seconds"] if syncer and syncer.applied else None)
 
 
 def _node_of(book: PeerBook, endpoint: str) -> str | None:

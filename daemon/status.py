@@ -233,6 +233,8 @@ class NodeStatus(_Model):
     weights_problem: str | None = Field(
         None, description="what the start-up check of the weights found (the damaged version was "
         "set aside and the node rebuilds from the best snapshot); None when they verified")
+    last_apply_s: float | None = Field(
+        None, ge=0, description="seconds the last version's apply took (verified, journaled)")
 
     @computed_field
     @property
