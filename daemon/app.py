@@ -42,6 +42,7 @@ from daemon.peers import (
 )
 from daemon.publish import PublishError
 from daemon.spool import BadTrajectory, Spool, SpoolFull, SpoolWriteError, parse_batch
+from daemon.ui import fleet_page
 
 log = logging.getLogger("deltaswarm.http")
 _CHALLENGE = re.compile(r"^[0-9a-f]{32}$")
@@ -83,7 +84,7 @@ class Parts:
 
 
 NODE: web.AppKey[Parts] = web.AppKey("node")
-OPEN_ROUTES = frozenset({"/healthz", "/metrics"})
+OPEN_ROUTES = frozenset({"/healthz", "/metrics", "/ui"})
 
 
 def fail(status: int, message: str, **headers: str) -> web.HTTPException:
@@ -427,5 +428,6 @@ def build_app(node: Parts) -> web.Application:
         web.get("/v1/fleet", fleet_view),
         web.get("/v1/fleet/sent/{digest}", fleet_sent),
         web.post("/v1/swarm/complaints", swarm_complaint),
+        web.get("/ui", fleet_page),
     ])
     return app
