@@ -1,7 +1,8 @@
 """The daemon's control plane (aiohttp): chain head long-poll, manifests, torrents, index, weights,
 trajectories, publish, peers, status, metrics, health.
 
-Every route but /healthz and /metrics needs `Authorization: Bearer <token>` (see THREAT_MODEL.md).
+Every route but /healthz, /metrics and /ui (the static fleet page, daemon/ui.py) needs
+`Authorization: Bearer <token>` (see THREAT_MODEL.md).
 Requests from other daemons carry `X-Deltaswarm-Peer`, which is how the mesh learns about them.
 All inputs are validated here; errors are JSON `{"error": "..."}` with a 4xx status.
 """

@@ -75,7 +75,9 @@ def rule_exprs() -> list[str]:
 def dashboard_exprs() -> list[str]:
     doc = json.loads(DASHBOARD.read_text())
     out = [t["expr"] for p in doc["panels"] for t in p.get("targets", [])]
-    out += [v["definition"] for v in doc["templating"]["list"] if v.get("definition")]
+    # Grafana's label_values(<selector>, <label>): the selector is PromQL, the label is not
+    out += [re.sub(r"^label_values\((.*),\s*\w+\)$", r"\1", v["definition"])
+            for v in doc["templating"]["list"] if v.get("definition")]
     return out
 
 
