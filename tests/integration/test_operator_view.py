@@ -5,6 +5,8 @@ the live fleet page (`GET /ui`) in a real headless Chromium shows every region, 
 without putting it in a URL, logs no console errors and shows a new version after a publish."""
 
 import asyncio
+import base64
+import hashlib
 import json
 import re
 import shutil
@@ -163,8 +165,32 @@ def test_the_page_is_open_static_and_locked_down(cluster: Cluster) -> None:
     assert TOKEN.encode() not in body
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="chromium not installed (Debian: apt-get install "
-                    "chromium; .ci/run installs it)")
+needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="chromium not installed (Debian: "
+                                    "apt-get install chromium; .ci/run installs it)")
+
+
+@needs_chromium
+def test_the_browser_driver_sees_console_errors_exceptions_and_csp_violations(
+        tmp_path: Path) -> None:
+    """What the page test's "no console errors" rests on: each kind is reported."""
+    page = ("<meta http-equiv='Content-Security-Policy' content=\"script-src 'sha256-"
+            + base64.b64encode(hashlib.sha256(b"console.error('boom'); undefined_fn();")
+                               .digest()).decode()
+            + "'\"><script>console.error('boom'); undefined_fn();</script>"
+            "<script>console.log('blocked by the policy')</script>")
+
+    async def run() -> list[dict]:
+        async with Browser(tmp_path) as b:
+            await b.open("data:text/html;base64," + base64.b64encode(page.encode()).decode())
+            await asyncio.sleep(0.5)
+            return b.errors()
+
+    errors = " | ".join(e["text"] for e in asyncio.run(run()))
+    assert "boom" in errors and "undefined_fn" in errors, errors
+    assert "Content Security Policy" in errors, errors
+
+
+@needs_chromium
 def test_the_fleet_page_in_chromium_shows_regions_and_a_new_version(
         cluster: Cluster, tmp_path: Path) -> None:
     asyncio.run(drive_page(cluster, tmp_path))
