@@ -46,7 +46,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         c.start_all()
         c.state = tiny_model(0)  # type: ignore[attr-defined]
         c.publish(0, c.state)  # type: ignore[attr-defined]
-        c.wait_all_at(0, 240)  # generous: three daemons compile their codec kernels at start
+        c.wait_all_at(0, 200)  # generous: three daemons compile their codec kernels at start
         yield c
 
 
@@ -152,6 +152,7 @@ def test_the_dashboard_queries_parse(tmp_path: Path) -> None:
 # --- the live page --------------------------------------------------------------------------
 VERSIONS_JS = """JSON.stringify(Object.fromEntries([...document.querySelectorAll('tr[data-node]')]
     .map(r => [r.dataset.node, r.querySelector('.version').textContent])))"""
+SHOWN_JS = "(id => getComputedStyle(document.getElementById(id)).display !== 'none')"
 REGIONS_JS = "[...document.querySelectorAll('section[data-region]')].map(e => e.dataset.region)"
 
 
@@ -170,7 +171,7 @@ needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="chromium not insta
 
 
 @needs_chromium
-def test_the_browser_driver_sees_console_errors_exceptions_and_csp_violations(
+async def test_the_browser_driver_sees_console_errors_exceptions_and_csp_violations(
         tmp_path: Path) -> None:
     """What the page test's "no console errors" rests on: each kind is reported."""
     page = ("<meta http-equiv='Content-Security-Policy' content=\"script-src 'sha256-"
@@ -179,28 +180,22 @@ def test_the_browser_driver_sees_console_errors_exceptions_and_csp_violations(
             + "'\"><script>console.error('boom'); undefined_fn();</script>"
             "<script>console.log('blocked by the policy')</script>")
 
-    async def run() -> list[dict]:
-        async with Browser(tmp_path) as b:
-            await b.open("data:text/html;base64," + base64.b64encode(page.encode()).decode())
-            await asyncio.sleep(0.5)
-            return b.errors()
-
-    errors = " | ".join(e["text"] for e in asyncio.run(run()))
+    async with Browser(tmp_path) as b:
+        await b.open("data:text/html;base64," + base64.b64encode(page.encode()).decode())
+        await asyncio.sleep(0.5)
+        errors = " | ".join(e["text"] for e in b.errors())
     assert "boom" in errors and "undefined_fn" in errors, errors
     assert "Content Security Policy" in errors, errors
 
 
 @needs_chromium
-def test_the_fleet_page_in_chromium_shows_regions_and_a_new_version(
+async def test_the_fleet_page_in_chromium_shows_regions_and_a_new_version(
         cluster: Cluster, tmp_path: Path) -> None:
-    asyncio.run(drive_page(cluster, tmp_path))
-
-
-async def drive_page(c: Cluster, tmp: Path) -> None:
+    c, tmp = cluster, tmp_path
     trainer = c.daemons["trainer"]
     async with Browser(tmp) as b:
         await b.open(f"{trainer.url}/ui")
-        assert await b.eval("!document.getElementById('login').hidden"), "asks for the token"
+        assert await b.eval(f"{SHOWN_JS}('login') && !{SHOWN_JS}('main')"), "asks for the token"
         assert not [r for r in b.requests if "/v1/" in r["url"]], "no API call before a token"
         await b.eval(f"document.getElementById('token').value = {json.dumps(TOKEN)}; "
                      "document.getElementById('login').requestSubmit(); true")
@@ -208,6 +203,7 @@ async def drive_page(c: Cluster, tmp: Path) -> None:
             f"(r => ['east', 'west', 'trainer'].every(x => r.includes(x)) && r)({REGIONS_JS})",
             30, "every region on the page")
         assert sorted(regions) == ["east", "trainer", "west"]
+        assert await b.eval(f"!{SHOWN_JS}('login') && {SHOWN_JS}('forget')"), "form hidden"
         await b.wait_for(f"(v => v.r1 === '0' && v.r2 === '0')(JSON.parse({VERSIONS_JS}))", 30,
                          "r1 and r2 at v0 on the page")
 
