@@ -17,10 +17,10 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check chain daemon trainer rollout demo tests bench
+	$(VENV)/bin/ruff check chain daemon trainer rollout demo tests bench ops
 
 test: $(STAMP)
-	$(VENV)/bin/ruff check chain daemon trainer rollout demo tests bench
+	$(VENV)/bin/ruff check chain daemon trainer rollout demo tests bench ops
 	$(PY) -m pytest -q
 
 demo: $(STAMP)
