@@ -267,7 +267,7 @@ def report(rows: list[dict]) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--fresh", action="store_true", help="redo the cached pre-training")
     ap.add_argument("--pretrain-steps", type=int, default=150)
     ap.add_argument("--lr", type=float, default=1e-6)

@@ -209,7 +209,7 @@ def manifest_figures(tensors: int, blocks: int) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", type=int, default=10_000)
     ap.add_argument("--regions", type=int, default=100)
     ap.add_argument("--small", type=int, default=200, help="one-entry reports to time")

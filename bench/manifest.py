@@ -44,7 +44,7 @@ def timed(fn) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tensors", type=int, default=200_000)
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as d:

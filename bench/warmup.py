@@ -92,7 +92,7 @@ def case(root: Path, mode: str, cache: Path) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--numel", type=int, default=4_000_000, help="elements per tensor (4 tensors)")
     a = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="warmup-bench-") as tmp:

@@ -35,7 +35,7 @@ def _daemon_url(url: str) -> str:
 class HttpListen(_Section):
     host: str = Field("127.0.0.1", pattern=_HOST)
     """Address the control plane (aiohttp) binds to."""
-    port: int = Field(8700, ge=1, le=65535)
+    port: int = Field(7600, ge=1, le=65535)
     """TCP port of the control plane."""
     advertise_url: Url | None = None
     """URL other daemons use to reach this one; default http://host:port (set it when binding

@@ -35,7 +35,7 @@ def check_port(host: str, port: int, field: str, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="deltaswarm daemon", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="deltaswarm daemon", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, type=Path, help="daemon YAML config")
     parser.add_argument("--log-level", default="INFO",
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"])

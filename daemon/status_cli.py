@@ -1,6 +1,6 @@
 """`deltaswarm status`: fetch a daemon's `GET /v1/status` and show it as rich tables, once or live.
 
-    deltaswarm status [--url http://127.0.0.1:8700 | --config /etc/deltaswarm/REGION.yaml]
+    deltaswarm status [--url http://127.0.0.1:7600 | --config /etc/deltaswarm/REGION.yaml]
                       [--token T] [--peers] [--versions] [--fleet] [--json]
                       [--watch [--interval 2]]
 
@@ -27,7 +27,7 @@ from rich.text import Text
 from daemon.status import NodeStatus
 from daemon.status_fleet import fleet_render
 
-DEFAULT_URL = "http://127.0.0.1:8700"
+DEFAULT_URL = "http://127.0.0.1:7600"
 
 
 class StatusError(RuntimeError):
@@ -231,7 +231,7 @@ def from_config(path: Path) -> tuple[str, str | None]:
     if not url:
         host = str(http.get("host", "127.0.0.1"))
         host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
-        url = f"http://{f'[{host}]' if ':' in host else host}:{http.get('port', 8700)}"
+        url = f"http://{f'[{host}]' if ':' in host else host}:{http.get('port', 7600)}"
     token = doc.get("token")
     if not token and doc.get("token_file"):
         tf = Path(os.path.expanduser(str(doc["token_file"])))
@@ -244,7 +244,7 @@ def from_config(path: Path) -> tuple[str, str | None]:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="deltaswarm status", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="deltaswarm status", description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", help=f"daemon control-plane URL (default {DEFAULT_URL})")
     ap.add_argument("--config", type=Path, help="take URL and token from this daemon config")
     ap.add_argument("--token", help="bearer token (default $DELTASWARM_TOKEN or the config's)")

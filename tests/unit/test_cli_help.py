@@ -1,0 +1,29 @@
+"""What a newcomer first reads: every command's --help description is whole (not cut at the
+first line of its docstring), and `deltaswarm status` with no arguments asks the port a daemon
+listens on by default."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from daemon import status_cli
+from daemon.cli import COMMANDS
+from daemon.config import HttpListen
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("command", ["daemon", "status"])
+def test_help_description_is_a_whole_paragraph(command):
+    out = subprocess.run([sys.executable, "-m", "daemon.cli", command, "--help"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    description = out.stdout.split("\n\n")[1]
+    assert description.rstrip().endswith((".", ":")), description
+
+
+def test_status_with_no_arguments_asks_the_default_daemon_port():
+    assert status_cli.DEFAULT_URL.endswith(f":{HttpListen().port}")
+    assert "daemon" in COMMANDS
