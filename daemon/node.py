@@ -448,7 +448,7 @@ async def _role(app: web.Application) -> AsyncIterator[None]:
     checker = node.spawn(node.selfcheck.run(), "self-check")
     gateways = node.spawn(node.peering.watch(
         node.book, lambda: node.artifacts.swarm,
-        lambda: wanting(node.role.syncer, node.artifacts.swarm)), "gateway-watch")
+        lambda: wanting(node.role.syncer, node.artifacts.swarm, node.book)), "gateway-watch")
     yield
     node.stopping = True
     node.selfcheck.stop()

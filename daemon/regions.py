@@ -90,6 +90,8 @@ MIN_SERVED = 16 * 1024
 WATCH_S = 0.5
 """How often the swarm's per-connection counters are read (`watch`)."""
 MAX_DEMOTE_S = 3600.0
+MAX_OWN = 1024
+"""First-hand regions are pruned to the book's peers once past 4x this many."""
 
 
 def rank(region: str, node: str) -> str:
@@ -192,6 +194,8 @@ class RegionPeering:
         with contextlib.suppress(BadName, TypeError):
             where = check_node(region) if region is not None else None
             self.own[url] = (where, role if role in ("trainer", "region") else None)
+        if len(self.own) > 4 * MAX_OWN and self.book is not None:
+            self.own = {u: v for u, v in self.own.items() if u in self.book.peers}
 
     def where(self, p: "Peer") -> tuple[str | None, str | None]:
         region, role = self.own.get(p.url, (None, None))
@@ -412,7 +416,8 @@ def link_bytes(book: "PeerBook", swarm_status: dict) -> dict[str, dict[str, int]
     this node's region), `cross` (another region), `unknown` (region not known yet), each
     `up`/`down`. Connections are matched to peers by IP address (incoming ones come from
     ephemeral ports); torrents already removed are not counted."""
-    region_of = {p.bt[0]: p.region for p in book.peers.values() if p.bt is not None}
+    peering = book.peering if isinstance(book.peering, RegionPeering) else RegionPeering()
+    region_of = {p.bt[0]: peering.where(p)[0] for p in book.peers.values() if p.bt is not None}
     out = {c: {"up": 0, "down": 0} for c in ("local", "cross", "unknown")}
     for t in (swarm_status.get("torrents") or {}).values():
         for pi in t.get("peer_list") or []:
@@ -423,16 +428,23 @@ def link_bytes(book: "PeerBook", swarm_status: dict) -> dict[str, dict[str, int]
     return out
 
 
-def wanting(syncer: object, swarm: "Swarm | None") -> bool:
+def wanting(syncer: object, swarm: "Swarm | None", book: "PeerBook") -> bool:
     """Whether `syncer` (a region's `daemon.sync.Syncer`; None on the trainer) is downloading an
-    artifact some peer lists as held, past libtorrent's file check: only then does a silent
-    gateway count against its deadline (a version nobody holds yet demotes no one)."""
+    artifact that a live peer's fresh index lists as held, past libtorrent's file check: only
+    then does a silent gateway count against its deadline (a version nobody live holds, e.g.
+    while the trainer restarts, demotes no one)."""
     if syncer is None or swarm is None:
         return False
-    held = getattr(syncer, "plan_holders", {})
+    now = time.monotonic()
+
+    def live(url: str) -> bool:
+        p = book.peers.get(url)
+        return p is not None and p.failures < DEAD_AFTER and not p.banned(now)
+
+    holders = getattr(syncer, "holders", None)
     local = set(swarm.complete())
     for artifact in list(getattr(syncer, "downloads", {})):
-        if held.get(artifact, 0) <= 0 or artifact in local:
+        if artifact in local or holders is None or not holders.holding(artifact, live):
             continue
         with contextlib.suppress(Exception):  # left the swarm meanwhile: not wanted
             p = swarm.progress(artifact)
