@@ -39,8 +39,9 @@ both eu nodes, and every version reached eu only after a 15-17 s stall):
   only orders members that never served anything (a fleet's first version), never a node that
   did; and a region's first version costs a name-chooser one deadline, below.
 - A silent gateway is passed over. A node whose region's gateway is another node, while it
-  downloads an artifact some peer lists as held, and that receives no payload from anyone for
-  `deadline_s` (seconds; far below the 20 s stall timeout), demotes that gateway: for
+  downloads an artifact a live peer lists as held, and that receives less than MIN_SERVED
+  payload bytes from anyone in `deadline_s` (seconds; far below the 20 s stall timeout; a
+  trickle does not hold the deadline off), demotes that gateway: for
   `demote_s` (doubling on each repeat, at most an hour) it is not electable in this node's view,
   so the next member by the key, or this node itself, fetches across regions meanwhile.
   Status (`region_peering`) lists the elected gateways, this region's candidates and the
@@ -61,7 +62,7 @@ import hashlib
 import logging
 import random
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -109,8 +110,8 @@ class Service:
         """peer url → payload bytes received from it."""
         self.taken: Counter[str] = Counter()
         """peer url → payload bytes sent to it."""
-        self.received_at = 0.0
-        """Monotonic time this node last received payload from anyone."""
+        self.received: deque[tuple[float, int]] = deque(maxlen=4096)
+        """(monotonic time, payload bytes received from anyone) per reading that got some."""
         self._last: dict[tuple[str, str], tuple[int, int]] = {}
 
     def update(self, book: "PeerBook", conns: list[tuple[str, str, int, int]],
@@ -140,7 +141,11 @@ class Service:
                 self.taken[url] += d_up
         self._last = seen
         if got > 0:
-            self.received_at = now
+            self.received.append((now, got))
+
+    def received_since(self, t: float) -> int:
+        """Payload bytes received from anyone after monotonic time `t`."""
+        return sum(n for at, n in self.received if at > t)
 
 
 @dataclass
@@ -282,8 +287,9 @@ class RegionPeering:
     def tick(self, book: "PeerBook", conns: list[tuple[str, str, int, int]], wanting: bool,
              now: float | None = None) -> None:
         """One reading of the swarm (`conns`: `Swarm.peer_bytes()`); `wanting`: this node is
-        downloading something a peer lists as held. Demotes this region's gateway when nothing
-        arrived for `deadline_s` of wanting while it was gateway."""
+        downloading something a live peer lists as held. Demotes this region's gateway when,
+        after `deadline_s` of wanting while it was gateway, less than MIN_SERVED payload bytes
+        arrived (from anyone) in the last `deadline_s`."""
         now = time.monotonic() if now is None else now
         self.book = book
         self.service.update(book, conns, now)
@@ -299,13 +305,16 @@ class RegionPeering:
             return
         if self._want_since is None:
             self._want_since = now
-        quiet_from = max(self._want_since, self._gateway_since, self.service.received_at)
-        if now - quiet_from < self.deadline_s:
+        if now - max(self._want_since, self._gateway_since) < self.deadline_s:
+            return
+        got = self.service.received_since(now - self.deadline_s)
+        if got >= MIN_SERVED:
             return
         for m in mine:
             assert m.url is not None
-            self.demote(m.url, m.node, f"nothing received for {now - quiet_from:.1f}s while "
-                                       "downloading what a peer holds", now)
+            self.demote(m.url, m.node, f"{got} payload bytes received in the last "
+                                       f"{self.deadline_s:g}s while downloading what a live "
+                                       "peer holds", now)
         self._gateway_set, self._gateway_since = frozenset(), now
 
     async def watch(self, book: "PeerBook", swarm: "Callable[[], Swarm | None]",

@@ -210,20 +210,26 @@ def test_a_gateway_that_delivers_nothing_is_demoted_after_the_deadline() -> None
     b.peering.tick(b, [], wanting=True, now=t0 + 14.1)
     assert list(b.peering.demoted) == ["http://10.66.0.1:8700"]
     d = b.peering.demoted["http://10.66.0.1:8700"]
-    assert d["node"] == fake and "nothing received" in d["reason"] and d["since"] > 0
+    assert d["node"] == fake and "0 payload bytes" in d["reason"] and d["since"] > 0
     assert b.peering.elect(b, t0 + 14.2)["b"][0].node == order[0]
     st = b.peering.status()
     assert st["demotions"] == 1 and st["demoted"][0]["active"] and fake not in st["gateways"]["b"]
     # the next gateway gets a full deadline of its own, and bytes from anyone reset the clock
     b.peering.tick(b, [], wanting=True, now=t0 + 16)
     first = f"{bts[order[0]][0]}:{bts[order[0]][1]}"
-    b.peering.tick(b, [("v00000001.delta", first, 100, 0)], wanting=True, now=t0 + 17)
-    b.peering.tick(b, [("v00000001.delta", first, 100, 0)], wanting=True, now=t0 + 19.5)
+    b.peering.tick(b, [("v00000001.delta", first, 100, 0)], wanting=True, now=t0 + 16.5)
+    b.peering.tick(b, [("v00000001.delta", first, 100, 0)], wanting=True, now=t0 + 18.5)
     assert len(b.peering.demoted) == 1
-    b.peering.tick(b, [("v00000001.delta", first, 100, 0)], wanting=True, now=t0 + 20.2)
+    b.peering.tick(b, [("v00000001.delta", first, 100, 0)], wanting=True, now=t0 + 19.1)
+    assert len(b.peering.demoted) == 2  # a trickle (100 bytes) does not hold the deadline off
+    del b.peering.demoted[next(p.url for p in b.peers.values() if p.node == order[0])]
+    b.peering.tick(b, [("v00000001.delta", first, 65636, 0)], wanting=True, now=t0 + 20)
+    b.peering.tick(b, [("v00000001.delta", first, 65636, 0)], wanting=True, now=t0 + 22.5)
+    assert len(b.peering.demoted) == 1
+    b.peering.tick(b, [("v00000001.delta", first, 65636, 0)], wanting=True, now=t0 + 23.2)
     assert order[0] in {d["node"] for d in b.peering.demoted.values()}
     # this node is next: it dials across regions (not the demoted fake)
-    assert b.peering.elect(b, t0 + 20.3)["b"][0].node == order[1]
+    assert b.peering.elect(b, t0 + 23.3)["b"][0].node == order[1]
     dial = set(b.swarm_endpoints())
     assert b.peering.last["gateway"] and bts["c1"] in dial
 
