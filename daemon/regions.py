@@ -102,8 +102,8 @@ def rank(region: str, node: str) -> str:
 
 class Service:
     """Payload bytes each peer delivered to this node and took from it, summed per peer (control
-    URL) over the connections libtorrent reports as they come and go, and when this node last
-    received any payload at all."""
+    URL) over the connections libtorrent reports as they come and go, and what this node
+    received from anyone lately."""
 
     def __init__(self) -> None:
         self.delivered: Counter[str] = Counter()
@@ -118,10 +118,11 @@ class Service:
                now: float) -> None:
         """Take one reading of `Swarm.peer_bytes()`; a connection's counters only grow, so a
         drop means a new connection on that key (counted from zero)."""
-        exact = {f"{p.bt[0]}:{p.bt[1]}": p.url for p in book.peers.values() if p.bt}
+        exact: dict[str, list[str]] = {}
         by_ip: dict[str, list[str]] = {}
         for p in book.peers.values():
             if p.bt:
+                exact.setdefault(f"{p.bt[0]}:{p.bt[1]}", []).append(p.url)
                 by_ip.setdefault(p.bt[0], []).append(p.url)
         seen: dict[tuple[str, str], tuple[int, int]] = {}
         got = 0
@@ -132,10 +133,12 @@ class Service:
             d_up = up - last_up if up >= last_up else up
             seen[key] = (down, up)
             got += d_down
-            url = exact.get(endpoint.replace("[", "").replace("]", ""))
-            if url is None:
-                urls = by_ip.get(endpoint.rpartition(":")[0].strip("[]"), [])
-                url = urls[0] if len(urls) == 1 else None
+            # the peer at that exact endpoint, else the only one at that address; bytes from
+            # an endpoint two entries claim are credited to neither (a copied endpoint earns
+            # nothing)
+            urls = (exact.get(endpoint.replace("[", "").replace("]", ""))
+                    or by_ip.get(endpoint.rpartition(":")[0].strip("[]"), []))
+            url = urls[0] if len(urls) == 1 else None
             if url is not None:
                 self.delivered[url] += d_down
                 self.taken[url] += d_up

@@ -246,3 +246,17 @@ def test_the_region_a_peer_gives_in_its_own_index_wins_over_a_rewritten_book_ent
     b.swarm_endpoints()
     assert not b.peering.last["gateway"] and b.peering.last["gateways"]["b"] == [order[0]]
     assert "mallory" not in b.peering.last["gateways"]
+
+
+def test_bytes_from_an_endpoint_two_entries_claim_are_credited_to_neither() -> None:
+    me = sorted(MEMBERS["b"], key=lambda n: rank("b", n))[-1]
+    b = book_for(me, "b")
+    bts = fleet(b, MEMBERS)
+    server = next(n for n in MEMBERS["b"] if n != me)
+    fake = fake_first("b", MEMBERS["b"])
+    copy = b.learn("http://10.66.0.2:8700", bts[server], fake, region="b", role="region")
+    copy.proven = True
+    b.peering.tick(b, [("v00000000.snapshot", f"{bts[server][0]}:{bts[server][1]}",
+                        64 * 1024, 0)], wanting=False)
+    assert b.peering.service.delivered[copy.url] == 0
+    assert not any(c["served"] for c in b.peering.status()["candidates"] if c["node"] == fake)
