@@ -85,6 +85,12 @@ class RegionPeeringConfig(_Section):
     gateways: int = Field(1, ge=1, le=64)
     """Nodes per region that fetch across regions (more: faster failover, more cross-region
     bytes)."""
+    gateway_deadline_s: float = Field(5.0, gt=0, le=3600)
+    """A node downloading what a peer holds that receives nothing for this long passes over
+    its region's gateway (demotes it) and the next member, or itself, fetches across regions
+    (seconds: far below sync.progress_timeout_s)."""
+    gateway_demote_s: float = Field(120.0, gt=0, le=3600)
+    """How long a demoted gateway stays passed over; doubles on each repeat, at most 1 h."""
 
 
 class RetentionConfig(_Section):

@@ -62,6 +62,10 @@ class Holders:
         return [url for url, (at, _, _) in self.listed.items()
                 if now - at <= self.settings.unoffered_timeout_s and usable(url)]
 
+    def holding(self, artifact: str, usable: Callable[[str], bool]) -> list[str]:
+        """Peers (`usable(url)`) whose listing counts now and names `artifact` as held."""
+        return [url for url in self.fresh(usable) if artifact in self.listed[url][2]]
+
     def give_up(self, artifact: str, reason: str) -> None:
         """Plan around `artifact` for a while; the peers listing it now are remembered, so only
         a holder that was not listing it then brings it back early."""

@@ -49,7 +49,13 @@ from daemon.live import LiveNodes
 from daemon.peer_client import PeerClient, PeerError
 from daemon.peers import BadPeer, Peer, PeerBook, check_url
 from daemon.publish import Seeder
-from daemon.regions import RegionPeering, discover_loop, link_bytes
+from daemon.regions import (
+    GatewayMetrics,
+    RegionPeering,
+    discover_loop,
+    link_bytes,
+    wanting,
+)
 from daemon.report import Sources, build_status
 from daemon.retain import Keeper
 from daemon.roles import RegionRole, TrainerRole
@@ -133,8 +139,11 @@ class Node:
         except BadPeer as e:
             raise ConfigError(f"config {config_path}: field http.advertise_url or bootstrap: "
                               f"{e}") from None
-        self.peering = RegionPeering(cfg.region_peering.mode, cfg.region_peering.gateways)
+        self.peering = RegionPeering(cfg.region_peering.mode, cfg.region_peering.gateways,
+                                     cfg.region_peering.gateway_deadline_s,
+                                     cfg.region_peering.gateway_demote_s)
         self.book.set_region(cfg.region, cfg.role, self.peering)
+        self.peering.book = self.book
         self.store = ChainStore(self.paths.chain, keys.parse_public(cfg.trainer_public_key))
         self.weights = WeightsDir(self.paths.weights, keep=cfg.retention.weight_dirs)
         self.board = Board()
@@ -163,6 +172,7 @@ class Node:
             fleet=self.fleet, live=self.live,
             complaint=lambda artifact: self.selfcheck.request(artifact, "complaint"))
         self._registry = metrics.build_registry(self.status_model)
+        self._registry.register(GatewayMetrics(self.peering))  # daemon/regions.py
         self._forwarding: asyncio.Task | None = None
 
     def _live_versions(self) -> list[int | None]:
@@ -436,10 +446,14 @@ async def _role(app: web.Application) -> AsyncIterator[None]:
                 if node.cfg.role == "region" else None)
     await node.role.start(node.spawn)
     checker = node.spawn(node.selfcheck.run(), "self-check")
+    gateways = node.spawn(node.peering.watch(
+        node.book, lambda: node.artifacts.swarm,
+        lambda: wanting(node.role.syncer, node.artifacts.swarm, node.book)), "gateway-watch")
     yield
     node.stopping = True
     node.selfcheck.stop()
     await stop_task(checker)
+    await stop_task(gateways)
     await node.role.stop(node.cfg.shutdown_timeout_s / 2)
     await stop_task(prover)
     if discover is not None:

@@ -2,12 +2,13 @@
 
 A block is named by the xxh3-128 of its bytes and pinned by the signed manifest, so each served
 file (`swarm/<artifact>/ab/<id>`, a hard link of the chain store's block) is read back and
-hashed: once at start, every `interval_s`, and at once for an artifact when a piece of ours fails
-libtorrent's check while seeding or a peer complains that we sent it bad data. Reads stay within
-`bytes_per_s`, so a pass never starves serving or applying. A corrupt block stops being served
-at once (the torrent is removed), its file and store copy are deleted, and the artifact is
-fetched again from the swarm; libtorrent rechecks what is on disk and downloads only the pieces
-that are missing, and the refetched blocks enter the store only after their id verifies.
+hashed: once at start, every `interval_s` (a clock that requests never move), and at once for an
+artifact when a piece of ours fails libtorrent's check while seeding or a peer complains that we
+sent it bad data. Reads stay within `bytes_per_s`, so a pass never starves serving or applying.
+A corrupt block stops being served at once (the torrent is removed), its file and store copy are
+deleted, and the artifact is fetched again from the swarm; libtorrent rechecks what is on disk
+and downloads only the pieces that are missing, and the refetched blocks enter the store only
+after their id verifies.
 """
 
 import asyncio
@@ -48,6 +49,8 @@ class SelfCheck:
         self._wanted: dict[str, str] = {}
         self._asked_at: dict[str, float] = {}
         self._stopping = False
+        self.next_pass_at = 0.0
+        """Monotonic time of the next scheduled pass (set when `run` starts)."""
         self.state = "idle"
         self.runs = 0
         self.last_run_at: float | None = None
@@ -80,18 +83,24 @@ class SelfCheck:
 
     # --- the loop ---------------------------------------------------------------------------
     async def run(self) -> None:
+        """The start pass, then a scheduled pass every `interval_s` on a clock of its own:
+        requested checks run in between and never move it (issue 20, finding 6: a complaint
+        more often than `interval_s` used to restart the wait, so the full pass never ran)."""
         if self.cfg.on_start:
             await self.check(None, "start")
+        self.next_pass_at = time.monotonic() + self.cfg.interval_s
         while not self._stopping:
             self.wake.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.wake.wait(), self.cfg.interval_s)
+            left = self.next_pass_at - time.monotonic()
+            if left > 0 and not self._wanted:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.wake.wait(), left)
             wanted, self._wanted = self._wanted, {}
-            if wanted:
-                for artifact, trigger in sorted(wanted.items()):
-                    await self.check([artifact], trigger)
-            else:
+            for artifact, trigger in sorted(wanted.items()):
+                await self.check([artifact], trigger)
+            if time.monotonic() >= self.next_pass_at and not self._stopping:
                 await self.check(None, "schedule")
+                self.next_pass_at = time.monotonic() + self.cfg.interval_s
 
     def stop(self) -> None:
         self._stopping = True

@@ -258,6 +258,22 @@ class Swarm:
                 "upload_rate_limit": self._limit("upload_rate_limit"),
                 "download_rate_limit": self._limit("download_rate_limit")}
 
+    def peer_bytes(self) -> list[tuple[str, str, int, int]]:
+        """(artifact, connection `ip:port`, payload bytes received from it, sent to it) for every
+        current connection, as libtorrent counts them per connection (daemon/regions.py sums
+        them per peer: which peers actually serve data)."""
+        with self._lock:
+            items = list(self._torrents.items())
+        out = []
+        for artifact, t in items:
+            try:
+                infos = t.handle.get_peer_info()
+            except RuntimeError:
+                continue  # removed meanwhile
+            out += [(artifact, _fmt((pi.ip[0], int(pi.ip[1]))), pi.total_download,
+                     pi.total_upload) for pi in infos]
+        return out
+
     def set_rate_limits(self, upload: int, download: int) -> None:
         """Session caps in bytes/s (0: unlimited); safe while transfers run (SIGHUP reload)."""
         if upload < 0 or download < 0:

@@ -50,6 +50,7 @@ from daemon.config import SyncConfig
 from daemon.holders import Holders
 from daemon.peer_client import BadReply, PeerClient, PeerError, torrent_cap
 from daemon.peers import BadPeer, Peer, PeerBook, check_node, parse_endpoint
+from daemon.regions import heard_from
 from daemon.retain import Keeper
 from daemon.swarm import SwarmError
 
@@ -272,6 +273,7 @@ class Syncer:
                 raise BadReply(peer.url, "index has a bt endpoint that is not ip:port") from None
         with contextlib.suppress(BadPeer):
             self.book.learn(peer.url, region=index.get("region"), role=index.get("role"))
+        heard_from(self.book, peer.url, index)
         listed = index.get("peers") or []
         if not isinstance(listed, list):
             raise BadReply(peer.url, "index peers is not a list")

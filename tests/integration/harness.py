@@ -259,7 +259,8 @@ class Cluster:
 class Hostile:
     """A hostile peer process (tests/integration/hostile.py) on its own loopback address."""
 
-    def __init__(self, root: Path, host: str, mode: str, chain_dir: Path | None = None) -> None:
+    def __init__(self, root: Path, host: str, mode: str, chain_dir: Path | None = None,
+                 extra: list[str] | None = None) -> None:
         self.mode, self.host = mode, host
         self.port = free_port(host)
         self.url = f"http://{host}:{self.port}"
@@ -271,6 +272,7 @@ class Hostile:
                 str(self.port), "--mode", mode, "--token", TOKEN, "--log", str(self.log_path)]
         if chain_dir is not None:
             argv += ["--chain-dir", str(chain_dir)]
+        argv += extra or []
         out = open(self.dir / "server.log", "ab")  # noqa: SIM115 (owned by the child)
         self.proc = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
                                      stdout=out, stderr=subprocess.STDOUT)

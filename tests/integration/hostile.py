@@ -14,6 +14,9 @@ holder can):
 - victim: a third party: never proves; answers every path with VICTIM_TEXT.
 - upstream: POST /ingest answers 429 with Retry-After "nan" then "-1" alternately.
 - chain: serves --chain-dir's head.json, index.json, manifests/*.json and torrents/*.torrent.
+- gateway: a node of `--region` named `--node` whose BitTorrent endpoint (`--bt-port`, same
+  host) accepts connections and never sends a byte; its head is empty (held open like a real
+  long-poll) and its index says which region it is in (issue 20, finding 4).
 Every request is logged as `<method> <path> auth=<0|1>` to --log.
 """
 
@@ -36,8 +39,10 @@ def hello_proof(token: str, nonce: str, url: str) -> str:
     return hmac.new(token.encode(), msg, hashlib.sha256).hexdigest()
 
 
-def build(mode: str, token: str, url: str, log: Path, chain_dir: Path | None) -> web.Application:
+def build(mode: str, token: str, url: str, log: Path, chain_dir: Path | None,
+          node: dict | None = None) -> web.Application:
     count = {"n": 0}
+    node = node or {}
 
     @web.middleware
     async def record(request: web.Request, handler):
@@ -80,6 +85,10 @@ def build(mode: str, token: str, url: str, log: Path, chain_dir: Path | None) ->
         if mode == "chain" and chain_dir is not None:
             return web.Response(body=(chain_dir / "head.json").read_bytes(),
                                 content_type="application/json")
+        if mode == "gateway":
+            await asyncio.sleep(min(float(request.query.get("timeout") or 5), 5.0))
+            return web.json_response({"version": None, "artifacts": [], "bt": node["bt"],
+                                      "node": node["name"], "url": url})
         await asyncio.sleep(0.5)
         return web.json_response({"version": 10**12, "node": mode, "url": url,
                                   "artifacts": []})
@@ -92,6 +101,10 @@ def build(mode: str, token: str, url: str, log: Path, chain_dir: Path | None) ->
         if mode == "chain" and chain_dir is not None:
             return web.Response(body=(chain_dir / "index.json").read_bytes(),
                                 content_type="application/json")
+        if mode == "gateway":
+            return web.json_response({"artifacts": [], "head": None, "held": [], "seeding": [],
+                                      "bt": node["bt"], "node": node["name"], "url": url,
+                                      "region": node["region"], "role": "region", "peers": []})
         return web.json_response({"artifacts": [], "head": 10**12, "peers": []})
 
     async def files(request: web.Request) -> web.StreamResponse:
@@ -137,10 +150,25 @@ def main() -> None:
     ap.add_argument("--token", required=True)
     ap.add_argument("--log", type=Path, required=True)
     ap.add_argument("--chain-dir", type=Path)
+    ap.add_argument("--node", default="hostile")
+    ap.add_argument("--region", default="hostile")
+    ap.add_argument("--bt-port", type=int)
     a = ap.parse_args()
     url = f"http://{a.host}:{a.port}"
-    web.run_app(build(a.mode, a.token, url, a.log, a.chain_dir), host=a.host, port=a.port,
-                print=None, access_log=None, shutdown_timeout=0.5)
+    node = {"name": a.node, "region": a.region, "bt": f"{a.host}:{a.bt_port}"}
+    app = build(a.mode, a.token, url, a.log, a.chain_dir, node)
+    if a.bt_port:
+        async def silent_bt(app: web.Application):
+            async def swallow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+                while await reader.read(65536):
+                    pass  # reads what it is sent, never answers
+                writer.close()
+            server = await asyncio.start_server(swallow, a.host, a.bt_port)
+            yield
+            server.close()
+        app.cleanup_ctx.append(silent_bt)
+    web.run_app(app, host=a.host, port=a.port, print=None, access_log=None,
+                shutdown_timeout=0.5)
 
 
 if __name__ == "__main__":

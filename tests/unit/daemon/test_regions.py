@@ -155,3 +155,108 @@ def test_link_bytes_classes_connections_by_the_peers_region() -> None:
     assert link_bytes(b, status) == {"local": {"up": 100, "down": 7},
                                      "cross": {"up": 5, "down": 900},
                                      "unknown": {"up": 1, "down": 2}}
+
+
+# --- gateways earn their role (issue 20, finding 4) -------------------------------------------
+
+def fake_first(region: str, names: list[str]) -> str:
+    """A name that ranks before every one of `names`, as an attacker would choose it."""
+    best = min(rank(region, n) for n in names)
+    return next(f"aaa-{i}" for i in range(100_000) if rank(region, f"aaa-{i}") < best)
+
+
+def with_fake(book: PeerBook, region: str) -> tuple[str, tuple[str, int]]:
+    fake = fake_first(region, MEMBERS[region])
+    bt = ("10.66.0.1", 6881)
+    p = book.learn("http://10.66.0.1:8700", bt, fake, region=region, role="region")
+    p.proven = True
+    return fake, bt
+
+
+def test_a_first_ranking_name_that_never_served_is_outranked_by_a_member_that_did() -> None:
+    me = sorted(MEMBERS["b"], key=lambda n: rank("b", n))[-1]
+    b = book_for(me, "b")
+    bts = fleet(b, MEMBERS)
+    fake, _ = with_fake(b, "b")
+    assert b.peering.elect(b)["b"][0].node == fake  # nobody served yet: rank alone decides
+    server = next(n for n in MEMBERS["b"] if n != me)
+    b.peering.tick(b, [("v00000000.snapshot", f"{bts[server][0]}:{bts[server][1]}",
+                        64 * 1024, 0)], wanting=False)
+    assert b.peering.elect(b)["b"][0].node == server
+    assert not b.peering.last.get("gateway")
+    b.swarm_endpoints()
+    assert b.peering.last["gateways"]["b"] == [server]
+    st = b.peering.status()
+    assert st["gateways"]["b"] == [server] and not st["gateway"]
+    cand = {c["node"]: c for c in st["candidates"]}
+    assert cand[server]["served"] and not cand[fake]["served"]
+
+
+def test_a_gateway_that_delivers_nothing_is_demoted_after_the_deadline() -> None:
+    import time
+
+    order = sorted(MEMBERS["b"], key=lambda n: rank("b", n))
+    b = book_for(order[1], "b")
+    b.peering.deadline_s = 3.0
+    bts = fleet(b, MEMBERS)
+    fake, _ = with_fake(b, "b")
+    t0 = time.monotonic()
+    b.peering.tick(b, [], wanting=False, now=t0)
+    b.peering.tick(b, [], wanting=False, now=t0 + 10)
+    assert not b.peering.demoted  # not downloading: no deadline runs
+    b.peering.tick(b, [], wanting=True, now=t0 + 11)
+    b.peering.tick(b, [], wanting=True, now=t0 + 13)
+    assert not b.peering.demoted
+    b.peering.tick(b, [], wanting=True, now=t0 + 14.1)
+    assert list(b.peering.demoted) == ["http://10.66.0.1:8700"]
+    d = b.peering.demoted["http://10.66.0.1:8700"]
+    assert d["node"] == fake and "0 payload bytes" in d["reason"] and d["since"] > 0
+    assert b.peering.elect(b, t0 + 14.2)["b"][0].node == order[0]
+    st = b.peering.status()
+    assert st["demotions"] == 1 and st["demoted"][0]["active"] and fake not in st["gateways"]["b"]
+    # the next gateway gets a full deadline of its own, and bytes from anyone reset the clock
+    b.peering.tick(b, [], wanting=True, now=t0 + 16)
+    first = f"{bts[order[0]][0]}:{bts[order[0]][1]}"
+    b.peering.tick(b, [("v00000001.delta", first, 100, 0)], wanting=True, now=t0 + 16.5)
+    b.peering.tick(b, [("v00000001.delta", first, 100, 0)], wanting=True, now=t0 + 18.5)
+    assert len(b.peering.demoted) == 1
+    b.peering.tick(b, [("v00000001.delta", first, 100, 0)], wanting=True, now=t0 + 19.1)
+    assert len(b.peering.demoted) == 2  # a trickle (100 bytes) does not hold the deadline off
+    del b.peering.demoted[next(p.url for p in b.peers.values() if p.node == order[0])]
+    b.peering.tick(b, [("v00000001.delta", first, 65636, 0)], wanting=True, now=t0 + 20)
+    b.peering.tick(b, [("v00000001.delta", first, 65636, 0)], wanting=True, now=t0 + 22.5)
+    assert len(b.peering.demoted) == 1
+    b.peering.tick(b, [("v00000001.delta", first, 65636, 0)], wanting=True, now=t0 + 23.2)
+    assert order[0] in {d["node"] for d in b.peering.demoted.values()}
+    # this node is next: it dials across regions (not the demoted fake)
+    assert b.peering.elect(b, t0 + 23.3)["b"][0].node == order[1]
+    dial = set(b.swarm_endpoints())
+    assert b.peering.last["gateway"] and bts["c1"] in dial
+
+
+def test_the_region_a_peer_gives_in_its_own_index_wins_over_a_rewritten_book_entry() -> None:
+    order = sorted(MEMBERS["b"], key=lambda n: rank("b", n))
+    b = book_for(order[1], "b")
+    fleet(b, MEMBERS)
+    gw = next(p for p in b.peers.values() if p.node == order[0])
+    learn_index(b, gw, {"region": "b", "role": "region"})
+    b.learn_header(f"{gw.url} {gw.bt[0]}:{gw.bt[1]} {gw.node}", "mallory region")
+    b.learn_header(f"{gw.url} {gw.bt[0]}:{gw.bt[1]} {gw.node}", "mallory region")
+    assert gw.region == "mallory"  # the book took the header
+    b.swarm_endpoints()
+    assert not b.peering.last["gateway"] and b.peering.last["gateways"]["b"] == [order[0]]
+    assert "mallory" not in b.peering.last["gateways"]
+
+
+def test_bytes_from_an_endpoint_two_entries_claim_are_credited_to_neither() -> None:
+    me = sorted(MEMBERS["b"], key=lambda n: rank("b", n))[-1]
+    b = book_for(me, "b")
+    bts = fleet(b, MEMBERS)
+    server = next(n for n in MEMBERS["b"] if n != me)
+    fake = fake_first("b", MEMBERS["b"])
+    copy = b.learn("http://10.66.0.2:8700", bts[server], fake, region="b", role="region")
+    copy.proven = True
+    b.peering.tick(b, [("v00000000.snapshot", f"{bts[server][0]}:{bts[server][1]}",
+                        64 * 1024, 0)], wanting=False)
+    assert b.peering.service.delivered[copy.url] == 0
+    assert not any(c["served"] for c in b.peering.status()["candidates"] if c["node"] == fake)

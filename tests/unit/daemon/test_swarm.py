@@ -254,3 +254,21 @@ def test_a_refreshed_torrent_dials_again_a_seed_that_came_back_on_its_endpoint(t
         assert not dl.refresh(ART), "a complete torrent is left alone"
     finally:
         back.close()
+
+
+def test_peer_bytes_names_each_connection_and_what_it_delivered(tmp_path, swarms):
+    """`Swarm.peer_bytes()` (daemon/regions.py's measure of who serves): per connection, the
+    payload received from and sent to that peer, as libtorrent counts it."""
+    blocks, tb = _store(tmp_path, 2, 1 << 20)
+    torrents.link_blocks(ART, blocks, tmp_path / "seed")
+    seed = swarms("127.0.0.2")
+    seed.seed(ART, tb, tmp_path / "seed")
+    peer = swarms("127.0.0.3")
+    peer.download(ART, tb, tmp_path / "n0", [seed.endpoint])
+    _until([seed, peer], lambda: peer.progress(ART).finished, 30)
+    got = peer.peer_bytes()
+    assert [(a, ep) for a, ep, _, _ in got] == [(ART, f"127.0.0.2:{seed.listen_port}")]
+    assert got[0][2] >= 2 << 20 and got[0][3] == 0
+    sent = seed.peer_bytes()
+    assert len(sent) == 1 and sent[0][0] == ART and sent[0][1].startswith("127.0.0.3:")
+    assert sent[0][3] >= 2 << 20
