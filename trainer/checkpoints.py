@@ -72,6 +72,8 @@ log = logging.getLogger("deltaswarm.checkpoints")
 
 MAX_FILE = 64 * 1024 * 1024
 """Largest non-weight file carried with a version (config, tokenizer); bigger ones are refused."""
+MAX_REFUSED = 100
+"""Refused directories published.json remembers (the newest)."""
 MAX_JSON = 64 * 1024 * 1024
 """Largest config.json or weight index read."""
 CARRIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -89,6 +91,11 @@ SHARD_NAME = re.compile(r"-\d{5}-of-\d{5}\.safetensors$")
 
 class Incomplete(ChainError):
     """The directory is not (yet) a whole checkpoint; the message says what is missing."""
+
+
+class Changed(Incomplete):
+    """The directory changed while it was being published: nothing of it was signed; the next
+    attempt reads it again."""
 
 
 class Refused(ChainError):
@@ -147,6 +154,8 @@ def _read(f: Path, limit: int) -> bytes:
             data = fh.read(limit + 1)
     except NotRegular as e:  # swapped after the check
         raise Refused(str(e)) from None
+    except OSError as e:  # unreadable (permissions) or gone: may pass, else it is abandoned
+        raise Incomplete(f"{f} cannot be read ({e})") from None
     if len(data) > limit:
         raise Refused(f"{f} grew past {limit} bytes while it was read")
     return data
@@ -214,7 +223,9 @@ def inspect_checkpoint(path: Path | str, marker: str | None = None,
                              f"{' (still being written)' if size < want else ''}")
         try:
             slots = read_header(f, follow=False)[1]
-        except (ChainError, OSError) as e:
+        except OSError as e:
+            raise Incomplete(f"{f} cannot be read ({e})") from None
+        except ChainError as e:
             raise Refused(f"{f}: not valid safetensors ({e})") from None
         for tensor, slot in slots.items():
             if (problem := tensor_problem(tensor, slot.dtype, slot.shape)) is not None:
@@ -265,7 +276,7 @@ def _unchanged(ckpt: Checkpoint) -> None:
     """Refuse to sign what was read if the trainer rewrote the directory meanwhile (what was
     read may mix two saves); the next scan sees the new files."""
     if _fingerprint(ckpt.path) != ckpt.fingerprint:
-        raise Incomplete(f"{ckpt.path} changed while it was being published; not signed")
+        raise Changed(f"{ckpt.path} changed while it was being published; not signed")
 
 
 @dataclass(frozen=True)
@@ -304,7 +315,7 @@ class CheckpointPublisher:
     # --- the ledger of published directories -------------------------------------------------
     def _load_ledger(self) -> dict[str, Any]:
         if not self.ledger_path.exists():
-            return {"run": self.run, "published": [], "pending": None}
+            return {"run": self.run, "published": [], "pending": None, "refused": []}
         try:
             doc = json.loads(self.ledger_path.read_text())
             doc["published"], doc.get("pending")
@@ -328,6 +339,17 @@ class CheckpointPublisher:
     def published(self) -> list[dict[str, Any]]:
         """Every directory published, in order: {dir, step, version}."""
         return list(self.ledger["published"])
+
+    def refused(self) -> list[dict[str, Any]]:
+        """Directories refused (the last MAX_REFUSED), oldest first: {dir, step, reason, at}."""
+        return list(self.ledger.get("refused", []))
+
+    def record_refused(self, path: Path | str, step: int | None, reason: str) -> None:
+        """Note in published.json that `path` was refused and why (what status shows)."""
+        entry = {"dir": str(Path(path).resolve()), "step": step, "reason": reason[:2000],
+                 "at": round(time.time(), 3)}
+        self.ledger["refused"] = [*self.refused(), entry][-MAX_REFUSED:]
+        self._write_ledger(self.ledger)
 
     def last_step(self) -> int | None:
         steps = [p["step"] for p in self.ledger["published"] if p["step"] is not None]
@@ -389,7 +411,7 @@ class CheckpointPublisher:
             new = FileSource(ckpt.path, only=ckpt.weights)
             return self._encode(ckpt, head, version, new, files)
         except FileChanged as e:
-            raise Incomplete(f"{ckpt.path} changed while it was being published; not signed "
+            raise Changed(f"{ckpt.path} changed while it was being published; not signed "
                              f"({e})") from None
         except NotRegular as e:
             raise Refused(str(e)) from None
