@@ -405,19 +405,20 @@ class CheckpointPublisher:
         """Encode, sign and add the delta (and snapshot when due) of `ckpt` as `version`.
         The checkpoint's weights are read with pread (FileSource `only`), not a memory map: a
         trainer truncating a file meanwhile is reported as a change, never a SIGBUS."""
-        new = None
+        changed = f"{ckpt.path} changed while it was being published; not signed"
         try:
             files = {name: _read(ckpt.path / name, MAX_FILE) for name in ckpt.files}
             new = FileSource(ckpt.path, only=ckpt.weights)
+        except NotRegular as e:  # swapped for a link or a pipe since it was inspected
+            raise Refused(str(e)) from None
+        except (ChainError, OSError) as e:  # inspected whole a moment ago: rewritten since
+            raise Changed(f"{changed} ({e})") from None
+        try:
             return self._encode(ckpt, head, version, new, files)
         except FileChanged as e:
-            raise Changed(f"{ckpt.path} changed while it was being published; not signed "
-                             f"({e})") from None
-        except NotRegular as e:
-            raise Refused(str(e)) from None
+            raise Changed(f"{changed} ({e})") from None
         finally:
-            if new is not None:
-                new.close()
+            new.close()
 
     def _encode(self, ckpt: Checkpoint, head: int | None, version: int, new: FileSource,
                 files: dict[str, bytes]) -> tuple[Manifest | None, Manifest | None]:

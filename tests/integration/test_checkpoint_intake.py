@@ -10,6 +10,7 @@ import json
 import os
 import re
 import signal
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +22,6 @@ from safetensors.torch import save_file
 from chain import keys
 from chain.store import ChainStore
 from tests.support import wait_until
-from tests.unit.trainer.test_checkpoint_intake import raw_safetensors
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -39,6 +39,13 @@ def _ckpt(d: Path, seed: int) -> Path:
     (d / "tokenizer.json").write_text('{"v": 1}')
     save_file(_state(seed), str(d / "model.safetensors"))
     return d
+
+
+def raw_safetensors(path: Path, header: dict, data: bytes) -> None:
+    """A safetensors file with exactly this header (what a buggy or hostile writer makes)."""
+    body = json.dumps(header).encode()
+    body += b" " * (-len(body) % 8)
+    path.write_bytes(struct.pack("<Q", len(body)) + body + data)
 
 
 def _config(tmp_path: Path, **watch) -> Path:
@@ -73,6 +80,18 @@ def _ledger(tmp_path: Path) -> dict:
 
 def _head(chain: Path) -> int | None:
     return ChainStore(chain).head() if (chain / "manifests").exists() else None
+
+
+def _reading(proc: subprocess.Popen, path: Path) -> bool:
+    """`proc` has begun encoding `path`: its version is pending and the file is open or mapped
+    (inspecting it before does neither)."""
+    if not _ledger(path.parent.parent).get("pending"):
+        return False
+    try:
+        fds = [os.readlink(f) for f in Path(f"/proc/{proc.pid}/fd").iterdir()]
+        return str(path) in fds or str(path) in Path(f"/proc/{proc.pid}/maps").read_text()
+    except OSError:  # it exited meanwhile, or closed an fd as it was listed
+        return False
 
 
 def test_watch_refuses_each_bad_checkpoint_says_why_and_publishes_the_next(tmp_path):
@@ -154,10 +173,10 @@ def test_publish_reports_a_file_rewritten_in_place_while_read_never_a_sigbus(tmp
     log = tmp_path / "publish.log"
     proc = _start(["publish", str(ckpt), "--config", str(cfg)], log)
     try:
-        wait_until(lambda: _ledger(tmp_path).get("pending") or proc.poll() is not None, 120,
-                   "the publish to start reading", interval=0.001)
+        wait_until(lambda: _reading(proc, ckpt / "model.safetensors") or proc.poll() is not None,
+                   120, "the publish to open the weights to encode them", interval=0.001)
         with open(ckpt / "model.safetensors", "r+b") as f:  # the trainer saves again in place
-            f.truncate(4096)
+            f.truncate(0)
         assert proc.wait(120) == 2, log.read_text()
     finally:
         _stop(proc)
