@@ -82,10 +82,10 @@ def _head(chain: Path) -> int | None:
     return ChainStore(chain).head() if (chain / "manifests").exists() else None
 
 
-def _reading(proc: subprocess.Popen, path: Path) -> bool:
+def _reading(proc: subprocess.Popen, path: Path, tmp_path: Path) -> bool:
     """`proc` has begun encoding `path`: its version is pending and the file is open or mapped
     (inspecting it before does neither)."""
-    if not _ledger(path.parent.parent).get("pending"):
+    if not _ledger(tmp_path).get("pending"):
         return False
     try:
         fds = [os.readlink(f) for f in Path(f"/proc/{proc.pid}/fd").iterdir()]
@@ -162,19 +162,49 @@ def test_a_named_pipe_config_neither_hangs_watch_nor_keeps_it_from_sigterm(tmp_p
         _stop(watcher)
 
 
-def test_publish_reports_a_file_rewritten_in_place_while_read_never_a_sigbus(tmp_path):
-    ckpt = tmp_path / "step_1"
-    ckpt.mkdir()
-    (ckpt / "config.json").write_text('{"model_type": "llama"}')
+def _big_ckpt(d: Path) -> Path:
+    d.mkdir(parents=True)
+    (d / "config.json").write_text('{"model_type": "llama"}')
     state = {f"layers.{i}.weight": torch.randn(512, 512) for i in range(64)}  # 64 MiB, fp32
-    save_file(state, str(ckpt / "model.safetensors"))
+    save_file(state, str(d / "model.safetensors"))
+    return d
+
+
+def test_sigterm_stops_watch_in_the_middle_of_a_publish_and_a_restart_publishes_it(tmp_path):
+    ckpts = tmp_path / "ckpts"
+    weights = _big_ckpt(ckpts / "step_1") / "model.safetensors"
+    cfg = _config(tmp_path, settle_s=0)
+    log = tmp_path / "watch.log"
+    watcher = _start(["watch", str(ckpts), "--config", str(cfg)], log)
+    try:
+        wait_until(lambda: _reading(watcher, weights, tmp_path) or watcher.poll() is not None, 120,
+                   "the watcher to start encoding step 1", interval=0.001)
+        watcher.send_signal(signal.SIGTERM)
+        assert watcher.wait(60) == 0, log.read_text()
+    finally:
+        _stop(watcher)
+    assert "stopped by SIGTERM" in log.read_text()  # not after the publish: in the middle
+    assert _head(tmp_path / "chain") is None and _ledger(tmp_path)["pending"] is None
+    watcher = _start(["watch", str(ckpts), "--config", str(cfg)], log)
+    try:
+        wait_until(lambda: _head(tmp_path / "chain") == 0, 120, "step 1 to be published")
+    finally:
+        watcher.send_signal(signal.SIGTERM)
+        watcher.wait(60)
+        _stop(watcher)
+    assert [(p["step"], p["version"]) for p in _ledger(tmp_path)["published"]] == [(1, 0)]
+
+
+def test_publish_reports_a_file_rewritten_in_place_while_read_never_a_sigbus(tmp_path):
+    ckpt = _big_ckpt(tmp_path / "step_1")
     whole = (ckpt / "model.safetensors").read_bytes()
     cfg = _config(tmp_path, settle_s=0)
     log = tmp_path / "publish.log"
     proc = _start(["publish", str(ckpt), "--config", str(cfg)], log)
     try:
-        wait_until(lambda: _reading(proc, ckpt / "model.safetensors") or proc.poll() is not None,
-                   120, "the publish to open the weights to encode them", interval=0.001)
+        wait_until(lambda: _reading(proc, ckpt / "model.safetensors", tmp_path)
+                   or proc.poll() is not None, 120, "the publish to open the weights to encode",
+                   interval=0.001)
         with open(ckpt / "model.safetensors", "r+b") as f:  # the trainer saves again in place
             f.truncate(0)
         assert proc.wait(120) == 2, log.read_text()
