@@ -30,6 +30,7 @@ restart publishes that step again); a restart resumes after the last published s
 """
 
 import argparse
+import json
 import logging
 import re
 import signal
@@ -296,16 +297,41 @@ def main_publish(argv: list[str] | None = None) -> int:
     return 0
 
 
+def print_status(cfg: PublishConfig) -> int:
+    """`deltaswarm watch --status`: the last published steps and every refused directory with
+    its reason, from state_dir/published.json (read only; nothing is started)."""
+    path = cfg.state_dir / "published.json"
+    try:
+        doc = json.loads(path.read_text()) if path.exists() else {}
+        published, refused = list(doc.get("published", [])), list(doc.get("refused", []))
+    except (OSError, ValueError, AttributeError, TypeError) as e:
+        raise ChainError(f"{path} is damaged ({e})") from None
+    print(f"published: {len(published)} checkpoint(s)"
+          + (f", last step {published[-1]['step']} as v{published[-1]['version']}"
+             if published else ""))
+    for p in published[-5:]:
+        print(f"  step {p['step']} -> v{p['version']}  {p['dir']}")
+    print(f"refused: {len(refused)}")
+    for r in refused:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r.get("at", 0)))
+        print(f"  step {r.get('step')} at {when} UTC  {r.get('dir')}\n    {r.get('reason')}")
+    return 0
+
+
 def main_watch(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="deltaswarm watch", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("dir", type=Path, nargs="?", help="default: the config's watch.dir")
     p.add_argument("--config", required=True, type=Path)
     p.add_argument("--once", action="store_true", help="scan once and exit")
+    p.add_argument("--status", action="store_true",
+                   help="print what was published and what was refused (and why), and exit")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s watch %(message)s")
     try:
         cfg = load_publish_config(a.config)
+        if a.status:
+            return print_status(cfg)
         root = a.dir or cfg.watch.dir
         if root is None:
             raise ConfigError(f"config {a.config}: give the directory to watch, as DIR or as "

@@ -2,9 +2,10 @@
 them with (findings 5, 7, 8, 9): a header dimension `true`, a tensor name over 1024
 characters, a carried file named `notes copy.txt` or `résumé.md`, a tokenizer that is a
 symbolic link out of the directory, a config.json that is a named pipe. Each is refused with
-the file and field named, recorded in published.json, and the next good step still publishes;
-SIGTERM stops the watcher at once. A weights file rewritten in place while `publish` reads it
-is reported as changed (and read again), never a SIGBUS."""
+the file and field named, recorded in published.json (`watch --status` prints it), and the
+next good step still publishes; SIGTERM stops the watcher at once, mid-publish too. A weights
+file rewritten in place while `publish` reads it is reported as changed (and read again), never
+a SIGBUS."""
 
 import json
 import os
@@ -136,6 +137,11 @@ def test_watch_refuses_each_bad_checkpoint_says_why_and_publishes_the_next(tmp_p
         assert {f.name for f in m.files} == {"config.json", "tokenizer.json"}
         blocks = [p.read_bytes() for p in (tmp_path / "chain").rglob("*") if p.is_file()]
         assert not any(b"hunter2" in b for b in blocks)  # the file outside was never read
+        status = subprocess.run([sys.executable, "-m", "daemon.cli", "watch", "--config",
+                                 str(cfg), "--status"], cwd=ROOT, env=ENV, capture_output=True,
+                                text=True, timeout=120)
+        assert "last step 7 as v0" in status.stdout and "refused: 6" in status.stdout
+        assert "config.json is a named pipe" in status.stdout
         watcher.send_signal(signal.SIGTERM)
         assert watcher.wait(30) == 0
         assert "stopped by SIGTERM" in log.read_text()
