@@ -4,6 +4,7 @@ directories through the trainer node's daemon, with no change to the trainer.
     deltaswarm publish ckpts/step_100 --config publish.yaml
     deltaswarm watch ckpts/ --config publish.yaml      # step_100/, step_200/, ... in order
     deltaswarm watch --config publish.yaml             # the config's watch.dir
+    deltaswarm watch --config publish.yaml --status    # what was published, what was refused
 
 publish.yaml (paths relative to the file):
 

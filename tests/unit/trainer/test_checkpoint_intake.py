@@ -125,6 +125,20 @@ def test_a_header_field_no_manifest_can_hold_is_refused_before_encoding(tmp_path
         inspect_checkpoint(d)
 
 
+def test_publish_command_names_the_file_and_field_instead_of_a_traceback(tmp_path, capsys):
+    from daemon.cli import main as cli_main
+
+    keys.generate(tmp_path / "k")
+    (tmp_path / "p.yaml").write_text("run: r\nchain_dir: chain\nkey: k\nstate_dir: pub\n"
+                                     "watch: {settle_s: 0, extra_files: ['*.txt']}\n")
+    d = _ckpt(tmp_path / "s")
+    (d / "notes copy.txt").write_text("n")
+    assert cli_main(["publish", str(d), "--config", str(tmp_path / "p.yaml")]) == 2
+    assert "notes copy.txt cannot travel with a version: name:" in capsys.readouterr().err
+    (d / "notes copy.txt").rename(d / "notes.txt")
+    assert cli_main(["publish", str(d), "--config", str(tmp_path / "p.yaml")]) == 0
+
+
 def test_the_manifest_rules_are_the_ones_checked():
     assert tensor_problem("a", "bfloat16", [2, 3]) is None
     assert "shape.0" in tensor_problem("a", "bfloat16", [True, 3])
