@@ -341,14 +341,16 @@ class CheckpointPublisher:
         return list(self.ledger["published"])
 
     def refused(self) -> list[dict[str, Any]]:
-        """Directories refused (the last MAX_REFUSED), oldest first: {dir, step, reason, at}."""
+        """Directories refused (the last MAX_REFUSED, each with its latest reason), oldest
+        first: {dir, step, reason, at}."""
         return list(self.ledger.get("refused", []))
 
     def record_refused(self, path: Path | str, step: int | None, reason: str) -> None:
         """Note in published.json that `path` was refused and why (what status shows)."""
         entry = {"dir": str(Path(path).resolve()), "step": step, "reason": reason[:2000],
                  "at": round(time.time(), 3)}
-        self.ledger["refused"] = [*self.refused(), entry][-MAX_REFUSED:]
+        others = [r for r in self.refused() if r.get("dir") != entry["dir"]]  # the latest only
+        self.ledger["refused"] = [*others, entry][-MAX_REFUSED:]
         self._write_ledger(self.ledger)
 
     def last_step(self) -> int | None:
