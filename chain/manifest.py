@@ -229,6 +229,29 @@ def _check_signature(doc: dict, public_key: Ed25519PublicKey) -> None:
     keys.verify(public_key, signed, sig["sig"])
 
 
+def tensor_problem(name: object, dtype: object, shape: object) -> str | None:
+    """Why a tensor with this name, dtype and shape could not be listed in a manifest (None: it
+    could). The check is `TensorEntry`'s own, so a publisher runs it on what it reads before
+    encoding anything, instead of failing on the manifest after the whole version."""
+    return _problem(TensorEntry, name=name, dtype=dtype, shape=shape, digest="0" * 32)
+
+
+def file_problem(name: object, size: object) -> str | None:
+    """Why a file with this name and size could not travel in a manifest (None: it could);
+    `FileEntry`'s own check, run before encoding (see tensor_problem)."""
+    return _problem(FileEntry, name=name, block="0" * 32, size=size)
+
+
+def _problem(model: type[BaseModel], **fields: object) -> str | None:
+    try:
+        model(**fields)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or model.__name__
+        return f"{where}: {err['msg']}"
+    return None
+
+
 def canonical_json(doc: Any) -> bytes:
     return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
                       allow_nan=False).encode()

@@ -8,9 +8,12 @@ transformers and vLLM like any other.
 
 import json
 import mmap
+import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -19,6 +22,44 @@ from chain.errors import ChainError
 
 SHARD_BYTES = 4 * 1024**3
 INDEX_NAME = "model.safetensors.index.json"
+
+
+class NotRegular(ChainError):
+    """A path that should be a file holds a symbolic link, a named pipe, a device or a
+    directory; nothing was read from it."""
+
+
+class FileChanged(ChainError):
+    """A file ended (was truncated or replaced) while it was being read."""
+
+
+_KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a named pipe"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"))
+
+
+def kind_of(mode: int) -> str:
+    """What a non-regular st_mode is, in words."""
+    return next((what for test, what in _KINDS if test(mode)), "not a regular file")
+
+
+def open_regular(path: Path, follow: bool = True) -> BinaryIO:
+    """`path` opened for reading if it is a regular file, else `NotRegular`. The open never
+    blocks (O_NONBLOCK: a named pipe with no writer would hang it forever) and, with
+    `follow=False`, never follows a symbolic link (O_NOFOLLOW); the type is checked on the open
+    descriptor (fstat), so a file swapped after a check is caught too."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        if not follow and e.errno == 40:  # ELOOP: the last component is a symbolic link
+            raise NotRegular(f"{path} is a symbolic link; only regular files are read") from None
+        raise
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise NotRegular(f"{path} is {kind_of(mode)}; only regular files are read")
+    return open(fd, "rb", buffering=0)
 
 
 @dataclass(frozen=True)
@@ -31,22 +72,26 @@ class Slot:
     end: int
 
 
-def read_header(path: Path) -> tuple[int, dict[str, Slot]]:
-    """(data start offset, slots) of one safetensors file."""
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) != 8:
-            raise ChainError(f"{path} is not a safetensors file (too short)")
-        (n,) = struct.unpack("<Q", head)
-        if n > 100 * 1024 * 1024:
-            raise ChainError(f"{path}: safetensors header of {n} bytes is implausible")
-        try:
-            doc = json.loads(f.read(n))
-        except ValueError as e:
-            raise ChainError(f"{path}: safetensors header is not JSON: {e}") from None
+def read_header(path: Path, follow: bool = True) -> tuple[int, dict[str, Slot]]:
+    """(data start offset, slots) of one safetensors file (a regular file: see open_regular)."""
+    with open_regular(path, follow) as f:
+        return _parse_header(path, f)
+
+
+def _parse_header(path: Path, f: BinaryIO) -> tuple[int, dict[str, Slot]]:
+    head = f.read(8)
+    if len(head) != 8:
+        raise ChainError(f"{path} is not a safetensors file (too short)")
+    (n,) = struct.unpack("<Q", head)
+    if n > 100 * 1024 * 1024:
+        raise ChainError(f"{path}: safetensors header of {n} bytes is implausible")
+    try:
+        doc = json.loads(f.read(n))
+    except (ValueError, RecursionError) as e:
+        raise ChainError(f"{path}: safetensors header is not JSON: {e}") from None
     if not isinstance(doc, dict):
         raise ChainError(f"{path}: safetensors header is not a JSON object")
-    data_bytes = Path(path).stat().st_size - 8 - n
+    data_bytes = os.fstat(f.fileno()).st_size - 8 - n
     slots = {}
     for name, info in doc.items():
         if name == "__metadata__":
@@ -62,7 +107,7 @@ def _slot(path: Path, name: str, info: object, data_bytes: int) -> Slot:
         numel = 1
         for d in shape:
             numel *= int(d)
-        ok = all(isinstance(x, int) and x >= 0 for x in (*shape, s, e))
+        ok = all(type(x) is int and x >= 0 for x in (*shape, s, e))  # bool is no dimension
     except (TypeError, KeyError, ValueError):
         ok = False
     if not ok:
@@ -141,6 +186,65 @@ class TensorFiles:
 
     def names(self) -> list[str]:
         return sorted(self.slots)
+
+
+class ReadFiles:
+    """Bit patterns of every tensor in named safetensors files, read with pread into memory
+    this process owns: for files another process may truncate or rewrite while they are read
+    (a trainer's checkpoint). A shared memory map of such a file kills the reader with SIGBUS,
+    which Python cannot catch, when a page it touches is cut off; a short read here raises
+    `FileChanged` instead. Files are opened once, never through a symbolic link, and only if
+    regular. Memory: each `bits` call returns a fresh copy of one tensor."""
+
+    def __init__(self, directory: Path, files: list[str] | tuple[str, ...]) -> None:
+        if not files:
+            raise ChainError(f"no .safetensors files in {directory}")
+        self.slots: dict[str, Slot] = {}
+        self._files: dict[str, tuple[BinaryIO, int]] = {}
+        try:
+            for fname in files:
+                f = open_regular(Path(directory) / fname, follow=False)
+                self._files[fname] = (f, 0)
+                base, slots = _parse_header(Path(directory) / fname, f)
+                self._files[fname] = (f, base)
+                for name, slot in slots.items():
+                    if name in self.slots:
+                        raise ChainError(f"tensor {name} appears in two files of {directory}")
+                    self.slots[name] = slot
+        except BaseException:
+            self.close()
+            raise
+        self.directory = Path(directory)
+
+    def bits(self, name: str) -> np.ndarray:
+        slot = self.slots[name]
+        dt = lookup(slot.dtype)
+        out = np.empty(slot.end - slot.start, dtype=np.uint8)
+        f, base = self._files[slot.file]
+        view, done = memoryview(out), 0
+        while done < len(out):
+            got = os.preadv(f.fileno(), [view[done:]], base + slot.start + done)
+            if got == 0:
+                raise FileChanged(
+                    f"{self.directory / slot.file} ended at byte {base + slot.start + done} "
+                    f"while tensor {name} (bytes {base + slot.start}..{base + slot.end}) was "
+                    "read: it was truncated or rewritten meanwhile")
+            done += got
+        return out.view(dt.uint)
+
+    def release(self, name: str) -> None:
+        """Nothing to drop: `bits` hands out copies the caller frees."""
+
+    def prefault(self, name: str) -> None:
+        """Nothing to map: `bits` reads on demand."""
+
+    def names(self) -> list[str]:
+        return sorted(self.slots)
+
+    def close(self) -> None:
+        for f, _ in self._files.values():
+            f.close()
+        self._files.clear()
 
 
 def layout(entries: list[tuple[str, str, list[int], int]], shard_bytes: int = SHARD_BYTES

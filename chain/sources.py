@@ -12,7 +12,7 @@ import numpy as np
 
 from chain import dtypes
 from chain.digest import state_digest, tensor_digest
-from chain.safetensors_io import TensorFiles
+from chain.safetensors_io import ReadFiles, TensorFiles
 
 if TYPE_CHECKING:
     import torch
@@ -42,10 +42,18 @@ class StateDictSource:
 
 
 class FileSource:
-    """Tensors of a safetensors file or a directory of them."""
+    """Tensors of a safetensors file or a directory of them. With `only`, exactly those files
+    of the directory, read through `ReadFiles` (pread, no memory map): for files another
+    process may rewrite or truncate meanwhile, where a map would die of SIGBUS."""
 
-    def __init__(self, path: Path) -> None:
-        self.files = TensorFiles(path)
+    def __init__(self, path: Path, only: list[str] | tuple[str, ...] | None = None) -> None:
+        self.files: TensorFiles | ReadFiles = (TensorFiles(path) if only is None
+                                               else ReadFiles(path, only))
+
+    def close(self) -> None:
+        """Close the files read with `only` (a memory-mapped source is closed when dropped)."""
+        if isinstance(self.files, ReadFiles):
+            self.files.close()
 
     def names(self) -> list[str]:
         return self.files.names()

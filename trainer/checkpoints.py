@@ -12,27 +12,40 @@ one unsharded file), every indexed tensor is in the file the index says, the mar
 when one is configured, and `settled` sees no file change size or mtime over a settle time
 (a preallocated file being filled in place, a config being rewritten).
 
-Memory: the new checkpoint and the parent are both read through memory maps (chain.sources
-.FileSource) in the writer's bounded batches, never loaded whole. The parent is not kept in
-RAM as the in-process Publisher does: it is a verified reconstruction of the chain head under
-`state_dir/head` (chain.weights.WeightsDir, the code a region daemon runs), brought forward by
-each published version (O(changes)), so it survives restarts and the trainer may delete old
-checkpoints. Disk: two copies of the model there.
+Memory: the new checkpoint is read with pread (chain.sources.FileSource `only`: a memory map of
+a file the trainer may truncate would die of SIGBUS) and the parent through memory maps, in the
+writer's bounded batches (plus one copy of the largest tensor), never loaded whole. The parent
+is not kept in RAM as the in-process Publisher does: it is a verified reconstruction of the
+chain head under `state_dir/head` (chain.weights.WeightsDir, the code a region daemon runs),
+brought forward by each published version (O(changes)), so it survives restarts and the
+trainer may delete old checkpoints. Disk: two copies of the model there.
 
 Restart: `state_dir/published.json` records each published directory (path, step, version)
 and, while one is being published, that one as pending; a publish that reached the chain
 before a crash is recognised by the chain head and recorded, never published twice. What the
 trainer rewrites while it is being read is not signed (fingerprint checked before signing).
+
+Intake: only regular files inside the directory are read (no symbolic link, even one pointing
+inside; no named pipe or device), opened with O_NOFOLLOW | O_NONBLOCK and checked with fstat,
+sizes bounded. Besides the weights, only `CARRIED` files (config, tokenizer, generation config,
+chat template) and those matching the config's `watch.extra_files` patterns travel. Every
+tensor name, dtype and shape and every carried file's name is checked by the manifest's own
+rules (chain.manifest.tensor_problem, file_problem) before anything is encoded: a directory
+that can never be published raises `Refused` naming the file and field, recorded in
+published.json's `refused` list.
 """
 
 import json
 import logging
+import os
 import re
+import stat
 import struct
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
@@ -40,9 +53,16 @@ from chain import keys
 from chain.atomic import write_atomic
 from chain.blocks import DEFAULT_BLOCK
 from chain.errors import ChainError
-from chain.manifest import Manifest
+from chain.manifest import Manifest, file_problem, tensor_problem
 from chain.policy import Retention, SnapshotPolicy
-from chain.safetensors_io import INDEX_NAME, read_header
+from chain.safetensors_io import (
+    INDEX_NAME,
+    FileChanged,
+    NotRegular,
+    kind_of,
+    open_regular,
+    read_header,
+)
 from chain.sources import FileSource
 from chain.store import ChainStore
 from chain.weights import WeightsDir
@@ -52,14 +72,36 @@ log = logging.getLogger("deltaswarm.checkpoints")
 
 MAX_FILE = 64 * 1024 * 1024
 """Largest non-weight file carried with a version (config, tokenizer); bigger ones are refused."""
+MAX_REFUSED = 100
+"""Refused directories published.json remembers (the newest)."""
+MAX_JSON = 64 * 1024 * 1024
+"""Largest config.json or weight index read."""
+CARRIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+           "tokenizer.model", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+           "vocab.txt", "merges.txt", "spiece.model", "chat_template.jinja",
+           "chat_template.json")
+"""Files carried with every version when present: the model config, the tokenizer's files, the
+generation config and the chat template. More travel only by `watch.extra_files` patterns."""
 SKIP = re.compile(r"^(optimizer.*|scheduler.*|rng_state.*|trainer_state\.json|training_args\.bin"
                   r"|.*\.(pt|pth|bin|ckpt|distcp|safetensors|tmp|lock|part))$")
-"""Training state a checkpoint directory holds beside the model; never sent to rollouts."""
+"""Training state a checkpoint directory holds beside the model: never carried, whatever
+pattern matches it."""
 SHARD_NAME = re.compile(r"-\d{5}-of-\d{5}\.safetensors$")
 
 
 class Incomplete(ChainError):
     """The directory is not (yet) a whole checkpoint; the message says what is missing."""
+
+
+class Changed(Incomplete):
+    """The directory changed while it was being published: nothing of it was signed; the next
+    attempt reads it again."""
+
+
+class Refused(ChainError):
+    """The directory can never be published as it stands (a symbolic link or named pipe among
+    its files, a name or header field no manifest can carry, a file too large); the message
+    names the file and the field. `watch` records it and goes on with later steps."""
 
 
 @dataclass(frozen=True)
@@ -69,64 +111,132 @@ class Checkpoint:
     """The .safetensors files, by name."""
     files: tuple[str, ...]
     """Config and tokenizer files carried with the version."""
-    fingerprint: tuple[tuple[str, int, int], ...]
-    """(name, size, mtime_ns) of every file: equal fingerprints mean nothing was rewritten."""
+    fingerprint: tuple[tuple[str, int, int, int, int, int], ...]
+    """(name, mode, size, mtime_ns, ctime_ns, inode) of every entry, links not followed: equal
+    fingerprints mean nothing was rewritten, replaced or swapped."""
 
 
-def _fingerprint(path: Path) -> tuple[tuple[str, int, int], ...]:
+def _fingerprint(path: Path) -> tuple[tuple[str, int, int, int, int, int], ...]:
     out = []
-    for p in sorted(path.iterdir()):
-        if p.is_file():
-            st = p.stat()
-            out.append((p.name, st.st_size, st.st_mtime_ns))
-    return tuple(out)
+    with os.scandir(path) as it:
+        for e in it:
+            try:
+                st = e.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            out.append((e.name, st.st_mode, st.st_size, st.st_mtime_ns, st.st_ctime_ns,
+                        st.st_ino))
+    return tuple(sorted(out))
+
+
+def _regular(f: Path, limit: int | None = None) -> int:
+    """Size of `f`, a regular file in its directory (a symbolic link, even to a file inside,
+    and a named pipe or device are refused without opening them); `limit` bounds the size."""
+    try:
+        st = f.lstat()
+    except FileNotFoundError:
+        raise Incomplete(f"{f} is gone (deleted while the checkpoint was read)") from None
+    if not stat.S_ISREG(st.st_mode):
+        to = f" to {os.readlink(f)}" if stat.S_ISLNK(st.st_mode) else ""
+        raise Refused(f"{f} is {kind_of(st.st_mode)}{to}; only regular files inside the "
+                      "checkpoint directory are read: copy the file in")
+    if limit is not None and st.st_size > limit:
+        raise Refused(f"{f}: {st.st_size} bytes is too large to carry with a version (limit "
+                      f"{limit}); move it out of the checkpoint")
+    return st.st_size
+
+
+def _read(f: Path, limit: int) -> bytes:
+    """All of `f` (at most `limit` bytes), opened only if regular and never through a link."""
+    _regular(f, limit)
+    try:
+        with open_regular(f, follow=False) as fh:
+            data = fh.read(limit + 1)
+    except NotRegular as e:  # swapped after the check
+        raise Refused(str(e)) from None
+    except OSError as e:  # unreadable (permissions) or gone: may pass, else it is abandoned
+        raise Incomplete(f"{f} cannot be read ({e})") from None
+    if len(data) > limit:
+        raise Refused(f"{f} grew past {limit} bytes while it was read")
+    return data
 
 
 def _described_size(f: Path) -> int:
     """The length a safetensors file has once whole: 8 + header + the furthest data offset."""
     try:
-        with open(f, "rb") as fh:
+        with open_regular(f, follow=False) as fh:
             (n,) = struct.unpack("<Q", fh.read(8))
             if n > 100 * 1024 * 1024:
                 raise ValueError(f"implausible header length {n}")
             doc = json.loads(fh.read(n))
         ends = [int(v["data_offsets"][1]) for k, v in doc.items() if k != "__metadata__"]
-    except (OSError, ValueError, struct.error, KeyError, TypeError, IndexError) as e:
+    except NotRegular as e:
+        raise Refused(str(e)) from None
+    except (OSError, ValueError, RecursionError, struct.error, KeyError, TypeError,
+            IndexError, AttributeError) as e:
         raise Incomplete(f"{f}: header not readable yet ({e})") from None
     return 8 + n + max(ends, default=0)
 
 
-def inspect_checkpoint(path: Path | str, marker: str | None = None) -> Checkpoint:
-    """The checkpoint at `path` if it is whole now; `Incomplete` naming what is not."""
+def carried(names: list[str], extra: tuple[str, ...] = (), marker: str | None = None
+            ) -> list[str]:
+    """Which of a checkpoint directory's file names travel with its version: `CARRIED`, and
+    those matching an `extra` glob pattern; never hidden files, training state (`SKIP`), the
+    weights, their index or the marker."""
+    out = []
+    for name in sorted(names):
+        if (name.startswith(".") or name in (INDEX_NAME, marker) or SKIP.match(name)
+                or (name not in CARRIED and not any(fnmatchcase(name, p) for p in extra))):
+            continue
+        out.append(name)
+    return out
+
+
+def inspect_checkpoint(path: Path | str, marker: str | None = None,
+                       extra_files: tuple[str, ...] = ()) -> Checkpoint:
+    """The checkpoint at `path` if it is whole now; `Incomplete` naming what is not yet, or
+    `Refused` naming the file and field that can never be published. Only regular files
+    inside `path` are read; every tensor name, dtype and shape and every carried file's name
+    and size passes the manifest's own checks here, before anything is encoded."""
     path = Path(path)
     if not path.is_dir():
         raise Incomplete(f"{path} is not a directory")
     if marker is not None and not (path / marker).is_file():
         raise Incomplete(f"{path}: marker file {marker} not written yet")
+    names = [e.name for e in os.scandir(path)]
     try:
-        json.loads((path / "config.json").read_bytes())
-    except (OSError, ValueError) as e:
+        if "config.json" not in names:
+            raise ValueError("not written yet")
+        json.loads(_read(path / "config.json", MAX_JSON))
+    except (ValueError, RecursionError) as e:
         raise Incomplete(f"{path}: config.json missing or not complete JSON ({e})") from None
-    weights = sorted(p.name for p in path.glob("*.safetensors") if p.is_file())
+    weights = sorted(n for n in names if n.endswith(".safetensors") and not n.startswith("."))
     if not weights:
         raise Incomplete(f"{path}: no .safetensors files yet")
     held: dict[str, set[str]] = {}
     for name in weights:
         f = path / name
-        want, size = _described_size(f), f.stat().st_size
+        size = _regular(f)
+        want = _described_size(f)
         if size != want:
             raise Incomplete(f"{f}: {size} bytes, its header describes {want}"
                              f"{' (still being written)' if size < want else ''}")
         try:
-            held[name] = set(read_header(f)[1])
-        except (ChainError, OSError) as e:
-            raise Incomplete(f"{f}: not valid safetensors ({e})") from None
-    index = path / INDEX_NAME
-    if index.exists():
+            slots = read_header(f, follow=False)[1]
+        except OSError as e:
+            raise Incomplete(f"{f} cannot be read ({e})") from None
+        except ChainError as e:
+            raise Refused(f"{f}: not valid safetensors ({e})") from None
+        for tensor, slot in slots.items():
+            if (problem := tensor_problem(tensor, slot.dtype, slot.shape)) is not None:
+                raise Refused(f"{f}: tensor {tensor!r:.80} cannot be published: {problem}")
+        held[name] = set(slots)
+    if INDEX_NAME in names:
+        index = path / INDEX_NAME
         try:
-            weight_map = json.loads(index.read_bytes())["weight_map"]
+            weight_map = json.loads(_read(index, MAX_JSON))["weight_map"]
             named = set(weight_map.values())
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        except (ValueError, RecursionError, KeyError, TypeError, AttributeError) as e:
             raise Incomplete(f"{index}: not a complete index ({e})") from None
         if named != set(weights):
             raise Incomplete(f"{path}: the index names {sorted(named)}, the directory holds "
@@ -140,22 +250,23 @@ def inspect_checkpoint(path: Path | str, marker: str | None = None) -> Checkpoin
         raise Incomplete(f"{path}: sharded weights {weights} but no {INDEX_NAME} yet (written "
                          "last by save_pretrained)")
     files = []
-    for p in sorted(path.iterdir()):
-        if (not p.is_file() or p.name.startswith(".") or p.name in (INDEX_NAME, marker)
-                or SKIP.match(p.name) or p.stat().st_size == 0):
+    for name in carried(names, extra_files, marker):
+        size = _regular(path / name, MAX_FILE)
+        if size == 0:
             continue
-        if p.stat().st_size > MAX_FILE:
-            raise ChainError(f"{p}: {p.stat().st_size} bytes is too large to carry with a "
-                             f"version (limit {MAX_FILE}); move it out of the checkpoint")
-        files.append(p.name)
+        if (problem := file_problem(name, size)) is not None:
+            raise Refused(f"{path / name!s:.300} cannot travel with a version: {problem}; "
+                          "rename it, or narrow watch.extra_files so it does not match")
+        files.append(name)
     return Checkpoint(path, tuple(weights), tuple(files), _fingerprint(path))
 
 
-def settled(path: Path | str, settle_s: float, marker: str | None = None) -> Checkpoint:
+def settled(path: Path | str, settle_s: float, marker: str | None = None,
+            extra_files: tuple[str, ...] = ()) -> Checkpoint:
     """`inspect_checkpoint` twice, `settle_s` apart, with nothing changed in between."""
-    first = inspect_checkpoint(path, marker)
+    first = inspect_checkpoint(path, marker, extra_files)
     time.sleep(settle_s)
-    second = inspect_checkpoint(path, marker)
+    second = inspect_checkpoint(path, marker, extra_files)
     if second.fingerprint != first.fingerprint:
         raise Incomplete(f"{path}: files changed during the {settle_s:g} s settle time")
     return second
@@ -165,7 +276,7 @@ def _unchanged(ckpt: Checkpoint) -> None:
     """Refuse to sign what was read if the trainer rewrote the directory meanwhile (what was
     read may mix two saves); the next scan sees the new files."""
     if _fingerprint(ckpt.path) != ckpt.fingerprint:
-        raise Incomplete(f"{ckpt.path} changed while it was being published; not signed")
+        raise Changed(f"{ckpt.path} changed while it was being published; not signed")
 
 
 @dataclass(frozen=True)
@@ -204,7 +315,7 @@ class CheckpointPublisher:
     # --- the ledger of published directories -------------------------------------------------
     def _load_ledger(self) -> dict[str, Any]:
         if not self.ledger_path.exists():
-            return {"run": self.run, "published": [], "pending": None}
+            return {"run": self.run, "published": [], "pending": None, "refused": []}
         try:
             doc = json.loads(self.ledger_path.read_text())
             doc["published"], doc.get("pending")
@@ -228,6 +339,19 @@ class CheckpointPublisher:
     def published(self) -> list[dict[str, Any]]:
         """Every directory published, in order: {dir, step, version}."""
         return list(self.ledger["published"])
+
+    def refused(self) -> list[dict[str, Any]]:
+        """Directories refused (the last MAX_REFUSED, each with its latest reason), oldest
+        first: {dir, step, reason, at}."""
+        return list(self.ledger.get("refused", []))
+
+    def record_refused(self, path: Path | str, step: int | None, reason: str) -> None:
+        """Note in published.json that `path` was refused and why (what status shows)."""
+        entry = {"dir": str(Path(path).resolve()), "step": step, "reason": reason[:2000],
+                 "at": round(time.time(), 3)}
+        others = [r for r in self.refused() if r.get("dir") != entry["dir"]]  # the latest only
+        self.ledger["refused"] = [*others, entry][-MAX_REFUSED:]
+        self._write_ledger(self.ledger)
 
     def last_step(self) -> int | None:
         steps = [p["step"] for p in self.ledger["published"] if p["step"] is not None]
@@ -280,9 +404,26 @@ class CheckpointPublisher:
 
     def _write(self, ckpt: Checkpoint, head: int | None, version: int
                ) -> tuple[Manifest | None, Manifest | None]:
-        """Encode, sign and add the delta (and snapshot when due) of `ckpt` as `version`."""
-        files = {name: (ckpt.path / name).read_bytes() for name in ckpt.files}
-        new = FileSource(ckpt.path)
+        """Encode, sign and add the delta (and snapshot when due) of `ckpt` as `version`.
+        The checkpoint's weights are read with pread (FileSource `only`), not a memory map: a
+        trainer truncating a file meanwhile is reported as a change, never a SIGBUS."""
+        changed = f"{ckpt.path} changed while it was being published; not signed"
+        try:
+            files = {name: _read(ckpt.path / name, MAX_FILE) for name in ckpt.files}
+            new = FileSource(ckpt.path, only=ckpt.weights)
+        except NotRegular as e:  # swapped for a link or a pipe since it was inspected
+            raise Refused(str(e)) from None
+        except (ChainError, OSError) as e:  # inspected whole a moment ago: rewritten since
+            raise Changed(f"{changed} ({e})") from None
+        try:
+            return self._encode(ckpt, head, version, new, files)
+        except FileChanged as e:
+            raise Changed(f"{changed} ({e})") from None
+        finally:
+            new.close()
+
+    def _encode(self, ckpt: Checkpoint, head: int | None, version: int, new: FileSource,
+                files: dict[str, bytes]) -> tuple[Manifest | None, Manifest | None]:
         common = dict(run=self.run, version=version, new=new, files=files,
                       block_size=self.block_size)
         delta = snapshot = None
