@@ -6,12 +6,19 @@ import aiohttp
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from daemon.fleet import FleetBoard, NodeReport
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from daemon.fleet import FleetBoard, NodeReport, sign_report
 from daemon.fleet_link import Directory, FleetParts, LinkMeter, Verifier
+from daemon.identity import NodeKey
 from daemon.metrics import render_fleet
 from daemon.peer_client import PeerClient, hello_proof
 
 TOKEN = "tok-12345"
+
+
+def signed(r: NodeReport, now: float = 1e9) -> NodeReport:
+    return sign_report(r, NodeKey(Ed25519PrivateKey.generate(), r.node), now)
 
 
 def torrents(*peers: tuple[str, str, int, int]) -> dict:
@@ -49,8 +56,8 @@ def test_peers_are_classified_by_announced_region_reports_and_the_trainer_role()
                   "10.0.0.5": [("c", None, None)], "10.0.0.7": [("t2", "east", "trainer")]})
     p.directory.learn("t", "home", "trainer")
     p.directory.learn("b", "west", "region")
-    p.board.accept("c", "http://10.0.0.5:8700", [NodeReport(
-        node="c", region="east", role="region", url="http://10.0.0.5:8700")], 1e9)
+    p.board.accept("c", "http://10.0.0.5:8700", [signed(NodeReport(
+        node="c", region="east", role="region", url="http://10.0.0.5:8700"))], 1e9)
     got = {ip: p.classify(ip) for ip in ("10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.4",
                                          "10.0.0.5", "10.0.0.6", "10.0.0.7")}
     assert got == {"10.0.0.1": "intra", "10.0.0.2": "cross", "10.0.0.3": "trainer",
@@ -102,10 +109,32 @@ async def test_the_verifier_accepts_only_the_name_and_token_the_url_proves() -> 
         assert "cannot verify" in (await v.check("http://127.0.0.1:9", "x") or "")
 
 
+async def test_the_verifier_checks_the_identity_key_the_url_signs_with() -> None:
+    key = NodeKey(Ed25519PrivateKey.generate(), "r1")
+
+    async def healthz(request: web.Request) -> web.Response:
+        url = str(request.url.origin())
+        nonce = request.query["challenge"]
+        return web.json_response({"node": "r1", "proof": hello_proof(TOKEN, nonce, url),
+                                  "identity": key.hello(nonce, url)})
+
+    app = web.Application()
+    app.add_routes([web.get("/healthz", healthz)])
+    async with TestServer(app, host="127.0.0.1") as server, aiohttp.ClientSession() as s:
+        url = str(server.make_url("")).rstrip("/")
+        v = Verifier(PeerClient(s, TOKEN))
+        other = NodeKey(Ed25519PrivateKey.generate(), "r1").public
+        assert "did not prove it holds the identity key" in (await v.check(url, "r1", other)
+                                                              or "")
+        v.tried.clear()
+        assert await v.check(url, "r1", key.public) is None
+        assert "proved it holds key" in (await v.check(url, "r1", other) or "")
+
+
 def test_fleet_metrics_are_labelled_by_region_never_by_node() -> None:
     board = FleetBoard("trainer")
-    reps = [NodeReport(node=f"n{i}", region=f"r{i % 3}", role="region", version=2,
-                       url=f"http://10.0.1.{i}:8700") for i in range(30)]
+    reps = [signed(NodeReport(node=f"n{i}", region=f"r{i % 3}", role="region", version=2,
+                              url=f"http://10.0.1.{i}:8700")) for i in range(30)]
     board.accept("n0", reps[0].url, reps, 1e9)
     text = render_fleet(lambda: board.view(head=2, now=1e9))[0].decode()
     assert 'deltaswarm_fleet_nodes{region="r1"} 10.0' in text

@@ -8,7 +8,10 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 from rich.console import Console
 
-from daemon.fleet import FleetBoard, NodeReport
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from daemon.fleet import FleetBoard, NodeReport, sign_report
+from daemon.identity import NodeKey
 from daemon.status_cli import main
 from daemon.status_fleet import fleet_render
 
@@ -21,6 +24,7 @@ def view() -> dict:
     a = NodeReport.model_validate({"node": "a", "region": "east", "role": "region", "version": 3,
                                    "url": "http://10.0.0.1:1", "held_s": 30.0, "links": links})
     b = NodeReport(node="b", region="west", role="region", version=4, url="http://10.0.0.2:1")
+    a, b = (sign_report(r, NodeKey(Ed25519PrivateKey.generate(), r.node), 130.0) for r in (a, b))
     board.accept("a", a.url, [a, b], 130.0)
     return board.view(head=4, now=130.0)
 
