@@ -5,7 +5,6 @@ name against a real aiohttp server, and the per-region metrics (no node names as
 import aiohttp
 from aiohttp import web
 from aiohttp.test_utils import TestServer
-
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from daemon.fleet import FleetBoard, NodeReport, sign_report
