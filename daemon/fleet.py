@@ -253,13 +253,7 @@ class FleetBoard:
             return "unsigned (a node signs its own entry; an old daemon's entries are not taken)"
         seen = now - r.age_s
         old = self.entries.get(r.node)
-        if old is not None:
-            if old.key != r.sig.key:
-                return (f"node {r.node} is on the board under key {fingerprint(old.key)}, not "
-                        f"{fingerprint(r.sig.key)}: a relay forwards, it cannot forge")
-            if old.ts >= r.sig.ts:
-                return None  # not newer: nothing to do, not an error (the same news twice)
-        else:
+        if old is None:
             if len(self.entries) >= self.max_nodes:
                 return f"the fleet board holds max_nodes={self.max_nodes} fresher nodes"
             if via is not None and self.per_via.get(via, 0) >= self.max_per_reporter:
@@ -269,6 +263,12 @@ class FleetBoard:
                 r.node, r.sig.key, f"fleet entry via {via or r.node} ({source})", now):
             return (f"node {r.node} is pinned to another key than {fingerprint(r.sig.key)}: "
                     "a relay forwards, it cannot forge")
+        if old is not None:
+            if old.key != r.sig.key:
+                return (f"node {r.node} is on the board under key {fingerprint(old.key)}, not "
+                        f"{fingerprint(r.sig.key)}: a relay forwards, it cannot forge")
+            if old.ts >= r.sig.ts:
+                return None  # not newer: nothing to do, not an error (the same news twice)
         if old is not None:
             self._drop(r.node)
         self.entries[r.node] = Entry(r, seen, via, r.sig.key, r.sig.ts)

@@ -141,6 +141,7 @@ class Node:
                               f"{e}") from None
         self.peering = RegionPeering(cfg.region_peering.mode, cfg.region_peering.gateways)
         self.book.set_region(cfg.region, cfg.role, self.peering)
+        self.book.pin = lambda node, key, source: self.identity.claim(node, key, source)
         self.store = ChainStore(self.paths.chain, keys.parse_public(cfg.trainer_public_key))
         self.weights = WeightsDir(self.paths.weights, keep=cfg.retention.weight_dirs)
         self.board = Board()

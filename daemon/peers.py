@@ -170,6 +170,9 @@ class PeerBook:
         self.bans: dict[str, float] = {}
         """url → monotonic end of its ban; survives eviction so re-announcing does not unban."""
         self.changed = Signal()
+        self.pin: Callable[[str, str, str], bool] = lambda node, key, source: True
+        """Whether `key` may be `node` (daemon/identity.py `Identities.claim`: pins the name on
+        first contact); a URL answering as a name pinned to another key is not bound."""
         self.refused_headers = 0
         """Signed announcements refused because the entry they named is another key's."""
         self.last_refused_header = ""
@@ -324,6 +327,9 @@ class PeerBook:
         if peer is None:
             return None
         peer.identified = True
+        if key is not None and node is not None and not self.pin(node, key, url):
+            peer.last_error = f"answers as {node} with a key another node pinned that name to"
+            return peer
         if key is not None:
             if peer.key != key and (peer.key is not None or peer.key_confirmed):
                 log.warning("peer %s answers with key %s…, not %s…: its entry is reset", url,
