@@ -336,9 +336,10 @@ class FleetBoard:
         prune, then copy the dicts; entries themselves are never changed, only replaced)."""
         self.note_head(head, now)
         self.prune(now)
-        copy = FleetBoard(self.self_node, self.max_nodes, self.forget_s, self.max_per_reporter)
+        copy = object.__new__(type(self))
+        copy.__dict__.update(self.__dict__)
         copy.entries, copy.head_seen = dict(self.entries), dict(self.head_seen)
-        copy.refused, copy.last_refusal = self.refused, self.last_refusal
+        copy.per_via = dict(self.per_via)
         return copy
 
     def view(self, head: int | None, now: float, me: NodeReport | None = None,

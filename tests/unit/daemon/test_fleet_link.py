@@ -2,6 +2,10 @@
 per-connection stats, peers classified by region and role, the hello check of a reporter's
 name against a real aiohttp server, and the per-region metrics (no node names as labels)."""
 
+import json
+import threading
+import time
+
 import aiohttp
 from aiohttp import web
 from aiohttp.test_utils import TestServer
@@ -140,3 +144,33 @@ def test_fleet_metrics_are_labelled_by_region_never_by_node() -> None:
     assert 'deltaswarm_fleet_nodes_at_head{region="r0"} 10.0' in text
     assert 'deltaswarm_fleet_link_bytes{direction="in",link_class="cross",region="r2"}' in text
     assert "n17" not in text
+
+
+async def test_the_fleet_view_is_built_and_encoded_off_the_event_loop() -> None:
+    """Issue 20, finding 10: `GET /v1/fleet` built a 10k-node view on the event loop (/healthz
+    up to 1.8 s). The view is built in a worker thread, cached, and served with or without
+    node lists; status and /metrics read the cached one."""
+    threads: list[str] = []
+
+    class Board(FleetBoard):
+        def view(self, *a, **kw) -> dict:
+            threads.append(threading.current_thread().name)
+            return super().view(*a, **kw)
+
+    p = parts()
+    p.board = Board("me")
+    p.key = NodeKey(Ed25519PrivateKey.generate(), "me")
+    b = signed(NodeReport(node="b", region="west", role="region", url="http://10.0.0.2:1"),
+               time.time())
+    own = p.own_report()
+    p.board.accept("me-gw", "http://10.0.0.3:1", [signed(own.model_copy(update={
+        "node": "me-gw", "url": "http://10.0.0.3:1", "sig": None}), time.time()), b],
+        time.time())
+    full = json.loads(await p.view_json(True))
+    slim = json.loads(await p.view_json(False))
+    assert threads and all(t != threading.main_thread().name for t in threads)
+    assert {n["node"] for n in full["regions"]["west"]["nodes"]} == {"b"}
+    assert "nodes" not in slim["regions"]["west"] and slim["regions"]["west"]["node_count"] == 1
+    assert p.own_report().sig is not None and p.own_report().sig.key == p.key.public
+    built = len(threads)
+    assert p.view()["nodes"] == full["nodes"] and len(threads) == built  # cached: no rebuild

@@ -52,7 +52,7 @@ def test_the_node_key_is_made_once_with_mode_0600_and_pins_survive_a_restart(
 def test_a_damaged_key_file_is_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / KEY_FILE).write_text("not hex\n")
     (tmp_path / KEY_FILE).chmod(0o600)
-    with pytest.raises(Exception, match="identity key .* move it away"):
+    with pytest.raises(Exception, match=r"identity key .* move it away"):
         Identities.open(tmp_path, "r1")
 
 
