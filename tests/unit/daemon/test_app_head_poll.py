@@ -26,6 +26,8 @@ class Book:
     def learn_signed(self, *args: object) -> None:
         return None
 
+    learn_header = learn_signed
+
 
 def app_node(live: LiveNodes) -> SimpleNamespace:
     return SimpleNamespace(
