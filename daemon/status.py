@@ -233,6 +233,9 @@ class NodeStatus(_Model):
     weights_problem: str | None = Field(
         None, description="what the start-up check of the weights found (the damaged version was "
         "set aside and the node rebuilds from the best snapshot); None when they verified")
+    identity: dict | None = Field(
+        None, description="this node's identity key fingerprint and the claims to node names it "
+        "refused (daemon/identity.py; filled by the node, not by build_status)")
 
     @computed_field
     @property

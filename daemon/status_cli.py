@@ -116,6 +116,14 @@ def summary(s: NodeStatus) -> Table:
     table.add_row("warm-up", _plain(w.state + (f" ({w.seconds:.1f}s)" if w.seconds else "")
                                     + (f": {w.error}" if w.error else "")))
     table.add_row("refused manifests", _plain(refused))
+    ident = s.identity or {}
+    if ident:
+        last = (ident.get("refused") or [{}])[-1]
+        claims = f"{ident.get('refused_total', 0)} refused name claims" + (
+            f" (last: {last.get('node')} {last.get('fingerprint')} from {last.get('from')})"
+            if last else "")
+        table.add_row("identity", _plain(f"{ident.get('fingerprint')}, {claims}",
+                                         style="red" if ident.get("refused_total") else ""))
     table.add_row("engine", _plain(engine))
     table.add_row("spool", _plain(spool))
     return table

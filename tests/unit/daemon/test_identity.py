@@ -117,3 +117,22 @@ def test_the_book_entry_of_a_peer_is_updated_only_by_its_own_key() -> None:
     book.learn_own(other, "r2", r2.public)
     q = book.peers[other]
     assert (q.key, q.bt, q.region, q.node) == (r2.public, None, None, "r2")
+
+
+def test_deltaswarm_status_shows_the_key_and_the_last_refused_claim() -> None:
+    import io
+
+    from rich.console import Console
+
+    from daemon.status import NodeStatus
+    from daemon.status_cli import render
+
+    ids = Identities(key("trainer"))
+    ids.claim("r1", key("r1").public, "10.0.0.1", T0)
+    ids.claim("r1", key("r1").public, "10.6.6.6", T0 + 1)
+    out = io.StringIO()
+    s = NodeStatus.model_validate({"node": "trainer", "identity": ids.status()})
+    Console(file=out, width=250, color_system=None).print(render(s))
+    line = next(x for x in out.getvalue().splitlines() if "identity" in x)
+    assert ids.own.fingerprint in line and "1 refused name claims (last: r1 SHA256:" in line
+    assert "from 10.6.6.6" in line
