@@ -145,12 +145,14 @@ async def auth(request: web.Request, handler: Callable[[web.Request], Awaitable[
         signer(request, node)
         announce = request.headers.get(HEADER)
         ident = request.get(IDENTITY)
-        if announce and ident is not None:
-            try:
+        try:
+            if announce and ident is not None:
                 node.book.learn_signed(announce, request.headers.get(REGION_HEADER),
                                        ident.node, ident.key)
-            except BadPeer as e:
-                raise fail(400, str(e)) from None
+            elif announce:  # unsigned: not believed, but a malformed one is still a 400
+                parse_header(announce)
+        except BadPeer as e:
+            raise fail(400, str(e)) from None
     return await handler(request)
 
 
