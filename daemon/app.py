@@ -233,9 +233,11 @@ async def status(request: web.Request) -> web.Response:
 def head_doc(node: Parts) -> dict[str, Any]:
     head = node.store.head()
     arts = [a for a in node.store.artifacts() if head is not None and parse_artifact(a)[0] == head]
+    ids = getattr(node, "identity", None)
+    book = getattr(node, "book", None)
     return {"version": head, "artifacts": arts, "bt": node.bt(), "node": node.node,
-            "url": node.url, "key": ids.own.public if (ids := getattr(node, "identity", None))
-            else None}
+            "url": node.url, "key": ids.own.public if ids is not None else None,
+            "region": getattr(book, "region", None), "role": getattr(book, "role", None)}
 
 
 def record_poller(request: web.Request, node: Parts) -> None:

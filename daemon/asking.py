@@ -167,8 +167,10 @@ class HeadWatcher:
         reply = await self.client.get_json(f"{peer.url}/v1/chain/head", "head", params=params,
                                            timeout=self.poll_timeout + 10)
         version, bt, node = parse_head(reply, peer.url)
-        key = reply.get("key")
-        self.book.learn_own(peer.url, node, key if is_key_hex(key) else None, bt, version)
+        key, region = reply.get("key"), reply.get("region")
+        self.book.learn_own(peer.url, node, key if is_key_hex(key) else None, bt, version,
+                            region if isinstance(region, str) and _plain_name(region) else None,
+                            reply.get("role") if isinstance(reply.get("role"), str) else None)
         self.book.succeeded(peer)
         await self.on_head(peer, version)
         if version is None or version <= after:

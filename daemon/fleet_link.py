@@ -10,6 +10,7 @@ and which region each upstream is in without trusting anything unsigned for data
 """
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -279,6 +280,7 @@ class FleetParts:
     _view: tuple[float, dict] | None = None
     _json: dict[bool, tuple[float, bytes]] = field(default_factory=dict)
     _building: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _task: asyncio.Task | None = None
 
     def tick(self) -> None:
         """Once a second: sample the byte counters, note a new head, note a new version."""
@@ -329,13 +331,20 @@ class FleetParts:
         return {"node": self.node, "region": self.region, "role": self.role, "known": known}
 
     def view(self) -> dict:
-        """The fleet view as last built (status and /metrics read it on the event loop, so it is
-        never built there once the board is large: `refresh` builds it in a worker thread). The
-        first call, or one on a board of a few hundred nodes, builds it here."""
+        """The fleet view as last built, for status and /metrics (on the event loop). A board of
+        a few hundred nodes is rebuilt here when the view is older than VIEW_CACHE_S; a larger
+        one is rebuilt in a worker thread (`refresh`, started here when stale) and meanwhile
+        the last view is served, so the loop never builds a 10k-node view but the first."""
+        now = time.time()
         if self._view is None or (len(self.board.entries) < 500
-                                  and time.time() - self._view[0] >= VIEW_CACHE_S):
-            self._view = self._build(self.board.snapshot(self.head(), time.time()),
-                                     self.own_report(), time.time())
+                                  and now - self._view[0] >= VIEW_CACHE_S):
+            self._view = self._build(self.board.snapshot(self.head(), now), self.own_report(),
+                                     now)
+            self._json.clear()
+        elif now - self._view[0] >= VIEW_CACHE_S and (self._task is None or self._task.done()):
+            # no running loop (plain code, a test): serve the last view
+            with contextlib.suppress(RuntimeError):
+                self._task = asyncio.get_running_loop().create_task(self.refresh())
         return self._view[1]
 
     def _build(self, board: FleetBoard, me: NodeReport, now: float) -> tuple[float, dict]:
@@ -354,12 +363,6 @@ class FleetParts:
                 self._view = await asyncio.to_thread(self._build, snap, self.own_report(), now)
                 self._json.clear()
             return self._view[1]
-
-    async def refresh_loop(self) -> None:
-        """Keep the view status and /metrics read fresh, built off the event loop."""
-        while True:
-            await self.refresh()
-            await asyncio.sleep(VIEW_CACHE_S)
 
     async def view_json(self, nodes: bool) -> bytes:
         """`GET /v1/fleet`'s body: the view encoded in a worker thread, cached with it;

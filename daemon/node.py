@@ -478,10 +478,9 @@ async def _fleet(app: web.Application) -> AsyncIterator[None]:
     node = _node(app)
     assert node.fleet.reporter is not None
     task = node.spawn(node.fleet.reporter.run(), "fleet-reports")
-    view = node.spawn(node.fleet.refresh_loop(), "fleet-view")
     pins = node.spawn(_save_pins(node), "save-pins")
     yield
-    for t in (pins, view, task):
+    for t in (pins, task):
         await stop_task(t)
     node.identity.save(force=True)
 

@@ -319,7 +319,8 @@ class PeerBook:
         return peer
 
     def learn_own(self, url: str, node: str | None, key: str | None,
-                  bt: Endpoint | None = None, head: int | None = None) -> Peer | None:
+                  bt: Endpoint | None = None, head: int | None = None,
+                  region: str | None = None, role: str | None = None) -> Peer | None:
         """What the daemon at `url` said of itself in its own answer (head reply, hello): its
         key binds the entry. A different key than the entry held (one a header claimed, or a
         re-keyed node) resets what that key's headers had set."""
@@ -343,6 +344,8 @@ class PeerBook:
             peer.bt = bt
         if node is not None and (key is not None or peer.key is None):
             peer.node = node
+        if key is not None or peer.key is None:
+            self._learn_region(peer, region, role if role in ROLES else None)
         if head is not None:
             peer.head = head
         peer.last_seen = time.time()
