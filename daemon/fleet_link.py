@@ -200,7 +200,8 @@ class Reporter:
     tick: Callable[[], None] = lambda: None
     state: dict[str, Upstream] = field(default_factory=dict)
     sent: dict[str, float] = field(default_factory=dict)
-    """sha256 of each report body sent recently → monotonic time (see Verifier.confirm)."""
+    """sha256 of each report body sent recently → monotonic time, for daemons from before
+    identities, which confirm a report with `GET /v1/fleet/sent/<digest>`."""
 
     def did_send(self, digest: str) -> bool:
         return self.sent.get(digest, -1e18) > time.monotonic() - SENT_KEEP_S
