@@ -93,3 +93,28 @@ async def test_a_poll_speaking_for_another_node_is_not_recorded() -> None:
     assert ids.refused[0]["fingerprint"] == impostor.fingerprint
     assert ids.bad_signatures == 2 and "clock" in ids.last_bad  # the replay, the stale one
     assert live.unsigned == 5
+
+
+async def test_a_complaint_must_be_signed_by_the_complaining_node() -> None:
+    """Complaints (`POST /v1/swarm/complaints`) schedule a self-check: only a signed one, whose
+    body is the one signed, is taken (issue 20: what a node says about itself is signed)."""
+    asked: list[str] = []
+    node = app_node(LiveNodes())
+    node.complaint = lambda artifact: asked.append(artifact) or True
+    r1 = NodeKey(Ed25519PrivateKey.generate(), "r1")
+    body = b'{"artifact": "v00000004.delta", "reason": "hash_failed"}'
+    peer = "http://10.0.0.9:8700 - r1"
+
+    def headers(data: bytes) -> dict[str, str]:
+        return {"Authorization": "Bearer t", HEADER: peer, "Content-Type": "application/json",
+                SIG_HEADER: r1.sign_request("POST", "/v1/swarm/complaints", [], data, peer, "")}
+
+    async with TestClient(TestServer(build_app(node))) as client:
+        unsigned = await client.post("/v1/swarm/complaints", data=body,
+                                     headers={"Authorization": "Bearer t"})
+        swapped = await client.post("/v1/swarm/complaints", data=body.replace(b"04", b"05"),
+                                    headers=headers(body))
+        good = await client.post("/v1/swarm/complaints", data=body, headers=headers(body))
+        assert unsigned.status == 403 and "must be signed" in (await unsigned.json())["error"]
+        assert swapped.status == 400 and good.status == 200
+    assert asked == ["v00000004.delta"]
