@@ -2,7 +2,8 @@
 daemon process, and the figures docs/SCALE.md derives from them.
 
 Starts one trainer daemon (tests/integration/harness.py) and a stand-in region gateway (an
-aiohttp server that answers the hello challenge and the sent-digest confirmation like a daemon),
+aiohttp server that answers the hello challenge with its identity key like a daemon; every
+entry is signed by its own node's key and every report by the gateway's, daemon/identity.py),
 then POSTs fleet reports the way a gateway forwards its region: one report holding the whole
 fleet (`--nodes` entries over `--regions` regions), and a run of one-entry reports (what every
 node reporting straight to the trainer would cost). Prints bytes per entry; the trainer's wall
@@ -32,9 +33,14 @@ from aiohttp import web
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import (  # noqa: E402
+    Ed25519PrivateKey,
+)
+
 from chain.digest import state_digest  # noqa: E402
 from chain.manifest import Manifest, canonical_json  # noqa: E402
 from daemon.fleet import NodeReport  # noqa: E402
+from daemon.identity import SIG_HEADER, NodeKey  # noqa: E402
 from daemon.peer_client import hello_proof  # noqa: E402
 from tests.integration.harness import TOKEN, Cluster, free_port  # noqa: E402
 
@@ -54,9 +60,20 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+KEYS: dict[str, NodeKey] = {}
+
+
+def signed(doc: dict) -> dict:
+    """`doc` signed now by its node's key (made once per node name)."""
+    key = KEYS.get(doc["node"]) or KEYS.setdefault(
+        doc["node"], NodeKey(Ed25519PrivateKey.generate(), doc["node"]))
+    return key.sign_entry({k: v for k, v in doc.items() if k != "sig"})
+
+
 def entries(nodes: int, regions: int, gw_url: str) -> list[dict]:
     """The gateway's own entry, then one forwarded entry per other node, with realistic
-    counters (terabytes moved, long uptimes) so the JSON is as long as it gets."""
+    counters (terabytes moved, long uptimes) so the JSON is as long as it gets; each signed
+    by its node."""
     big = {"bytes_in": 987_654_321_012, "bytes_out": 123_456_789_012}
     links = {c: big for c in ("intra", "cross", "trainer", "unknown")}
     out = [NodeReport(node="gw", region="region-000", role="region", url=gw_url, version=41,
@@ -68,7 +85,7 @@ def entries(nodes: int, regions: int, gw_url: str) -> list[dict]:
             role="region", url=f"http://10.{i // 65536}.{i // 256 % 256}.{i % 256}:8700",
             version=41, held_s=12.5, head=42, age_s=3.2, hops=1, links=links,
             trajectories_waiting=1234).model_dump(mode="json"))
-    return out
+    return [signed(d) for d in out]
 
 
 class Gateway:
@@ -78,11 +95,14 @@ class Gateway:
         self.port = free_port(GW_HOST)
         self.url = f"http://{GW_HOST}:{self.port}"
         self.sent: set[str] = set()
+        self.key = KEYS.setdefault("gw", NodeKey(Ed25519PrivateKey.generate(), "gw"))
 
     def app(self) -> web.Application:
         async def healthz(request: web.Request) -> web.Response:
+            nonce = request.query["challenge"]
             return web.json_response({"ok": True, "node": "gw", "url": self.url, "proof":
-                                      hello_proof(TOKEN, request.query["challenge"], self.url)})
+                                      hello_proof(TOKEN, nonce, self.url),
+                                      "identity": self.key.hello(nonce, self.url)})
 
         async def sent(request: web.Request) -> web.Response:
             ok = request.match_info["digest"] in self.sent
@@ -95,10 +115,12 @@ class Gateway:
 
     async def post(self, session: aiohttp.ClientSession, trainer: str, body: bytes) -> float:
         self.sent.add(hashlib.sha256(body).hexdigest())
+        peer = f"{self.url} - gw"
+        sig = self.key.sign_request("POST", "/v1/fleet/report", [], body, peer, "")
         t0 = time.perf_counter()
         async with session.post(f"{trainer}/v1/fleet/report", data=body, headers={
                 "Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json",
-                "X-Deltaswarm-Peer": f"{self.url} - gw"}) as r:
+                "X-Deltaswarm-Peer": peer, SIG_HEADER: sig}) as r:
             reply = await r.read()
             if r.status != 200:
                 raise SystemExit(f"report refused: {r.status} {reply[:300]!r}")
@@ -118,7 +140,7 @@ async def measure(trainer_url: str, pid: int, nodes: int, regions: int, small: i
             await gw.post(s, trainer_url, json.dumps({"reports": one}).encode())  # the hello
             c0 = cpu_s(pid)
             for i in range(small):  # one-entry reports: a node reporting straight to the trainer
-                one[0]["held_s"] = float(i)
+                one[0] = signed(one[0] | {"held_s": float(i)})
                 small_times.append(await gw.post(s, trainer_url, json.dumps(
                     {"reports": one}).encode()))
             small_cpu = (cpu_s(pid) - c0) / small
@@ -126,7 +148,8 @@ async def measure(trainer_url: str, pid: int, nodes: int, regions: int, small: i
             big_times, body = [], b""
             c0 = cpu_s(pid)
             for i in range(5):
-                docs[0]["held_s"] = float(i)
+                # every node re-signs each interval: the trainer verifies every entry anew
+                docs = [signed(d | {"held_s": float(i)}) for d in docs]
                 body = json.dumps({"reports": docs}, separators=(",", ":")).encode()
                 big_times.append(await gw.post(s, trainer_url, body))
             big_cpu = (cpu_s(pid) - c0) / 5
@@ -223,7 +246,8 @@ def main() -> int:
         man |= {"manifest_delta": manifest_figures(a.manifest_tensors, -(-6_280_000_000 >> 23)),
                "manifest_snapshot": manifest_figures(a.manifest_tensors, -(-10**12 >> 23))}
     with tempfile.TemporaryDirectory() as tmp, Cluster(Path(tmp)) as c:
-        t = c.trainer(fleet={"max_nodes": max(a.nodes + 10, 20_000)})
+        t = c.trainer(fleet={"max_nodes": max(a.nodes + 10, 20_000),
+                             "max_per_reporter": max(a.nodes, 2_000)})
         t.start()
         t.wait_ready()
         assert t.proc is not None

@@ -24,8 +24,9 @@ from chain.manifest import parse_artifact
 from chain.store import ChainStore
 from daemon.artifacts import Artifacts
 from daemon.board import Board
-from daemon.fleet import REPORT_MAX_BYTES, BadReport, parse_report
-from daemon.fleet_link import FleetParts, report_digest
+from daemon.fleet import REPORT_MAX_BYTES, BadReport, Report, parse_report
+from daemon.fleet_link import FleetParts
+from daemon.identity import SIG_HEADER, BadIdentity, Identities, Signed, check_entry
 from daemon.intake import Intake
 from daemon.live import LiveNodes
 from daemon.metrics import render_fleet
@@ -82,6 +83,8 @@ class Parts:
     """A peer says we sent it bad data for an artifact: re-check it (rate-limited there)."""
     live: LiveNodes | None = None
     """Where the `node`/`region`/`have` of head long-polls are recorded (retention's input)."""
+    identity: Identities | None = None
+    """This node's key and pins: who signed a request (daemon/identity.py)."""
 
 
 NODE: web.AppKey[Parts] = web.AppKey("node")
@@ -141,13 +144,60 @@ async def auth(request: web.Request, handler: Callable[[web.Request], Awaitable[
                 text=json.dumps({"error": "missing or wrong bearer token (Authorization: Bearer "
                                           "<token> from the swarm config)"}),
                 content_type="application/json", headers={"WWW-Authenticate": "Bearer"})
+        signer(request, node)
         announce = request.headers.get(HEADER)
-        if announce:
-            try:
-                node.book.learn_header(announce, request.headers.get(REGION_HEADER))
-            except BadPeer as e:
-                raise fail(400, str(e)) from None
+        ident = request.get(IDENTITY)
+        try:
+            if announce and ident is not None:
+                node.book.learn_signed(announce, request.headers.get(REGION_HEADER),
+                                       ident.node, ident.key)
+            elif announce:  # unsigned: not believed, but a malformed one is still a 400
+                parse_header(announce)
+        except BadPeer as e:
+            raise fail(400, str(e)) from None
     return await handler(request)
+
+
+IDENTITY: web.RequestKey[Signed | None] = web.RequestKey("identity")
+"""request[IDENTITY]: the verified `Signed` sender, or None (unsigned or refused)."""
+IDENTITY_ERROR: web.RequestKey[str] = web.RequestKey("identity_error", str)
+
+
+def signer(request: web.Request, node: Parts) -> None:
+    """Who signed this request (daemon/identity.py): request[IDENTITY] is the verified signer,
+    else None with request[IDENTITY_ERROR] saying why. An unsigned or refused request still
+    gets what the token admits; only what it says about its sender is not believed."""
+    request[IDENTITY], request[IDENTITY_ERROR] = None, "the request is not signed"
+    value = request.headers.get(SIG_HEADER)
+    ids = getattr(node, "identity", None)  # a test's partial Parts may have none
+    if not value or ids is None:
+        return
+    announce = request.headers.get(HEADER, "")
+    try:
+        name = parse_header(announce)[2] if announce else None
+    except BadPeer as e:
+        raise fail(400, str(e)) from None
+    if name is None:
+        request[IDENTITY_ERROR] = f"a signed request must name its node in {HEADER}"
+        return
+    try:
+        request[IDENTITY] = ids.verify_request(
+            request.method, request.path, list(request.query.items()), announce,
+            request.headers.get(REGION_HEADER, ""), value, name,
+            source=str(request.remote or "?"))
+    except BadIdentity as e:
+        request[IDENTITY_ERROR] = str(e)
+
+
+def signed_by(request: web.Request, what: str) -> Signed:
+    """The verified signer, else 403 saying why `what` needs one."""
+    ident = request.get(IDENTITY)
+    if ident is None:
+        raise web.HTTPForbidden(
+            text=json.dumps({"error": f"{what} must be signed by its node's identity key "
+                                      f"({SIG_HEADER}): {request.get(IDENTITY_ERROR)}"}),
+            content_type="application/json")
+    return ident
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -162,6 +212,9 @@ async def healthz(request: web.Request) -> web.Response:
             raise fail(400, "challenge must be 32 lowercase hex digits")
         doc["url"] = node.url
         doc["proof"] = hello_proof(node.token, challenge, node.url)
+        ids = getattr(node, "identity", None)
+        if ids is not None:
+            doc["identity"] = ids.own.hello(challenge, node.url)
     return web.json_response(doc)
 
 
@@ -182,12 +235,17 @@ async def status(request: web.Request) -> web.Response:
 def head_doc(node: Parts) -> dict[str, Any]:
     head = node.store.head()
     arts = [a for a in node.store.artifacts() if head is not None and parse_artifact(a)[0] == head]
+    ids = getattr(node, "identity", None)
+    book = getattr(node, "book", None)
     return {"version": head, "artifacts": arts, "bt": node.bt(), "node": node.node,
-            "url": node.url}
+            "url": node.url, "key": ids.own.public if ids is not None else None,
+            "region": getattr(book, "region", None), "role": getattr(book, "role", None)}
 
 
 def record_poller(request: web.Request, node: Parts) -> None:
-    """A polling node's `node`, `region` and `have` (its current version; empty: none yet)."""
+    """A polling node's `node`, `region` and `have` (its current version; empty: none yet),
+    believed only when the request is signed by that node's pinned key: retention keeps what
+    live nodes need, so a token holder speaking for another node could make it drop data."""
     name = request.query.get("node")
     if name is None or node.live is None:
         return
@@ -199,6 +257,10 @@ def record_poller(request: web.Request, node: Parts) -> None:
     except BadPeer as e:
         raise fail(400, f"query parameter node or region: {e}") from None
     have = int_param(request, "have", None, 0, 2**62)
+    ident = request.get(IDENTITY)
+    if ident is None or ident.node != name:
+        node.live.unsigned += 1
+        return
     node.live.seen(name, region, have)
 
 
@@ -333,9 +395,11 @@ async def peers_announce(request: web.Request) -> web.Response:
 
 
 async def fleet_report(request: web.Request) -> web.Response:
-    """A node's fleet report (its own entry and those it forwards, daemon/fleet.py). The
-    sender must announce itself (X-Deltaswarm-Peer) as the node of the report's own entry, and
-    its URL must prove that name (fleet_link.Verifier): a node reports only for itself."""
+    """A node's fleet report (its own entry and those it forwards, daemon/fleet.py). Checked
+    before the body is parsed: the request must be signed by the reporting node's pinned key
+    and its URL (X-Deltaswarm-Peer) must answer the hello challenge as that node with that key
+    (fleet_link.Verifier); the body must be the one signed. Then every entry must carry its
+    origin's signature: a relay forwards, it cannot forge."""
     node = request.app[NODE]
     fleet = node.fleet
     if fleet is None:
@@ -350,25 +414,56 @@ async def fleet_report(request: web.Request) -> web.Response:
         raise fail(400, str(e)) from None
     if name is None:
         raise fail(400, f"{HEADER} must name the reporting node (third field)")
+    ident = signed_by(request, f"a fleet report from {name}")
     if request.content_length is not None and request.content_length > REPORT_MAX_BYTES:
         raise fail(400, f"fleet report larger than {REPORT_MAX_BYTES} bytes")
-    body = await request.read()
-    try:
-        report = await asyncio.to_thread(parse_report, body)
-    except BadReport as e:
-        raise fail(400, str(e)) from None
-    why = await fleet.verifier.check(url, name) or await fleet.verifier.confirm(
-        url, report_digest(body))
+    why = await fleet.verifier.check(url, name, ident.key)
     if why is not None:
         raise web.HTTPForbidden(text=json.dumps({"error": f"fleet report from {name} refused: "
                                                           f"{why}"}),
                                 content_type="application/json")
+    body = await read_bounded(request, REPORT_MAX_BYTES, "fleet report")
+    if not ident.body_ok(body):
+        raise fail(400, "the fleet report body is not the one its signature covers")
     try:
-        accepted = fleet.board.accept(name, url, report.reports, time.time())
+        report, checks = await asyncio.to_thread(parse_and_check, body, time.time(),
+                                                 fleet.board.forget_s, fleet.board.entries)
+    except BadReport as e:
+        raise fail(400, str(e)) from None
+    try:
+        accepted = fleet.board.accept(name, url, report.reports, time.time(), checks,
+                                      node.identity, source=url)
     except BadReport as e:
         raise fail(400, str(e)) from None
     return web.json_response({"stored": accepted.stored, "refused": accepted.refused[:100],
                               **fleet.identity()})
+
+
+def parse_and_check(body: bytes, now: float, forget_s: float, held: dict
+                    ) -> tuple[Report, list[str | None]]:
+    """Parse a report and check every entry's origin signature (CPU work: a worker thread).
+    An entry no newer than the one `held` for its node is left unchecked: the board ignores
+    it anyway (FleetBoard._store), so a gateway resending its region costs no verification."""
+    report = parse_report(body)
+    checks: list[str | None] = []
+    for r in report.reports:
+        old = held.get(r.node)
+        if old is not None and r.sig is not None and r.sig.ts <= old.ts \
+                and r.sig.key == old.key:
+            checks.append(None)
+        else:
+            checks.append(check_entry(r.model_dump(mode="json"), now, forget_s))
+    return report, checks
+
+
+async def read_bounded(request: web.Request, cap: int, what: str) -> bytes:
+    """The request body, refused (400) past `cap` bytes whatever Content-Length said."""
+    buf = bytearray()
+    async for chunk in request.content.iter_chunked(256 << 10):
+        buf += chunk
+        if len(buf) > cap:
+            raise fail(400, f"{what} larger than {cap} bytes")
+    return bytes(buf)
 
 
 async def fleet_sent(request: web.Request) -> web.Response:
@@ -384,20 +479,31 @@ async def fleet_sent(request: web.Request) -> web.Response:
 
 
 async def fleet_view(request: web.Request) -> web.Response:
-    """The whole fleet as this daemon knows it, by region (daemon/fleet.py `FleetBoard.view`)."""
+    """The whole fleet as this daemon knows it, by region (daemon/fleet.py `FleetBoard.view`),
+    built and encoded in a worker thread and cached (fleet_link.FleetParts.view_json);
+    `?nodes=0` leaves out the node lists (what `deltaswarm status --fleet` shows by default)."""
     fleet = request.app[NODE].fleet
     if fleet is None:
         raise fail(503, "this daemon keeps no fleet board")
-    return web.json_response(fleet.view())
+    nodes = request.query.get("nodes", "1")
+    if nodes not in ("0", "1"):
+        raise fail(400, "query parameter nodes must be 0 or 1")
+    body = await fleet.view_json(nodes == "1")
+    return web.Response(body=body, content_type="application/json")
 
 
 async def swarm_complaint(request: web.Request) -> web.Response:
     """A peer that banned us says we sent it data failing the hash check for an artifact. It
     proves nothing (the peer may lie or be wrong), so it only schedules our own check of that
-    artifact, at most once per artifact every few seconds (daemon/selfcheck.py)."""
+    artifact, at most once per artifact every few seconds (daemon/selfcheck.py). It must be
+    signed by the complaining node's identity key (403 otherwise)."""
     node = request.app[NODE]
+    ident = signed_by(request, "a complaint")
+    body = await read_bounded(request, 64 << 10, "complaint")
+    if not ident.body_ok(body):
+        raise fail(400, "the complaint body is not the one its signature covers")
     try:
-        doc = await request.json()
+        doc = json.loads(body)
     except ValueError:
         raise fail(400, 'body must be JSON {"artifact": "v00000001.delta"}') from None
     artifact = doc.get("artifact") if isinstance(doc, dict) else None

@@ -11,6 +11,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import TypeVar
 
+from daemon.identity import is_key_hex
 from daemon.names import BadName, Endpoint, check_node, parse_endpoint
 from daemon.peer_client import BadReply, PeerClient, PeerError, bounded_int
 from daemon.peers import BadPeer, Peer, PeerBook, not_held
@@ -62,11 +63,14 @@ async def prove_loop(book: PeerBook, client: PeerClient, parallel: int = 8) -> N
 
     async def prove(peer: Peer) -> None:
         try:
-            if await client.prove(peer.url):
+            ok, ident = await client.prove_identity(peer.url)
+            if ok:
+                book.learn_own(peer.url, *(ident or (None, None)))
+                if not peer.proven:
+                    log.info("peer %s proved it is a daemon of this swarm", peer.url)
                 peer.proven = True
                 book.succeeded(peer)
                 book.changed.set()
-                log.info("peer %s proved it is a daemon of this swarm", peer.url)
             else:
                 book.failed(peer, "did not prove it holds the swarm token")
         except PeerError as e:
@@ -80,8 +84,10 @@ async def prove_loop(book: PeerBook, client: PeerClient, parallel: int = 8) -> N
             for peer in list(book.peers.values()):
                 if len(running) >= parallel:
                     break
-                if (not peer.trusted and not peer.banned(now) and peer.retry_at <= now
-                        and peer.url not in running):
+                # unproven peers, and trusted ones whose URL has not said who it is yet
+                # (its own answer binds its identity key, daemon/peers.py learn_own)
+                if ((not peer.trusted or not peer.identified) and not peer.banned(now)
+                        and peer.retry_at <= now and peer.url not in running):
                     running[peer.url] = asyncio.create_task(prove(peer))
             changed.clear()
             with contextlib.suppress(TimeoutError):
@@ -161,7 +167,10 @@ class HeadWatcher:
         reply = await self.client.get_json(f"{peer.url}/v1/chain/head", "head", params=params,
                                            timeout=self.poll_timeout + 10)
         version, bt, node = parse_head(reply, peer.url)
-        self.book.learn(peer.url, bt, node, version)
+        key, region = reply.get("key"), reply.get("region")
+        self.book.learn_own(peer.url, node, key if is_key_hex(key) else None, bt, version,
+                            region if isinstance(region, str) and _plain_name(region) else None,
+                            reply.get("role") if isinstance(reply.get("role"), str) else None)
         self.book.succeeded(peer)
         await self.on_head(peer, version)
         if version is None or version <= after:

@@ -235,7 +235,10 @@ class FleetConfig(_Section):
     forget_s: float = Field(120.0, ge=10, le=86_400)
     """A node not heard from for this long is dropped from the fleet board (and not forwarded)."""
     max_nodes: int = Field(20_000, ge=1, le=100_000)
-    """Most nodes the fleet board holds (reports for new names past it are refused)."""
+    """Most nodes the fleet board holds (past it a newer report evicts the stalest entry)."""
+    max_per_reporter: int = Field(2_000, ge=1, le=100_000)
+    """Most entries one reporter may have forwarded onto this board (a region gateway's
+    region, with room); its entries past it are refused (daemon/fleet.py)."""
 
     @field_validator("report_to")
     @classmethod

@@ -8,14 +8,18 @@ Times travel as ages (`age_s`: seconds since the node made the report, grown by 
 holding time; `held_s`: seconds it has held its version), never as another host's clock, so
 clock skew cannot make an entry look fresh; an entry forwarded in a loop only ever gets older.
 
-A node can report only for itself: the direct reporter's own entry must name the node and URL
-its `X-Deltaswarm-Peer` header announces, and that URL must have answered a hello challenge with
-that node name (fleet_link.Verifier). A name is bound to the URL it was first reported at while
-its entry lives (`forget_s`), so another token holder cannot overwrite it (a node that moves to
-a new URL shows again once its old entry is forgotten). With one shared token that is as far as
-identity goes (THREAT_MODEL.md).
+A node can report only for itself, and a relay can forward but not forge: every entry carries
+its origin's signature (daemon/identity.py: content and origin time, not the age and hop count
+relays change), the entry's node name must be pinned to the signing key (first key seen pins
+it), and the direct reporter's request is signed by its own key, whose URL answered a hello
+challenge as that node (fleet_link.Verifier). An entry is taken only if its origin time is newer
+than the one held, so a replayed entry cannot undo a newer one. Each reporter may have at most
+`max_per_reporter` entries it forwarded on the board; when the board is full the stalest entry
+makes room (a flood of fresh entries cannot lock a real node out, and a flood needs many signed,
+proven reporters to displace anyone).
 """
 
+import heapq
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
@@ -23,6 +27,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
 
+from daemon.identity import Identities, NodeKey, fingerprint
 from daemon.names import NODE_NAME, BadName, check_url
 
 MAX_VERSION = 2**62
@@ -32,6 +37,9 @@ misconfiguration, and the bound stops a forwarding loop early (ages stop it anyw
 MAX_AGE_S = 86_400.0
 MAX_REPORT_NODES = 20_000
 """Most entries in one report: a whole 100 x 100 fleet forwarded by one gateway, with room."""
+MAX_PER_REPORTER = 2_000
+"""Default most entries one reporter may have forwarded onto a board: a gateway of a region of
+a few hundred nodes, with room; `fleet.max_per_reporter`."""
 REPORT_MAX_BYTES = 16 << 20
 """A report of MAX_REPORT_NODES entries at ~600 bytes each is ~12 MB; anything larger is refused."""
 LINK_CLASSES = ("intra", "cross", "trainer", "unknown")
@@ -65,6 +73,15 @@ def flows(links: Links) -> dict[str, dict[str, int]]:
                 "bytes_out": links.get(c, {}).get("bytes_out", 0)} for c in LINK_CLASSES}
 
 
+class EntrySig(_Wire):
+    """An entry's origin signature (daemon/identity.py `NodeKey.sign_entry`)."""
+
+    key: str = Field(pattern=r"^[0-9a-f]{64}$")
+    ts: float = Field(ge=0, le=1e11)
+    """The origin's Unix time when it signed (bounds replay; ages still come from `age_s`)."""
+    sig: str = Field(pattern=r"^[0-9a-f]{128}$")
+
+
 class NodeReport(_Wire):
     """One node's report as it travels (small: ~600 bytes of JSON)."""
 
@@ -83,6 +100,8 @@ class NodeReport(_Wire):
     hops: StrictInt = Field(0, ge=0, le=MAX_HOPS)
     links: Links = Field(default_factory=dict)
     trajectories_waiting: Count = 0
+    sig: EntrySig | None = None
+    """Its origin's signature; entries without one are refused."""
 
     @field_validator("url")
     @classmethod
@@ -91,6 +110,11 @@ class NodeReport(_Wire):
             return _checked_url(v)
         except BadName as e:
             raise ValueError(str(e)) from None
+
+
+def sign_report(report: NodeReport, key: NodeKey, now: float | None = None) -> NodeReport:
+    """`report` signed by its origin's key (daemon/identity.py `NodeKey.sign_entry`)."""
+    return NodeReport.model_validate(key.sign_entry(report.model_dump(mode="json"), now))
 
 
 @lru_cache(maxsize=65_536)
@@ -123,6 +147,10 @@ class Entry:
     """Local epoch seconds when the node made the report (now - age_s on arrival)."""
     via: str | None
     """The node that forwarded it here; None when the node reported here itself."""
+    key: str = ""
+    """The origin's identity key (its signature verified)."""
+    ts: float = 0.0
+    """The origin's signing time (a newer one replaces it; an older or equal one does not)."""
 
     @property
     def since(self) -> float | None:
@@ -141,33 +169,47 @@ class FleetBoard:
     `forget_s` without news. `now` is epoch seconds everywhere (tests pass it explicitly)."""
 
     def __init__(self, self_node: str, max_nodes: int = MAX_REPORT_NODES,
-                 forget_s: float = 120.0) -> None:
+                 forget_s: float = 120.0, max_per_reporter: int = MAX_PER_REPORTER) -> None:
         self.self_node = self_node
         self.max_nodes = max_nodes
         self.forget_s = forget_s
+        self.max_per_reporter = max_per_reporter
         self.entries: dict[str, Entry] = {}
+        self.per_via: dict[str, int] = {}
+        """reporter → entries it forwarded that are on the board (the quota's count)."""
         self.head_seen: dict[int, float] = {}
         """version → when this daemon first saw it as head (for lag in seconds)."""
         self.refused = 0
         self.last_refusal = ""
+        self.evicted = 0
 
     # --- writing -----------------------------------------------------------------------------
     def accept(self, reporter: str, reporter_url: str, reports: Iterable[NodeReport],
-               now: float) -> Accepted:
+               now: float, checks: list[str | None] | None = None,
+               identities: Identities | None = None, source: str = "") -> Accepted:
         """Store a verified reporter's report: its own entry first, then what it forwards.
-        Entries that conflict (another URL for a bound name, about this node, stale, full
-        board) are refused one by one with a reason; the reporter's own entry must be present
-        and must match it, else BadReport and nothing is stored."""
+        `checks[i]`: why entry i's origin signature failed (None: good; identity.check_entry,
+        run off the loop); `identities` pins each entry's name to its key. Entries that
+        conflict (unsigned, another key for a pinned name, about this node, stale, over the
+        reporter's quota) are refused one by one with a reason; the reporter's own entry must
+        be present, signed and must match it, else BadReport and nothing is stored."""
         reports = list(reports)
-        own = [r for r in reports if r.node == reporter]
-        if len(own) != 1 or own[0].url != reporter_url or own[0].hops != 0 or own[0].age_s > 60:
+        checks = checks if checks is not None else [None] * len(reports)
+        mine = [i for i, r in enumerate(reports) if r.node == reporter]
+        own = reports[mine[0]] if len(mine) == 1 else None
+        if own is None or own.url != reporter_url or own.hops != 0 or own.age_s > 60:
             raise BadReport(f"a fleet report from {reporter} must hold exactly one fresh entry "
                             f"for {reporter} itself at {reporter_url} (hops 0); a node reports "
                             "for itself and forwards what it was sent")
+        if checks[mine[0]] is not None or own.sig is None:
+            raise BadReport(f"{reporter}'s own entry: {checks[mine[0]] or 'unsigned'}")
         self.prune(now)
+        room = self._room(reports, now)
         stored, refused = 0, []
-        for r in reports:
-            why = self._store(r, None if r is own[0] else reporter, now)
+        for r, why in zip(reports, checks, strict=True):
+            if why is None:
+                why = self._store(r, None if r is own else reporter, now, identities,
+                                  source or reporter_url, room)
             if why is None:
                 stored += 1
             else:
@@ -177,28 +219,66 @@ class FleetBoard:
             self.last_refusal = f"{refused[0]['node']}: {refused[0]['error']}"[:300]
         return Accepted(stored, refused)
 
-    def _store(self, r: NodeReport, via: str | None, now: float) -> str | None:
+    def _room(self, reports: list[NodeReport], now: float) -> set[str]:
+        """Make room for the report's new names by evicting the stalest entries (only those
+        older than the newcomers); returns the names the stalest-first eviction freed."""
+        new = [r for r in reports if r.node not in self.entries and r.node != self.self_node]
+        over = len(self.entries) + len(new) - self.max_nodes
+        if over <= 0:
+            return set()
+        newest = max((now - r.age_s for r in new), default=now)
+        gone = set()
+        for e in heapq.nsmallest(over, self.entries.values(), key=lambda e: e.seen):
+            if e.seen >= newest:
+                break
+            self._drop(e.report.node)
+            gone.add(e.report.node)
+            self.evicted += 1
+        return gone
+
+    def _drop(self, name: str) -> None:
+        e = self.entries.pop(name)
+        if e.via is not None:
+            self.per_via[e.via] -= 1
+            if not self.per_via[e.via]:
+                del self.per_via[e.via]
+
+    def _store(self, r: NodeReport, via: str | None, now: float,
+               identities: Identities | None, source: str, room: set[str]) -> str | None:
         if r.node == self.self_node:
             return "an entry about this node itself is not taken from others"
         if r.age_s >= self.forget_s:
             return f"older than forget_s ({r.age_s:.0f}s >= {self.forget_s:.0f}s)"
+        if r.sig is None:
+            return "unsigned (a node signs its own entry; an old daemon's entries are not taken)"
         seen = now - r.age_s
         old = self.entries.get(r.node)
+        if old is None:
+            if len(self.entries) >= self.max_nodes:
+                return f"the fleet board holds max_nodes={self.max_nodes} fresher nodes"
+            if via is not None and self.per_via.get(via, 0) >= self.max_per_reporter:
+                return (f"{via} already has max_per_reporter={self.max_per_reporter} entries "
+                        "it forwarded on this board")
+        if identities is not None and not identities.claim(
+                r.node, r.sig.key, f"fleet entry via {via or r.node} ({source})", now):
+            return (f"node {r.node} is pinned to another key than {fingerprint(r.sig.key)}: "
+                    "a relay forwards, it cannot forge")
         if old is not None:
-            if old.report.url != r.url:
-                return (f"node {r.node} is reported at {old.report.url} (seen "
-                        f"{now - old.seen:.0f}s ago), not {r.url}: a node reports only for "
-                        "itself")
-            if old.seen >= seen:
+            if old.key != r.sig.key:
+                return (f"node {r.node} is on the board under key {fingerprint(old.key)}, not "
+                        f"{fingerprint(r.sig.key)}: a relay forwards, it cannot forge")
+            if old.ts >= r.sig.ts:
                 return None  # not newer: nothing to do, not an error (the same news twice)
-        elif len(self.entries) >= self.max_nodes:
-            return f"the fleet board holds max_nodes={self.max_nodes} nodes"
-        self.entries[r.node] = Entry(r, seen, via)
+        if old is not None:
+            self._drop(r.node)
+        self.entries[r.node] = Entry(r, seen, via, r.sig.key, r.sig.ts)
+        if via is not None:
+            self.per_via[via] = self.per_via.get(via, 0) + 1
         return None
 
     def prune(self, now: float) -> None:
         for name in [n for n, e in self.entries.items() if now - e.seen >= self.forget_s]:
-            del self.entries[name]
+            self._drop(name)
 
     def note_head(self, version: int | None, now: float) -> None:
         """Record when this daemon first saw `version` as its head (bounded history)."""
@@ -250,6 +330,17 @@ class FleetBoard:
                 "via": via, "hops": r.hops, "lag_versions": lag,
                 "lag_s": self.lag_s(r.version, head, now),
                 "links": flows(r.links), "trajectories_waiting": r.trajectories_waiting}
+
+    def snapshot(self, head: int | None, now: float) -> "FleetBoard":
+        """A copy to build the view from in a worker thread (on the loop: note the head,
+        prune, then copy the dicts; entries themselves are never changed, only replaced)."""
+        self.note_head(head, now)
+        self.prune(now)
+        copy = object.__new__(type(self))
+        copy.__dict__.update(self.__dict__)
+        copy.entries, copy.head_seen = dict(self.entries), dict(self.head_seen)
+        copy.per_via = dict(self.per_via)
+        return copy
 
     def view(self, head: int | None, now: float, me: NodeReport | None = None,
              stale_s: float = 30.0) -> dict:

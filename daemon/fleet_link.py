@@ -10,6 +10,7 @@ and which region each upstream is in without trusting anything unsigned for data
 """
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -22,7 +23,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from daemon.fleet import LINK_CLASSES, FleetBoard, Name, NodeReport
+from daemon.fleet import LINK_CLASSES, FleetBoard, Name, NodeReport, sign_report
+from daemon.identity import NodeKey, check_hello, fingerprint
 from daemon.peer_client import PeerClient, PeerError, hello_proof, json_object
 
 log = logging.getLogger("deltaswarm.fleet")
@@ -112,62 +114,61 @@ class LinkMeter:
 
 
 class Verifier:
-    """Whether the daemon at a URL holds the swarm token and calls itself by the claimed name:
-    `GET <url>/healthz?challenge=<nonce>` must answer the HMAC proof for that URL and `node`.
+    """Whether the daemon at a URL holds the swarm token and is the node and key it claims:
+    `GET <url>/healthz?challenge=<nonce>` must answer the HMAC proof for that URL and `node`,
+    and its identity key's signature over the nonce (daemon/identity.py) with `key`.
     Successes are cached for PROOF_TTL_S; a URL is asked at most once per PROOF_RETRY_S."""
 
     def __init__(self, client: PeerClient) -> None:
         self.client = client
-        self.ok: dict[str, tuple[str, float]] = {}
+        self.ok: dict[str, tuple[str, str | None, float]] = {}
         self.tried: dict[str, tuple[float, str]] = {}
 
-    async def check(self, url: str, node: str) -> str | None:
+    async def check(self, url: str, node: str, key: str | None = None) -> str | None:
         """None when verified, else why not (our words)."""
         now = time.monotonic()
         hit = self.ok.get(url)
-        if hit is not None and hit[1] > now:
-            return None if hit[0] == node else (
-                f"{url} proved it is node {hit[0]}, not {node}")
+        if hit is not None and hit[2] > now:
+            if hit[0] != node:
+                return f"{url} proved it is node {hit[0]}, not {node}"
+            if key is not None and hit[1] != key:
+                return f"{url} proved it holds key {fingerprint(hit[1] or '00' * 32)}, not " \
+                       f"{fingerprint(key)}"
+            return None
         last = self.tried.get(url)
         if last is not None and now - last[0] < PROOF_RETRY_S:
             return last[1]
-        why = await self._prove(url, node)
+        why, proved_key = await self._prove(url, node, key)
         if len(self.tried) > 50_000:
             self.tried.clear()
         if why is None:
             if len(self.ok) > 50_000:
                 self.ok.clear()
-            self.ok[url] = (node, now + PROOF_TTL_S)
+            self.ok[url] = (node, proved_key, now + PROOF_TTL_S)
             self.tried.pop(url, None)
         else:
             self.tried[url] = (now, why)
         return why
 
-    async def confirm(self, url: str, digest: str) -> str | None:
-        """Ask the (proven) reporter whether it sent the report with this digest: a token
-        holder elsewhere that announces the reporter's URL cannot make it say yes."""
-        try:
-            await self.client.request("GET", f"{url}/v1/fleet/sent/{digest}", "hello",
-                                      auth=True, timeout=5.0)
-        except PeerError as e:
-            return (f"the node at {url} did not confirm sending this report ({e}); a node "
-                    "reports only for itself")
-        return None
-
-    async def _prove(self, url: str, node: str) -> str | None:
+    async def _prove(self, url: str, node: str, key: str | None
+                     ) -> tuple[str | None, str | None]:
         nonce = secrets.token_hex(16)
         try:
             doc = await self.client.get_json(f"{url}/healthz", "hello", auth=False,
                                              timeout=5.0, params={"challenge": nonce})
         except PeerError as e:
-            return f"cannot verify {url} (it must answer GET /healthz?challenge): {e}"
+            return f"cannot verify {url} (it must answer GET /healthz?challenge): {e}", None
         proof = doc.get("proof")
         if not (isinstance(proof, str) and secrets.compare_digest(
                 proof.encode(), hello_proof(self.client.token, nonce, url).encode())):
-            return f"{url} did not prove it holds the swarm token"
+            return f"{url} did not prove it holds the swarm token", None
         if doc.get("node") != node:
-            return f"{url} calls itself {str(doc.get('node'))[:64]!r}, not {node!r}"
-        return None
+            return f"{url} calls itself {str(doc.get('node'))[:64]!r}, not {node!r}", None
+        ident = check_hello(doc.get("identity"), nonce, url)
+        if key is not None and (ident is None or ident != (node, key)):
+            return (f"{url} did not prove it holds the identity key {fingerprint(key)} of "
+                    f"{node}"), None
+        return None, ident[1] if ident else None
 
 
 def report_digest(body: bytes) -> str:
@@ -199,7 +200,8 @@ class Reporter:
     tick: Callable[[], None] = lambda: None
     state: dict[str, Upstream] = field(default_factory=dict)
     sent: dict[str, float] = field(default_factory=dict)
-    """sha256 of each report body sent recently → monotonic time (see Verifier.confirm)."""
+    """sha256 of each report body sent recently → monotonic time, for daemons from before
+    identities, which confirm a report with `GET /v1/fleet/sent/<digest>`."""
 
     def did_send(self, digest: str) -> bool:
         return self.sent.get(digest, -1e18) > time.monotonic() - SENT_KEEP_S
@@ -273,8 +275,13 @@ class FleetParts:
     directory: Directory = field(default_factory=Directory)
     meter: LinkMeter = field(default_factory=LinkMeter)
     reporter: Reporter | None = None
+    key: NodeKey | None = None
+    """This node's identity key: signs its own entry."""
     _held: tuple[int | None, float] = (None, 0.0)
     _view: tuple[float, dict] | None = None
+    _json: dict[bool, tuple[float, bytes]] = field(default_factory=dict)
+    _building: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _task: asyncio.Task | None = None
 
     def tick(self) -> None:
         """Once a second: sample the byte counters, note a new head, note a new version."""
@@ -305,13 +312,17 @@ class FleetParts:
         return "intra" if regions == {self.region} else "cross"
 
     def own_report(self) -> NodeReport:
+        """This node's entry, signed by its identity key (relays forward it unchanged)."""
         self.tick()
         version, since = self._held
-        return NodeReport(node=self.node, region=self.region, role=self.role, url=self.url,
-                          version=version, held_s=None if version is None else
-                          max(0.0, time.time() - since), head=self.head(),
-                          links=self.meter.links(self.classify),
-                          trajectories_waiting=self.waiting())
+        r = NodeReport(node=self.node, region=self.region, role=self.role, url=self.url,
+                       version=version, held_s=None if version is None else
+                       max(0.0, time.time() - since), head=self.head(),
+                       links=self.meter.links(self.classify),
+                       trajectories_waiting=self.waiting())
+        if self.key is None:
+            return r
+        return sign_report(r, self.key)
 
     def identity(self) -> dict:
         """What a report's reply says about this daemon (and the trainers it knows)."""
@@ -321,13 +332,54 @@ class FleetParts:
         return {"node": self.node, "region": self.region, "role": self.role, "known": known}
 
     def view(self) -> dict:
-        """The fleet view, rebuilt at most once per VIEW_CACHE_S: status, /metrics and
-        /v1/fleet all read it, and at 10k nodes one build is ~0.5 s (bench/fleet.py)."""
+        """The fleet view as last built, for status and /metrics (on the event loop). A board of
+        a few hundred nodes is rebuilt here when the view is older than VIEW_CACHE_S; a larger
+        one is rebuilt in a worker thread (`refresh`, started here when stale) and meanwhile
+        the last view is served, so the loop never builds a 10k-node view but the first."""
         now = time.time()
-        if self._view is not None and now - self._view[0] < VIEW_CACHE_S:
-            return self._view[1]
+        if self._view is None or (len(self.board.entries) < 500
+                                  and now - self._view[0] >= VIEW_CACHE_S):
+            self._view = self._build(self.board.snapshot(self.head(), now), self.own_report(),
+                                     now)
+            self._json.clear()
+        elif now - self._view[0] >= VIEW_CACHE_S and (self._task is None or self._task.done()):
+            # no running loop (plain code, a test): serve the last view
+            with contextlib.suppress(RuntimeError):
+                self._task = asyncio.get_running_loop().create_task(self.refresh())
+        return self._view[1]
+
+    def _build(self, board: FleetBoard, me: NodeReport, now: float) -> tuple[float, dict]:
         interval = self.reporter.interval_s if self.reporter else 10.0
-        out = self.board.view(self.head(), now, self.own_report(), 3 * interval)
+        out = board.view(self.head(), now, me, 3 * interval)
         out["upstreams"] = self.reporter.status() if self.reporter else []
-        self._view = (now, out)
-        return out
+        return now, out
+
+    async def refresh(self) -> dict:
+        """Rebuild the view in a worker thread when older than VIEW_CACHE_S (at 10k nodes one
+        build is ~0.5 s: off the loop, /healthz and long-polls keep answering)."""
+        async with self._building:
+            now = time.time()
+            if self._view is None or now - self._view[0] >= VIEW_CACHE_S:
+                snap = self.board.snapshot(self.head(), now)
+                self._view = await asyncio.to_thread(self._build, snap, self.own_report(), now)
+                self._json.clear()
+            return self._view[1]
+
+    async def view_json(self, nodes: bool) -> bytes:
+        """`GET /v1/fleet`'s body: the view encoded in a worker thread, cached with it;
+        `nodes=False` leaves out each region's node list."""
+        view = await self.refresh()
+        at = self._view[0] if self._view else 0.0
+        hit = self._json.get(nodes)
+        if hit is None or hit[0] != at:
+            hit = (at, await asyncio.to_thread(encode_view, view, nodes))
+            self._json[nodes] = hit
+        return hit[1]
+
+
+def encode_view(view: dict, nodes: bool) -> bytes:
+    if not nodes:
+        view = view | {"regions": {name: {k: v for k, v in reg.items() if k != "nodes"}
+                                   for name, reg in view["regions"].items()},
+                       "node_lists": False}
+    return json.dumps(view, separators=(",", ":")).encode()

@@ -2,6 +2,8 @@
 `node`, `region` and `have` (its current version), so any daemon, the trainer's above all, knows
 who is behind without another round trip. Retention keeps what those live nodes still need
 (chain.policy.Retention.decide); a node that stops polling ages out after `within_s`.
+Only polls signed by the named node's own key are recorded here (daemon/app.py
+`record_poller`, daemon/identity.py): another token holder cannot speak for a node.
 """
 
 import time
@@ -25,6 +27,8 @@ class LiveNodes:
     def __init__(self, within_s: float = 120.0) -> None:
         self.within_s = within_s
         self._seen: OrderedDict[str, Seen] = OrderedDict()
+        self.unsigned = 0
+        """Polls naming a node but not signed by its pinned key (not recorded: daemon/app.py)."""
 
     def seen(self, node: str, region: str | None, have: int | None,
              now: float | None = None) -> None:

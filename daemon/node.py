@@ -32,6 +32,7 @@ import aiohttp
 from aiohttp import web
 
 from chain import keys
+from chain.errors import ChainError
 from chain.store import ChainStore
 from chain.weights import WeightsDir
 from daemon import metrics, sdnotify
@@ -44,6 +45,7 @@ from daemon.config import Config, ConfigError, load_config
 from daemon.fleet import FleetBoard
 from daemon.fleet_link import FleetParts, Reporter, Verifier
 from daemon.hooks import Notifier, build_hook
+from daemon.identity import Identities
 from daemon.intake import Intake
 from daemon.live import LiveNodes
 from daemon.peer_client import PeerClient, PeerError
@@ -132,6 +134,10 @@ class Node:
         self.failure: str | None = None
         self.paths = Paths(cfg.state_dir)
         try:
+            self.identity = Identities.open(cfg.state_dir, cfg.node)
+        except ChainError as e:
+            raise ConfigError(f"config {config_path}: field state_dir: {e}") from None
+        try:
             self.url = check_url(cfg.http.url())
             self.book = PeerBook(self.url, (advertise_bt or cfg.bt_advertise(),
                                             cfg.bittorrent.port),
@@ -144,11 +150,13 @@ class Node:
                                      cfg.region_peering.gateway_demote_s)
         self.book.set_region(cfg.region, cfg.role, self.peering)
         self.peering.book = self.book
+        self.book.pin = lambda node, key, source: self.identity.claim(node, key, source)
         self.store = ChainStore(self.paths.chain, keys.parse_public(cfg.trainer_public_key))
         self.weights = WeightsDir(self.paths.weights, keep=cfg.retention.weight_dirs)
         self.board = Board()
         self.live = LiveNodes(cfg.retention.live_within_s)
         self.client = PeerClient(None, cfg.bearer(), self.book.announce)
+        self.client.signer = self.identity.own
         self.artifacts = Artifacts(self.paths.torrents, self.paths.swarm, self.paths.resume,
                                    cfg.bittorrent.piece_size,
                                    BanList(self.paths.root / "bans.json", cfg.bans.expiry_s))
@@ -169,7 +177,7 @@ class Node:
             max_body_bytes=cfg.http.max_body_bytes, store=self.store, book=self.book,
             board=self.board, artifacts=self.artifacts, role=self.role, intake=self.intake,
             status=self.status, metrics=self.metrics_text, stopping=lambda: self.stopping,
-            fleet=self.fleet, live=self.live,
+            fleet=self.fleet, live=self.live, identity=self.identity,
             complaint=lambda artifact: self.selfcheck.request(artifact, "complaint"))
         self._registry = metrics.build_registry(self.status_model)
         self._registry.register(GatewayMetrics(self.peering))  # daemon/regions.py
@@ -221,7 +229,8 @@ class Node:
 
         parts = FleetParts(
             node=self.cfg.node, region=self.cfg.region, role=self.role.name, url=self.url,
-            board=FleetBoard(self.cfg.node, f.max_nodes, f.forget_s),
+            board=FleetBoard(self.cfg.node, f.max_nodes, f.forget_s, f.max_per_reporter),
+            key=self.identity.own,
             verifier=Verifier(self.client), current=self.role.current, head=self.store.head,
             torrents=lambda: self.artifacts.status()["torrents"], peers_at=peers_at,
             waiting=lambda: self.intake.spool.depth() if self.intake.spool is not None else 0)
@@ -314,18 +323,27 @@ class Node:
         sections = self.role.sections()
         sections["retention"]["nodes"] = self.live.snapshot()
         return (self.status_model().model_dump(mode="json") | sections
-                | {"detail": self.detail(),
+                | {"identity": self.identity_status(),
+                   "detail": self.detail(),
                    "fleet": self.fleet.board.summary(self.fleet.view()),
                    "region_peering": {**self.peering.status(),
                                       "bytes": link_bytes(self.book,
                                                         self.artifacts.status())}})
+
+    def identity_status(self) -> dict:
+        """This node's key fingerprint and the claims to other names it refused."""
+        return self.identity.status() | {
+            "refused_headers": self.book.refused_headers,
+            "last_refused_header": self.book.last_refused_header or None,
+            "unsigned_polls": self.live.unsigned}
 
     def detail(self) -> dict:
         return {"url": self.url, "peer_book": self.book.snapshot(),
                 "spool_duplicates": self.intake.duplicates, **self.role.detail()}
 
     def metrics_text(self) -> tuple[bytes, str]:
-        return metrics.render(self._registry)
+        body, content_type = metrics.render(self._registry)
+        return body + metrics.render(self.identity.metrics())[0], content_type
 
     def fail(self, why: str) -> None:
         """A part of the node died: stop, and exit non-zero so the service is restarted."""
@@ -474,8 +492,17 @@ async def _fleet(app: web.Application) -> AsyncIterator[None]:
     node = _node(app)
     assert node.fleet.reporter is not None
     task = node.spawn(node.fleet.reporter.run(), "fleet-reports")
+    pins = node.spawn(_save_pins(node), "save-pins")
     yield
-    await stop_task(task)
+    for t in (pins, task):
+        await stop_task(t)
+    node.identity.save(force=True)
+
+
+async def _save_pins(node: Node) -> None:
+    while True:
+        await asyncio.sleep(5.0)
+        node.identity.save()
 
 
 async def _systemd(app: web.Application) -> AsyncIterator[None]:
@@ -524,8 +551,9 @@ async def serve(cfg: Config, config_path: Path) -> int:
         await runner.cleanup()
         raise ConfigError(f"config {config_path}: field http.port: cannot listen on "
                           f"{cfg.http.host}:{cfg.http.port}: {e.strerror or e}") from None
-    log.info("%s (%s, %s) serving on %s, BitTorrent on %s", cfg.node, cfg.role, cfg.region,
-             node.url, node.bt_advertised())
+    log.info("%s (%s, %s) serving on %s, BitTorrent on %s, identity key %s", cfg.node,
+             cfg.role, cfg.region, node.url, node.bt_advertised(),
+             node.identity.own.fingerprint)
     serving = node.spawn(node.role.serving(), "serving")
     sdnotify.ready(f"{cfg.node}: serving on {node.url}")
     await node.stop_requested.wait()

@@ -37,6 +37,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+from yarl import URL
+
+from daemon.identity import SIG_HEADER, NodeKey, check_hello
 
 KIB, MIB = 1 << 10, 1 << 20
 CAPS: dict[str, int] = {
@@ -182,6 +185,8 @@ class PeerClient:
         self.token = token
         self.announce = announce or (lambda: {})
         self.connect_timeout = connect_timeout
+        self.signer: NodeKey | None = None
+        """This node's key: every request is signed with it (daemon/identity.py)."""
 
     def reconfigure(self, token: str) -> None:
         """New swarm token (SIGHUP): every later request carries it."""
@@ -203,6 +208,8 @@ class PeerClient:
         if self.session is None:
             raise PeerUnreachable(url, "the HTTP client is not started")
         hdrs = {**self.headers(auth, token), **(headers or {})}
+        if self.signer is not None:
+            hdrs[SIG_HEADER] = self.sign(method, url, params, data, hdrs)
         to = aiohttp.ClientTimeout(total=timeout, sock_connect=min(self.connect_timeout, timeout))
         try:
             async with self.session.request(method, url, params=params, data=data,
@@ -215,6 +222,22 @@ class PeerClient:
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as e:
             # ValueError: aiohttp/yarl refusing a malformed URL or header.
             raise PeerUnreachable(url, f"{type(e).__name__}") from None
+
+    def sign(self, method: str, url: str, params: Mapping[str, str] | None,
+             data: bytes | None, hdrs: Mapping[str, str]) -> str:
+        """The request's signature: what it says (path, query, body, this node's peer
+        headers) under this node's key, so a receiver believes what it says about us."""
+        assert self.signer is not None
+        try:
+            u = URL(url)
+            query = [(k, str(v)) for k, v in u.query.items()]
+            path = u.path
+        except ValueError:
+            query, path = [], ""
+        query += [(k, str(v)) for k, v in (params or {}).items()]
+        return self.signer.sign_request(method, path, query, data,
+                                        hdrs.get("X-Deltaswarm-Peer", ""),
+                                        hdrs.get("X-Deltaswarm-Region", ""))
 
     async def get(self, url: str, kind: str, *, auth: bool = True, timeout: float = 30.0,
                   params: Mapping[str, str] | None = None, cap: int | None = None) -> bytes:
@@ -229,12 +252,19 @@ class PeerClient:
     async def prove(self, url: str, timeout: float = 10.0) -> bool:
         """Whether the daemon at `url` holds this swarm's token (see the module docstring);
         sends no token. Raises PeerError when it cannot be asked."""
+        return (await self.prove_identity(url, timeout))[0]
+
+    async def prove_identity(self, url: str, timeout: float = 10.0
+                             ) -> tuple[bool, tuple[str, str] | None]:
+        """(holds the token, (node, key) the URL signed for with its identity key, or None for
+        a daemon without one): the URL's own answer, which binds its key in the peer book."""
         nonce = secrets.token_hex(16)
         doc = await self.get_json(f"{url}/healthz", "hello", auth=False, timeout=timeout,
                                   params={"challenge": nonce})
         proof = doc.get("proof")
-        return isinstance(proof, str) and hmac.compare_digest(
+        ok = isinstance(proof, str) and hmac.compare_digest(
             proof.encode(), hello_proof(self.token, nonce, url).encode())
+        return ok, (check_hello(doc.get("identity"), nonce, url) if ok else None)
 
 
 async def _read(r: aiohttp.ClientResponse, url: str, kind: str, cap: int,

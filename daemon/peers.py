@@ -82,6 +82,12 @@ class Peer:
     """Monotonic time of the last failure booked (see PeerBook.failed's `since`)."""
     misses: int = 0
     """Asks it answered with 'not held' (no strike; shown in status)."""
+    key: str | None = None
+    """Its identity key (daemon/identity.py): only requests signed with it update this entry."""
+    key_confirmed: bool = False
+    """The key came from the URL's own answer (hello or head reply), not from a header."""
+    identified: bool = False
+    """Its URL was asked who it is (hello) since it became known."""
 
     @property
     def trusted(self) -> bool:
@@ -106,7 +112,8 @@ class Peer:
                 "bootstrap": self.bootstrap, "proven": self.proven, "failures": self.failures,
                 "strikes": self.strikes, "banned_s": round(max(0.0, self.banned_until - now), 1),
                 "last_seen": round(self.last_seen, 3), "last_error": self.last_error,
-                "region": self.region, "role": self.role, "misses": self.misses}
+                "region": self.region, "role": self.role, "misses": self.misses,
+                "key": self.key, "key_confirmed": self.key_confirmed}
 
 
 def parse_header(value: str) -> tuple[str, Endpoint | None, str | None]:
@@ -163,6 +170,12 @@ class PeerBook:
         self.bans: dict[str, float] = {}
         """url → monotonic end of its ban; survives eviction so re-announcing does not unban."""
         self.changed = Signal()
+        self.pin: Callable[[str, str, str], bool] = lambda node, key, source: True
+        """Whether `key` may be `node` (daemon/identity.py `Identities.claim`: pins the name on
+        first contact); a URL answering as a name pinned to another key is not bound."""
+        self.refused_headers = 0
+        """Signed announcements refused because the entry they named is another key's."""
+        self.last_refused_header = ""
         self.region: str | None = None
         self.role: str | None = None
         self.peering = None
@@ -230,6 +243,12 @@ class PeerBook:
         if role is not None and role not in ROLES:
             raise BadPeer(f"role must be one of {ROLES}, got {role!r:.40}")
         peer = self.peers.get(url) or self._add(url)
+        if peer.key is not None:
+            # A keyed entry is updated only by its own signed requests and answers
+            # (learn_signed, learn_own): a hint from anyone else cannot rewrite it.
+            if head is not None:
+                peer.head = head
+            return peer
         if bt is not None and bt != self.self_bt:
             if peer.bt != bt:
                 self.changed.set()
@@ -252,14 +271,85 @@ class PeerBook:
             peer.role = role
 
     def learn_header(self, value: str, region: str | None = None) -> Peer | None:
-        """A request's announcement (and its X-Deltaswarm-Region value, if any); a full book
-        ignores it (the request itself still counts)."""
+        """An announcement taken as a hint (it updates only entries no key owns yet); a full
+        book ignores it. The control plane takes a request's own headers through
+        `learn_signed` only."""
         url, bt, node = parse_header(value)
         where, role = parse_region(region) if region else (None, None)
         try:
             return self.learn(url, bt, node, region=where, role=role)
         except BookFull:
             return None
+
+    def learn_signed(self, value: str, region: str | None, signer: str, key: str
+                     ) -> Peer | None:
+        """A signed request's own announcement (`X-Deltaswarm-Peer`, `X-Deltaswarm-Region`),
+        `signer` its verified node name and `key`: it updates only the entry of the sender,
+        i.e. the entry at its URL whose key is `key` (or a new one, keyed provisionally until
+        the URL itself answers). None when refused (another key's entry, a full book, a
+        trusted entry whose key only its own answer may set)."""
+        url, bt, node = parse_header(value)
+        where, role = parse_region(region) if region else (None, None)
+        if node != signer:
+            raise BadPeer(f"{HEADER} names node {node!r:.64} but the request is signed by "
+                          f"{signer}")
+        if url == self.self_url or node == self.node:
+            return None
+        peer = self.peers.get(url)
+        if peer is not None and peer.key is None and peer.trusted:
+            return None  # a trusted entry takes its key from its URL's own answer first
+        if peer is not None and peer.key is not None and peer.key != key:
+            self.refused_headers += 1
+            self.last_refused_header = (f"{signer} ({key[:16]}…) announced {url}, whose entry "
+                                        f"belongs to key {peer.key[:16]}…")[:300]
+            return None
+        if peer is None:
+            try:
+                peer = self._add(url)
+            except BookFull:
+                return None
+            peer.key = key
+        if bt is not None and bt != self.self_bt:
+            if peer.bt != bt:
+                self.changed.set()
+            peer.bt = bt
+        peer.node = node
+        self._learn_region(peer, where, role)
+        peer.last_seen = time.time()
+        return peer
+
+    def learn_own(self, url: str, node: str | None, key: str | None,
+                  bt: Endpoint | None = None, head: int | None = None,
+                  region: str | None = None, role: str | None = None) -> Peer | None:
+        """What the daemon at `url` said of itself in its own answer (head reply, hello): its
+        key binds the entry. A different key than the entry held (one a header claimed, or a
+        re-keyed node) resets what that key's headers had set."""
+        peer = self.peers.get(check_url(url))
+        if peer is None:
+            return None
+        peer.identified = True
+        if key is not None and node is not None and not self.pin(node, key, url):
+            peer.last_error = f"answers as {node} with a key another node pinned that name to"
+            return peer
+        if key is not None:
+            if peer.key != key and (peer.key is not None or peer.key_confirmed):
+                log.warning("peer %s answers with key %s…, not %s…: its entry is reset", url,
+                            key[:16], (peer.key or "")[:16])
+                peer.bt, peer.region, peer.role = None, None, None
+                self.changed.set()
+            peer.key, peer.key_confirmed = key, True
+        if bt is not None and bt != self.self_bt and (key is not None or peer.key is None):
+            if peer.bt != bt:
+                self.changed.set()
+            peer.bt = bt
+        if node is not None and (key is not None or peer.key is None):
+            peer.node = node
+        if key is not None or peer.key is None:
+            self._learn_region(peer, region, role if role in ROLES else None)
+        if head is not None:
+            peer.head = head
+        peer.last_seen = time.time()
+        return peer
 
     # --- standing ---------------------------------------------------------------------------
     def succeeded(self, peer: Peer) -> None:

@@ -235,6 +235,9 @@ class NodeStatus(_Model):
         "set aside and the node rebuilds from the best snapshot); None when they verified")
     last_apply_s: float | None = Field(
         None, ge=0, description="seconds the last version's apply took (verified, journaled)")
+    identity: dict | None = Field(
+        None, description="this node's identity key fingerprint and the claims to node names it "
+        "refused (daemon/identity.py; filled by the node, not by build_status)")
 
     @computed_field
     @property

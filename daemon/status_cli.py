@@ -1,7 +1,7 @@
 """`deltaswarm status`: fetch a daemon's `GET /v1/status` and show it as rich tables, once or live.
 
     deltaswarm status [--url http://127.0.0.1:7600 | --config /etc/deltaswarm/REGION.yaml]
-                      [--token T] [--peers] [--versions] [--fleet] [--json]
+                      [--token T] [--peers] [--versions] [--fleet [--nodes]] [--json]
                       [--watch [--interval 2]]
 
 From a config only `http.host`, `http.port`, `http.advertise_url`, `token` and `token_file` are
@@ -116,6 +116,14 @@ def summary(s: NodeStatus) -> Table:
     table.add_row("warm-up", _plain(w.state + (f" ({w.seconds:.1f}s)" if w.seconds else "")
                                     + (f": {w.error}" if w.error else "")))
     table.add_row("refused manifests", _plain(refused))
+    ident = s.identity or {}
+    if ident:
+        last = (ident.get("refused") or [{}])[-1]
+        claims = f"{ident.get('refused_total', 0)} refused name claims" + (
+            f" (last: {last.get('node')} {last.get('fingerprint')} from {last.get('from')})"
+            if last else "")
+        table.add_row("identity", _plain(f"{ident.get('fingerprint')}, {claims}",
+                                         style="red" if ident.get("refused_total") else ""))
     table.add_row("engine", _plain(engine))
     table.add_row("spool", _plain(spool))
     return table
@@ -203,9 +211,11 @@ def fetch(url: str, token: str | None, timeout: float = 5.0) -> tuple[dict, Node
         raise StatusError(f"{target} did not return a deltaswarm status: {e}") from None
 
 
-def fetch_fleet(url: str, token: str | None, timeout: float = 10.0) -> dict:
-    """GET {url}/v1/fleet -> the fleet view (daemon/fleet.py). Raises StatusError."""
-    target = url.rstrip("/") + "/v1/fleet"
+def fetch_fleet(url: str, token: str | None, timeout: float = 10.0, nodes: bool = True) -> dict:
+    """GET {url}/v1/fleet -> the fleet view (daemon/fleet.py); `nodes=False` asks for the
+    per-region summary only (`?nodes=0`: kilobytes instead of megabytes at 10k nodes). Raises
+    StatusError."""
+    target = url.rstrip("/") + "/v1/fleet" + ("" if nodes else "?nodes=0")
     try:
         doc = json.loads(_get(target, token, timeout))
     except ValueError as e:
@@ -254,6 +264,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--fleet", action="store_true",
                     help="the whole fleet as this daemon knows it (GET /v1/fleet): each region, "
                     "its nodes, versions, lag, bytes per link class, trajectories waiting")
+    ap.add_argument("--nodes", action="store_true",
+                    help="with --fleet: one line per node too (by default one per region)")
     ap.add_argument("--json", action="store_true", help="print the raw JSON and exit")
     ap.add_argument("--watch", action="store_true", help="refresh until Ctrl-C")
     ap.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
@@ -269,7 +281,7 @@ def watch(args: argparse.Namespace, url: str, token: str | None, console: Consol
     def frame():
         try:
             if args.fleet:
-                return fleet_render(fetch_fleet(url, token))
+                return fleet_render(fetch_fleet(url, token, nodes=args.nodes), args.nodes)
             return render(fetch(url, token)[1], args.peers, args.versions)
         except StatusError as e:
             return Panel(Text(str(e), style="red"),
@@ -302,14 +314,14 @@ def main(argv: list[str] | None = None, console: Console | None = None) -> int:
         return watch(args, url, token, console)
     try:
         if args.fleet:
-            raw = fetch_fleet(url, token)
+            raw = fetch_fleet(url, token, nodes=args.nodes)
         else:
             raw, status = fetch(url, token)
     except StatusError as e:
         print(f"deltaswarm status: {e}", file=sys.stderr)
         return 1
     if args.fleet and not args.json:
-        console.print(fleet_render(raw))
+        console.print(fleet_render(raw, args.nodes))
     elif args.json:
         print(json.dumps(raw, indent=2, sort_keys=True))
     else:

@@ -1,22 +1,37 @@
 """FleetBoard (daemon/fleet.py): reports stored newest-first per node, ages instead of foreign
-clocks, a node reporting only for itself, bounded boards and reports, lag in versions and
-seconds, live versions for retention, and forwarding that never loops back."""
+clocks, a node reporting only for itself, entries signed by their origin (a relay forwards, it
+cannot forge), bounded boards and reports with a per-reporter quota and stalest-first eviction,
+lag in versions and seconds, live versions for retention, and forwarding that never loops
+back."""
 
 import json
+from functools import cache
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from daemon.fleet import MAX_HOPS, BadReport, FleetBoard, NodeReport, parse_report
+from daemon.identity import Identities, NodeKey, check_entry
 
 T0 = 1_800_000_000.0
 
 
+@cache
+def key_of(node: str) -> NodeKey:
+    return NodeKey(Ed25519PrivateKey.generate(), node)
+
+
 def rep(node: str, region: str = "r1", version: int | None = 3, age_s: float = 0.0,
         url: str | None = None, hops: int = 0, held_s: float | None = 5.0,
-        role: str = "region", **kw) -> NodeReport:
-    return NodeReport(node=node, region=region, role=role, version=version,
-                      url=url or f"http://10.0.0.{abs(hash(node)) % 200 + 1}:8700",
-                      age_s=age_s, hops=hops, held_s=held_s, **kw)
+        role: str = "region", key: NodeKey | None = None, ts: float | None = None,
+        **kw) -> NodeReport:
+    """`node`'s entry signed by its key (or `key`), at T0 - age_s unless `ts` is given."""
+    r = NodeReport(node=node, region=region, role=role, version=version,
+                   url=url or f"http://10.0.0.{abs(hash(node)) % 200 + 1}:8700",
+                   age_s=age_s, hops=hops, held_s=held_s, **kw)
+    signed = (key or key_of(node)).sign_entry(r.model_dump(mode="json"),
+                                              T0 - age_s if ts is None else ts)
+    return NodeReport.model_validate(signed)
 
 
 def body(*reports: NodeReport) -> bytes:
@@ -43,17 +58,41 @@ def test_a_report_without_the_reporters_own_fresh_entry_is_refused_whole() -> No
     assert board.entries == {}
 
 
-def test_a_node_name_stays_bound_to_the_url_it_was_first_reported_at() -> None:
-    board = FleetBoard("trainer")
+def test_a_relay_forwards_an_entry_but_cannot_forge_one_for_a_pinned_node() -> None:
+    board, ids = FleetBoard("trainer"), Identities(key_of("trainer"))
     real = rep("victim", url="http://10.0.0.1:8700", version=9)
-    board.accept("victim", real.url, [real], T0)
+    board.accept("victim", real.url, [real], T0, identities=ids)
     liar = rep("liar", url="http://10.0.0.2:8700")
-    fake = rep("victim", url="http://10.0.0.3:8700", version=0, hops=1)
-    got = board.accept("liar", liar.url, [liar, fake], T0 + 1)
+    fake = rep("victim", url="http://10.0.0.1:8700", version=4242, region="mallory-land",
+               hops=1, key=key_of("liar"), ts=T0 + 1)
+    got = board.accept("liar", liar.url, [liar, fake], T0 + 1, identities=ids)
     assert got.stored == 1 and got.refused[0]["node"] == "victim"
-    assert "reports only for itself" in got.refused[0]["error"]
+    assert "cannot forge" in got.refused[0]["error"]
     assert board.entries["victim"].report.version == 9
     assert board.refused == 1 and board.last_refusal.startswith("victim")
+    board.entries.clear()  # even with the victim's entry gone, its name stays pinned
+    got = board.accept("liar", liar.url, [liar, fake], T0 + 2, identities=ids)
+    assert "victim" not in board.entries and ids.refused_total >= 1
+    assert ids.refused[-1]["node"] == "victim"
+    # the real entry, relayed by the liar, is taken: relays forward
+    relayed = rep("victim", url="http://10.0.0.1:8700", version=10, hops=1, ts=T0 + 2)
+    got = board.accept("liar", liar.url, [liar, relayed], T0 + 3, identities=ids)
+    assert got.stored == 2 and board.entries["victim"].report.version == 10
+
+
+def test_an_altered_or_unsigned_entry_fails_its_origin_check() -> None:
+    good = rep("a", version=3).model_dump(mode="json")
+    assert check_entry(good, T0, 120.0) is None
+    assert check_entry(good | {"age_s": 9.0, "hops": 3}, T0, 120.0) is None  # relays change
+    assert "does not verify" in check_entry(good | {"version": 4}, T0, 120.0)
+    assert "unsigned" in check_entry(good | {"sig": None}, T0, 120.0)
+    assert "too old" in check_entry(good, T0 + 1000, 120.0)
+    board = FleetBoard("trainer")
+    a, b = rep("a"), rep("b", hops=1)
+    got = board.accept("a", a.url, [a, b.model_copy(update={"sig": None})], T0)
+    assert got.stored == 1 and "unsigned" in got.refused[0]["error"]
+    with pytest.raises(BadReport, match="own entry"):
+        board.accept("a", a.url, [a], T0, checks=["the origin's signature does not verify"])
 
 
 def test_an_older_report_never_replaces_a_newer_one() -> None:
@@ -73,14 +112,28 @@ def test_entries_about_this_node_or_older_than_forget_s_are_refused() -> None:
     assert got.stored == 1 and {r["node"] for r in got.refused} == {"trainer", "b"}
 
 
-def test_the_board_holds_at_most_max_nodes_and_forgets_silent_nodes() -> None:
+def test_a_full_board_evicts_the_stalest_entry_not_the_newcomer() -> None:
     board = FleetBoard("trainer", max_nodes=2, forget_s=60.0)
     for i, name in enumerate(("a", "b")):
-        board.accept(name, rep(name).url, [rep(name)], T0 + i)
-    got = board.accept("c", rep("c").url, [rep("c")], T0 + 2)
-    assert got.stored == 0 and "max_nodes=2" in got.refused[0]["error"]
-    got = board.accept("c", rep("c").url, [rep("c")], T0 + 60.5)  # "a" is forgotten by now
-    assert got.stored == 1 and set(board.entries) == {"b", "c"}
+        board.accept(name, rep(name).url, [rep(name, ts=T0 + i)], T0 + i)
+    got = board.accept("c", rep("c").url, [rep("c", ts=T0 + 2)], T0 + 2)
+    assert got.stored == 1 and set(board.entries) == {"b", "c"} and board.evicted == 1
+    stale = rep("d", age_s=30.0, ts=T0 - 28)  # older than everything held: not stored
+    got = board.accept("b", rep("b").url, [rep("b", ts=T0 + 3), stale.model_copy(
+        update={"hops": 1})], T0 + 3)
+    assert "max_nodes=2" in got.refused[0]["error"] and set(board.entries) == {"b", "c"}
+
+
+def test_a_reporter_may_forward_at_most_its_quota_of_entries() -> None:
+    board = FleetBoard("trainer", max_nodes=100, max_per_reporter=3)
+    flood = [rep(f"fake{i}", hops=1) for i in range(10)]
+    got = board.accept("m", rep("m").url, [rep("m"), *flood], T0)
+    assert got.stored == 4 and len(got.refused) == 7
+    assert "max_per_reporter=3" in got.refused[0]["error"] and board.per_via == {"m": 3}
+    real = rep("real")
+    assert board.accept("real", real.url, [real], T0 + 1).stored == 1  # a real node gets in
+    board.prune(T0 + 500)
+    assert board.entries == {} and board.per_via == {}
 
 
 def test_live_versions_lists_the_versions_of_nodes_heard_from_within_the_window() -> None:
