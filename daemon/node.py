@@ -311,8 +311,12 @@ class Node:
                                                         self.artifacts.status())}})
 
     def detail(self) -> dict:
+        swarm = self.artifacts.status()
         return {"url": self.url, "peer_book": self.book.snapshot(),
-                "spool_duplicates": self.intake.duplicates, **self.role.detail()}
+                "spool_duplicates": self.intake.duplicates,
+                "rate_limits": {k: swarm.get(k) for k in ("upload_rate_limit",
+                                                          "download_rate_limit")},
+                **self.role.detail()}
 
     def metrics_text(self) -> tuple[bytes, str]:
         return metrics.render(self._registry)
