@@ -212,7 +212,15 @@ def test_a_seed_reports_its_own_corrupt_piece_when_it_first_serves_it(tmp_path, 
     node.download(ART, tb, tmp_path / "n", [seed.endpoint])
     events = _until([seed, node], lambda: seed.status()["hash_failures"] > 0, 20)
     assert any(e.kind == "hash_failed" and e.artifact == ART for e in events)
-    assert seed.is_complete(ART) and not node.progress(ART).finished
+    assert seed.is_complete(ART)
+    # "never": watched for a further 3 s of both sides running, not read at one moment
+    bad = torrents.block_path(tmp_path / "n", ART, blocks[0][0])
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline:
+        seed.pump(0.05)
+        node.pump(0.05)
+        assert not node.progress(ART).finished
+        assert not (bad.exists() and block_id(bad.read_bytes()) == blocks[0][0])
     assert node.status()["bans"] == 0
 
 
