@@ -262,3 +262,46 @@ def test_a_refreshed_torrent_dials_again_a_seed_that_came_back_on_its_endpoint(t
         assert not dl.refresh(ART), "a complete torrent is left alone"
     finally:
         back.close()
+
+
+def test_status_read_while_another_thread_refreshes_and_removes_never_raises(tmp_path, swarms):
+    """The race fixed in e5c74c5: a status read (the control plane's thread) while the swarm
+    thread refreshes or removes a torrent hit an invalid handle and stopped the daemon. Here one
+    thread re-adds and removes the torrent as fast as it can while another reads status."""
+    import threading
+
+    _, tb = _store(tmp_path, 4, PIECE)
+    node = swarms("127.0.0.61")
+    node.download(ART, tb, tmp_path / "n", [("127.0.0.62", 9)])  # nobody there: never finishes
+    errors: list[BaseException] = []
+    reads = 0
+    done = threading.Event()
+
+    def churn() -> None:
+        try:
+            for i in range(150):
+                if i % 3 == 2:
+                    node.remove(ART)
+                    node.download(ART, tb, tmp_path / "n", [("127.0.0.62", 9)])
+                else:
+                    node.refresh(ART, timeout=0.5)
+        except BaseException as e:  # collected, then asserted empty
+            errors.append(e)
+        finally:
+            done.set()
+
+    worker = threading.Thread(target=churn)
+    worker.start()
+    try:
+        while not done.is_set():
+            try:
+                st = node.status()
+                reads += 1
+                assert set(st["torrents"]) <= {ART}
+            except BaseException as e:
+                errors.append(e)
+                break
+    finally:
+        worker.join(60)
+    assert not errors, errors
+    assert reads >= 50, f"only {reads} status reads overlapped the churn: the race was not run"
