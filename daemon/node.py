@@ -338,8 +338,12 @@ class Node:
             "unsigned_polls": self.live.unsigned}
 
     def detail(self) -> dict:
+        swarm = self.artifacts.status()
         return {"url": self.url, "peer_book": self.book.snapshot(),
-                "spool_duplicates": self.intake.duplicates, **self.role.detail()}
+                "spool_duplicates": self.intake.duplicates,
+                "rate_limits": {k: swarm.get(k) for k in ("upload_rate_limit",
+                                                          "download_rate_limit")},
+                **self.role.detail()}
 
     def metrics_text(self) -> tuple[bytes, str]:
         body, content_type = metrics.render(self._registry)

@@ -370,7 +370,7 @@ class PeerBook:
         backoff = min(BACKOFF_MAX_S, BACKOFF_MIN_S * 2 ** min(peer.failures - 1, 16))
         peer.retry_at = time.monotonic() + backoff * random.uniform(0.5, 1.0)
         if peer.failures >= BAN_FAILURES:
-            self.ban(peer, f"{peer.failures} failures in a row")
+            self.ban(peer, f"{peer.failures} failures in a row, the last {peer.last_error}")
 
     def lacks(self, peer: Peer, err: Exception) -> None:
         """The peer answered that it does not hold what was asked: an honest answer, so no

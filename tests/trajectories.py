@@ -26,9 +26,10 @@ def batch(n: int, version: int = 0, group_size: int = 4, pad: int = 0, **over: A
     """`n` valid trajectories in groups of `group_size`, rewards alternating 0/1; `pad` adds
     that many characters to each completion (to size batches)."""
     out = []
+    tag = uuid.uuid4().hex[:6]  # groups of one batch never merge with another batch's
     for i in range(n):
         t = trajectory(version=version, reward=float(i % 2), completion="7" + "x" * pad, **over)
-        t["group"] = f"g{i // group_size}-{t['id'][:6]}"
+        t["group"] = f"g{i // group_size}-{tag}"
         out.append(t)
     return out
 

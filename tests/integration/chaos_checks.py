@@ -9,9 +9,25 @@ from tests.integration.chaos_faults import ban_key
 from tests.integration.chaos_record import ChaosRun
 
 
+def _unjudgeable(run: ChaosRun) -> list[str]:
+    """Why this run's data cannot support a verdict: the scenario aborted (its exceptions are
+    in run.errors), or a node gave no final status. Every property starts here, so "no
+    innocent peer banned" never passes on the empty data of a run that did not happen."""
+    out = [f"scenario error: {e}" for e in run.errors]
+    missing = [n for n in ["trainer", *run.regions] if n not in run.statuses]
+    if missing:
+        out.append(f"no final status from {missing}: nothing to judge")
+    return out
+
+
 def premise_problems(run: ChaosRun) -> list[str]:
-    """The faults happened as planned; otherwise the other properties prove little."""
-    out = list(run.errors)
+    """The faults happened as planned; otherwise the other properties prove little: us2 killed
+    mid-download and restarted; the trainer killed while a region was fetching the delta only
+    it held, and restarted only after its retention window moved past that delta (whether the
+    delta was then deleted depends on what the daemon's last decision kept for nodes behind;
+    the run records which, `dropped_while_down`); a block corrupted; the late joiner started
+    after the early versions were gone."""
+    out = _unjudgeable(run)
     vk = run.victim_kill or {}
     if not vk.get("killed"):
         out.append(f"us2 was never killed mid-download ({vk.get('error')})")
@@ -20,6 +36,14 @@ def premise_problems(run: ChaosRun) -> list[str]:
     tk = run.trainer_kill
     if "version" not in tk or "restarted_at" not in tk:
         out.append(f"the trainer daemon was not killed and restarted: {tk}")
+    if not tk.get("regions_fetching"):
+        out.append(f"no region was mid-fetch of v{tk.get('version')}'s delta when the trainer "
+                   f"was killed: {tk}")
+    if tk.get("head_at_restart", -1) < run.params.trainer_restart_after \
+            or "dropped_while_down" not in tk:
+        out.append(f"the trainer was restarted before its retention window moved past "
+                   f"v{tk.get('version')}'s delta (restart at v{tk.get('head_at_restart')}, "
+                   f"window past it from v{run.params.trainer_restart_after}): {tk}")
     if not run.corrupted:
         out.append("no block was corrupted on eu1")
     if not run.late.get("early_gone"):
@@ -28,6 +52,8 @@ def premise_problems(run: ChaosRun) -> list[str]:
 
 
 def convergence_problems(run: ChaosRun) -> list[str]:
+    if bad := _unjudgeable(run):
+        return bad
     want = f"v{run.final} {run.published_digest}"
     out = []
     if run.trainer_digest != run.published_digest:
@@ -53,6 +79,8 @@ def convergence_problems(run: ChaosRun) -> list[str]:
 def ban_problems(run: ChaosRun) -> list[str]:
     """Only the corrupted seeder may be banned, and (where bans name a torrent) only for the
     artifact it served corrupt."""
+    if bad := _unjudgeable(run):
+        return bad
     out = []
     art = (run.corrupted or {}).get("artifact")
     for node, bans in sorted(run.bans_seen.items()):
@@ -70,6 +98,8 @@ def peer_book_problems(run: ChaosRun) -> list[str]:
     """A peer-book ban (daemon/peers.py: BAN_FAILURES failures in a row, 600 s) also takes a
     peer out of a node's swarm: only the corrupted seeder may earn one. A daemon that was
     killed and restarted, or a region that does not hold what it was asked for, is innocent."""
+    if bad := _unjudgeable(run):
+        return bad
     out = []
     for node, urls in sorted(run.shunned.items()):
         for url, why in sorted(urls.items()):
@@ -80,6 +110,8 @@ def peer_book_problems(run: ChaosRun) -> list[str]:
 
 
 def self_check_problems(run: ChaosRun) -> list[str]:
+    if bad := _unjudgeable(run):
+        return bad
     st = run.statuses.get("eu1")
     if st is None:
         return ["eu1 gave no status"]
@@ -104,6 +136,8 @@ def self_check_problems(run: ChaosRun) -> list[str]:
 
 
 def late_joiner_problems(run: ChaosRun) -> list[str]:
+    if bad := _unjudgeable(run):
+        return bad
     snaps = run.late.get("snapshots")
     if snaps is None:
         return ["the late joiner never ran"]

@@ -137,6 +137,11 @@ class Sampler(threading.Thread):
                    default=0.0)
 
 
+APPLY_CEILING_S = 12.0
+"""Most time a region may spend applying a snapshot plus a snapshot interval of deltas, however
+slowly this run measured them."""
+
+
 def bound_terms(p: Params, s: Sampler, snapshot_bytes: int, knobs: dict[str, bool]
                  ) -> dict[str, float]:
     """What one region may need after the last publish, each from this run's own figures:
@@ -144,12 +149,18 @@ def bound_terms(p: Params, s: Sampler, snapshot_bytes: int, knobs: dict[str, boo
     on the others), a snapshot apply plus a snapshot interval of delta applies (recent ones,
     measured), the sync deadlines set, one retry backoff, and two publish intervals."""
     rates = [p.thin_rate] + [r for n, r in s.snapshot_rate.items() if n != "us2"]
+    # Measured terms are capped by fixed ceilings: a regression that slows transfers or applies
+    # must fail the bound, not raise it. The link ceiling is twice the designed thin link's time;
+    # the apply ceiling is ~20x what a quiet 2-core host measures (0.3 s snapshot, 0.05 s deltas).
+    link_ceiling = 2 * snapshot_bytes / p.thin_rate
+    measured_apply = s.apply_seconds(".snapshot", 1) + p.snapshot_every * s.apply_seconds(
+        ".delta", p.snapshot_every)
     terms = {
         "2 publish intervals": 2 * p.interval_s,
-        "a snapshot over the slowest link": snapshot_bytes / min(rates),
-        f"apply a snapshot + {p.snapshot_every} deltas (recent, measured)":
-            s.apply_seconds(".snapshot", 1) + p.snapshot_every * s.apply_seconds(
-                ".delta", p.snapshot_every),
+        "a snapshot over the slowest link (measured, capped)":
+            min(snapshot_bytes / min(rates), link_ceiling),
+        f"apply a snapshot + {p.snapshot_every} deltas (recent, measured, capped)":
+            min(measured_apply, APPLY_CEILING_S),
         "one sync retry backoff": RETRY_S,
     }
     if knobs.get("sync"):

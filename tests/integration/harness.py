@@ -145,9 +145,11 @@ class Daemon:
                                  ) from None
 
     def kill9(self) -> None:
+        """SIGKILL on purpose: the exit that follows is the test's doing, not a crash."""
         assert self.proc is not None
         self.proc.kill()
         self.proc.wait()
+        self.killed_on_purpose = self.proc
 
     def log(self, tail: int = 4000) -> str:
         return self.log_path.read_text(errors="replace")[-tail:] if self.log_path.exists() else ""
@@ -237,23 +239,43 @@ class Cluster:
                 print(f"--- {n} log:\n{self.daemons[n].log(3000)}")
             raise
 
-    def stop_all(self, timeout: float = 30.0) -> None:
+    def stop_all(self, timeout: float = 30.0) -> list[str]:
+        """SIGTERM every running daemon and wait; returns what went wrong: a daemon that hung on
+        SIGTERM (then killed), one that exited non-zero on it, or one that had already died on
+        its own (not by `kill9`) with a non-zero code. `__exit__` turns these into a failure."""
+        problems = []
+        for d in self.daemons.values():
+            if d.proc is None or d.proc.poll() is None:
+                continue
+            if d.proc.returncode != 0 and getattr(d, "killed_on_purpose", None) is not d.proc:
+                problems.append(f"{d.name} had exited {d.proc.returncode} on its own:\n"
+                                f"{d.log(1500)}")
         running = [d for d in self.daemons.values() if d.proc is not None and d.proc.poll() is None]
         for d in running:
             d.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout
         for d in running:
             try:
-                d.proc.wait(max(0.1, deadline - time.monotonic()))
+                code = d.proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 d.proc.kill()
                 d.proc.wait()
+                problems.append(f"{d.name} hung on SIGTERM (killed after {timeout:g}s):\n"
+                                f"{d.log(1500)}")
+                continue
+            if code != 0:
+                problems.append(f"{d.name} exited {code} on SIGTERM:\n{d.log(1500)}")
+        return problems
 
     def __enter__(self) -> "Cluster":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.stop_all()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        problems = self.stop_all()
+        if problems and exc_type is None:  # never mask the test's own failure
+            raise AssertionError("daemons did not stop cleanly:\n" + "\n".join(problems))
+        for p in problems:
+            print(p)
 
 
 class Hostile:

@@ -6,8 +6,10 @@ joiner after the early versions were dropped); see tests/integration/chaos_scena
 
 Each property is judged on the same run (tests/integration/chaos_checks.py). The convergence
 bound is derived from the run's own figures (snapshot size over the slowest link, measured apply
-times, publish interval, the sync deadlines) and printed; bench/chaos.py repeats the run and
-reports each run's time to converge.
+times, publish interval, the sync deadlines), each measured term capped by a fixed ceiling so a
+slower build cannot raise its own bound, and printed; bench/chaos.py repeats the run and
+reports each run's time to converge. Every property refuses to judge a run that aborted or
+left a node without a final status.
 """
 
 import shutil

@@ -28,7 +28,11 @@ def test_corrupt_peer_is_banned_and_download_completes_verified(tmp_path: Path) 
         trainer.config["limits"] = {"upload_bytes_per_s": 100_000}
         trainer.write_config()
         trainer.proc.send_signal(signal.SIGHUP)
-        wait_until(lambda: "reloaded" in trainer.log(), 10, "the trainer to reload its config")
+        wait_until(lambda: "SIGHUP: reloaded" in trainer.log(), 10,
+                   "the trainer to reload its config")
+        assert "config not reloaded" not in trainer.log()
+        limits = trainer.status()["detail"]["rate_limits"]
+        assert limits["upload_rate_limit"] == 100_000, limits
 
         good = c.region("good", bootstrap=[bad.url, trainer.url])
         good.start()

@@ -1,7 +1,9 @@
-"""SIGHUP on a real daemon: reloadable parts take the new values (token, peers, long-poll bound),
+"""SIGHUP on a real daemon: reloadable parts take the new values (token, peers: bootstrap list and
+max_peers, long-poll bound),
 the rest is listed as "restart to apply", and systemd hears RELOADING=1 then READY=1 (and
 EXTEND_TIMEOUT_USEC before the start-up weights check)."""
 
+import json
 import signal
 import socket
 from pathlib import Path
@@ -18,6 +20,7 @@ def test_sighup_applies_reloadable_parts_lists_the_rest_and_notifies_systemd(tmp
         with Cluster(tmp_path) as c:
             t = c.trainer()
             r = c.region("r1", max_peers=4)
+            other = c.region("r2")
             t.start()
             r.start(env_extra={"NOTIFY_SOCKET": str(tmp_path / "notify.sock")})
             c.start_all()
@@ -36,8 +39,10 @@ def test_sighup_applies_reloadable_parts_lists_the_rest_and_notifies_systemd(tmp
             assert extend and extend[0] < next(i for i, m in enumerate(messages)
                                                if "READY=1" in m), messages
             messages.clear()
+            book = lambda: r.status()["detail"]["peer_book"]  # noqa: E731
+            assert [p["url"] for p in book() if p["bootstrap"]] == [t.url]
             r.config |= {"token": "a-new-swarm-token", "region": "elsewhere",
-                         "long_poll_timeout_s": 1}
+                         "long_poll_timeout_s": 1, "bootstrap": [other.url], "max_peers": 1}
             r.write_config()
             r.proc.send_signal(signal.SIGHUP)
             wait_until(lambda: "restart to apply ['region']" in r.log(), 20,
@@ -48,6 +53,11 @@ def test_sighup_applies_reloadable_parts_lists_the_rest_and_notifies_systemd(tmp
             assert reloading and ready and reloading[0] < ready[-1], messages
             assert http(f"{r.url}/v1/status", token="a-new-swarm-token")[0] == 200
             assert http(f"{r.url}/v1/status")[0] == 401
+            # peers: the new bootstrap list replaced the old one, and max_peers=1 trimmed the rest
+            code, raw, _ = http(f"{r.url}/v1/status", token="a-new-swarm-token")
+            after = json.loads(raw)["detail"]["peer_book"]
+            assert [p["url"] for p in after if p["bootstrap"]] == [other.url], after
+            assert len(after) == 1, after
             code, _, _ = http(f"{r.url}/v1/chain/head?after=1000&timeout=30",
                               token="a-new-swarm-token", timeout=3)
             assert code == 200, "the long-poll bound is the reloaded 1 s, not 5 s"

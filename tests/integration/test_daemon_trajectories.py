@@ -18,6 +18,7 @@ from aiohttp import web
 
 from daemon.spool import Spool
 from tests.integration.harness import TOKEN, Cluster, free_port, http, wait_until
+from tests.integration.ingest_proc import IngestProcess
 from tests.support import HealthProbe
 from tests.trajectories import DROP, ids, ndjson, trajectory
 from tests.trajectories import batch as make_batch
@@ -180,33 +181,42 @@ def test_what_the_ingest_would_refuse_is_refused_at_the_daemon_with_400(tmp_path
 
 def test_a_trajectory_the_upstream_refuses_is_set_aside_and_the_stream_moves_on(
         tmp_path: Path) -> None:
-    """Issue 10 item 6: the upstream answers 400 for one trajectory (its rules differ from this
-    daemon's, e.g. an older or newer version). It goes to the rejected store, counted; the
-    others, before and after it, arrive exactly once."""
-    host = "127.0.0.61"
-    ingest = Ingest(host, free_port(host), refuse=lambda t: t["worker"] == "poison")
-    upstream = f"http://{host}:{ingest.port}/v1/ingest"
-    first, poison, later = make_batch(20), trajectory(worker="poison"), make_batch(10)
-    with Cluster(tmp_path) as c:
+    """Issue 10 item 6, against the real `deltaswarm ingest`: a trajectory this daemon spooled
+    under other rules (written into its spool while it was down, as an older daemon would have
+    accepted it: version -1) is refused by the ingest with 400 naming its index in the batch.
+    The forwarder takes that index (not the halving fallback): the poison goes to the rejected
+    store with the ingest's reply, naming position 2 of the 7 sent; the others, before and after
+    it, arrive exactly once."""
+    ingest = IngestProcess(tmp_path, "127.0.0.61")
+    upstream = f"{ingest.url}/v1/ingest"
+    first, poison, later = make_batch(20), trajectory(version=-1), make_batch(10)
+    with Cluster(tmp_path / "cluster") as c:
         r1 = c.region("r1", bootstrap=[], trajectories={
             "upstream": upstream, "retry_initial_s": 0.2, "retry_max_s": 1.0, "batch_size": 7})
+        spool_dir = r1.state_dir / "spool"
+        spool_dir.mkdir(parents=True, exist_ok=True)
+        old = Spool(spool_dir, 1 << 20)
+        lines = [(t["id"], json.dumps(t).encode()) for t in [*first[:2], poison, *first[2:]]]
+        assert old.append(lines)[1] == 21
+        old.close()
         ingest.start()
         try:
             c.start_all()
-            assert post(r1.url, ndjson([*first[:9], poison, *first[9:]]))[0] == 200
             wait_until(lambda: r1.status()["spool"]["depth"] == 0, 30, "the spool to drain")
             assert post(r1.url, ndjson(later))[0] == 200
             wait_until(lambda: r1.status()["spool"]["depth"] == 0, 30, "the later batch")
             assert r1.status()["spool"]["forwarded"] == 30
             assert r1.stop() == 0
+            held = ingest.stats()["held"]
         finally:
             ingest.stop()
-    assert sorted(ingest.received) == sorted(ids(first + later))
+    assert held == 30
     spool = Spool(r1.state_dir / "spool", 1 << 20)
     assert spool.rejected == 1 and spool.depth() == 0
     [kept] = spool.rejected_items()
     assert kept["id"] == poison["id"] and kept["status"] == 400
-    assert "field worker" in kept["reason"]
+    reply = json.loads(kept["reason"])
+    assert reply["trajectory"] == 2 and "version" in reply["error"], reply
 
 
 def test_a_64mb_batch_does_not_stall_healthz(tmp_path: Path) -> None:

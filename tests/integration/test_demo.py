@@ -80,4 +80,11 @@ def test_short_demo_converges_every_region_and_cleans_up(tmp_path):
     store.close()
     assert 96 <= held <= 3 * 64, held
     assert "trajectories dropped as stale" in out and "codec bench" in out
+    # none dropped as stale, read from the trainer's own metrics (the summary prints N of M
+    # whatever N is)
+    metrics = [json.loads(line) for line in
+               (run_dir / "trainer" / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [m for m in metrics if m.get("event") in ("step", "skip")]
+    assert steps and sum(m.get("received", 0) for m in steps) > 0, metrics[-3:]
+    assert sum(m.get("dropped_stale", 0) for m in steps) == 0, steps
     assert _processes_mentioning(str(run_dir)) == []

@@ -56,8 +56,11 @@ def test_trajectories_survive_trainer_kill_and_cut_link_exactly_once(tmp_path: P
                                       ingest.stats()["held"], 30, "forwarding to start",
                                       interval=0.01)
             ingest.kill9()
+            undelivered = spool()["depth"]
             print(f"ingest SIGKILLed holding ~{held_at_kill} of {len(sent)}; "
-                  f"daemon spool depth {spool()['depth']}")
+                  f"daemon spool depth {undelivered}")
+            # The premise: the kill really cut the stream (some of B were never acknowledged).
+            assert held_at_kill < len(sent) and undelivered > 0, (held_at_kill, undelivered)
             ingest.start()
             # A worker resends batch B (its reply was lost): the restarted ingest must know
             # these ids from disk and store none of them again.

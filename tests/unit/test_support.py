@@ -65,3 +65,14 @@ async def test_async_wait_until_awaits_async_predicates():
     assert await async_wait_until(pred, 5, "three polls", interval=0.01) == "done"
     with pytest.raises(AssertionError, match="never"):
         await async_wait_until(lambda: False, 0.05, "never", interval=0.01)
+
+
+def test_batch_makes_groups_of_group_size_and_batches_never_share_a_group():
+    from collections import Counter
+
+    from tests.trajectories import batch
+
+    first, second = batch(10, group_size=4), batch(4, group_size=4)
+    sizes = Counter(t["group"] for t in first)
+    assert sorted(sizes.values()) == [2, 4, 4], sizes
+    assert not set(sizes) & {t["group"] for t in second}

@@ -5,12 +5,14 @@ name against a real aiohttp server, and the per-region metrics (no node names as
 import json
 import threading
 import time
+from types import SimpleNamespace
 
 import aiohttp
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from daemon import fleet_link
 from daemon.fleet import FleetBoard, NodeReport, sign_report
 from daemon.fleet_link import Directory, FleetParts, LinkMeter, Verifier
 from daemon.identity import NodeKey
@@ -87,10 +89,15 @@ def test_the_directory_is_bounded_and_lists_trainers_only() -> None:
     assert set(d.nodes) == {"t", "a"} and [x["node"] for x in d.trainers()] == ["t"]
 
 
-async def test_the_verifier_accepts_only_the_name_and_token_the_url_proves() -> None:
+async def test_the_verifier_accepts_only_the_name_and_token_the_url_proves(monkeypatch) -> None:
     names = {"node": "r1"}
+    asked: list[str] = []
+    clock = [1000.0]
+    monkeypatch.setattr(fleet_link, "time", SimpleNamespace(monotonic=lambda: clock[0],
+                                                             time=time.time))
 
     async def healthz(request: web.Request) -> web.Response:
+        asked.append(request.query["challenge"])
         url = str(request.url.origin())
         return web.json_response({"node": names["node"], "proof": hello_proof(
             TOKEN, request.query["challenge"], url)})
@@ -105,7 +112,14 @@ async def test_the_verifier_accepts_only_the_name_and_token_the_url_proves() -> 
         v.ok.clear()
         names["node"] = "other"
         assert "calls itself 'other'" in (await v.check(url, "r1") or "")
-        assert "calls itself" in (await v.check(url, "r1") or "")  # retried only after 5 s
+        before = len(asked)
+        clock[0] += fleet_link.PROOF_RETRY_S - 0.1  # within the retry interval: not asked
+        assert "calls itself" in (await v.check(url, "r1") or "")
+        assert len(asked) == before, "asked again within PROOF_RETRY_S"
+        names["node"] = "r1"  # it would prove itself now, but is not asked before its time
+        assert "calls itself" in (await v.check(url, "r1") or "")
+        clock[0] += 0.2
+        assert await v.check(url, "r1") is None and len(asked) == before + 1
         wrong = Verifier(PeerClient(s, "another-token"))
         assert "did not prove it holds the swarm token" in (await wrong.check(url, "other")
                                                              or "")

@@ -3,6 +3,7 @@ goes to the rejected store and the stream moves on (the good ones beside it stil
 hostile Retry-After can neither kill it nor make it spin."""
 
 import asyncio
+import itertools
 import json
 import time
 from pathlib import Path
@@ -100,8 +101,11 @@ async def test_hostile_retry_after_neither_kills_nor_spins_the_forwarder(
 
     f = await forward(spool, upstream, lambda: False, 0.8, retry_initial_s=0.1,
                       retry_max_s=0.3)
-    # waits stay within [retry_initial_s, retry_max_s]: 0.8 s holds about 3-9 posts
-    assert 2 <= len(posts) <= 10, posts
+    # waits stay within [retry_initial_s, retry_max_s]. Only bounds a loaded host cannot break
+    # are asserted: a sleep never ends early, so consecutive posts are >= 0.1 s apart (the bug:
+    # thousands of resends) and 0.8 s holds at most 9 of them; how few came is load's business.
+    assert posts and len(posts) <= 9, posts
+    assert all(b - a >= 0.1 for a, b in itertools.pairwise(posts)), posts
     assert 0.1 <= f.backoff_s <= 0.3 and spool.depth() == 3
 
 

@@ -3,7 +3,10 @@ giving up on what nobody offers, the head quorum before a first plan, the live-n
 the retention keeper that outlives a daemon restart."""
 
 import time
+from types import SimpleNamespace
 
+import daemon.asking
+import daemon.holders
 from chain.policy import Retention, recorded_decision
 from chain.store import ChainStore
 from daemon.asking import HeadQuorum
@@ -15,21 +18,39 @@ from daemon.retain import Keeper
 from tests.unit.chain.test_store import build_chain
 
 
-def test_holders_count_fresh_listings_of_usable_peers_and_a_local_copy():
+class FakeClock:
+    """A module's monotonic clock, advanced by the test: each timeout is checked on both sides
+    of its bound with no real sleep (50-300 ms windows are at the mercy of a loaded host)."""
+
+    def __init__(self, monkeypatch, module=daemon.asking) -> None:
+        self.now = 1000.0
+        monkeypatch.setattr(module, "time", SimpleNamespace(monotonic=lambda: self.now,
+                                                         time=time.time))
+
+
+def test_holders_count_fresh_listings_of_usable_peers_and_a_local_copy(monkeypatch):
+    clock = FakeClock(monkeypatch, daemon.holders)
     h = Holders(SyncConfig(unoffered_timeout_s=0.2))
     h.record("http://a:1", 5, ["v00000005.delta", "v00000004.delta"])
     h.record("http://b:1", 5, ["v00000005.delta"])
     counts = h.counts(lambda url: url != "http://b:1", ["v00000003.delta"])
     assert counts == {"v00000005.delta": 1, "v00000004.delta": 1, "v00000003.delta": 1}
-    time.sleep(0.3)
+    clock.now += 0.19
+    assert h.counts(lambda url: True, [])["v00000005.delta"] == 2
+    clock.now += 0.02
     assert h.counts(lambda url: True, []) == {}, "a listing older than the timeout counts no more"
 
 
-def test_an_artifact_nobody_lists_for_the_timeout_is_given_up_and_counted_as_unheld():
+def test_an_artifact_nobody_lists_for_the_timeout_is_given_up_and_counted_as_unheld(
+        monkeypatch):
+    clock = FakeClock(monkeypatch, daemon.holders)
     h = Holders(SyncConfig(unoffered_timeout_s=0.1, progress_timeout_s=0.1))
     h.note_plan(["v00000008.delta"], {})
     assert "v00000008.delta" not in h.status()
-    time.sleep(0.15)
+    clock.now += 0.09
+    h.note_plan(["v00000008.delta"], {})
+    assert "v00000008.delta" not in h.status()
+    clock.now += 0.02
     h.note_plan(["v00000008.delta"], {})
     assert "no peer has listed it" in h.status()["v00000008.delta"]["reason"]
     assert h.counts(lambda url: True, [])["v00000008.delta"] == 0
@@ -39,12 +60,16 @@ def test_an_artifact_nobody_lists_for_the_timeout_is_given_up_and_counted_as_unh
     assert h.status() == {}
 
 
-def test_a_given_up_artifact_is_planned_with_again_after_its_hold():
+def test_a_given_up_artifact_is_planned_with_again_after_its_hold(monkeypatch):
+    clock = FakeClock(monkeypatch, daemon.holders)
     h = Holders(SyncConfig(unoffered_timeout_s=0.1, progress_timeout_s=0.1))
     h.record("http://a:1", 9, ["v00000008.delta"])
     h.give_up("v00000008.delta", "no bytes for 0.1s")
     assert h.counts(lambda url: True, [])["v00000008.delta"] == 0
-    time.sleep(0.25)  # given up for 2 x the longer timeout
+    clock.now += 0.19  # given up for 2 x the longer timeout
+    h.record("http://a:1", 9, ["v00000008.delta"])
+    assert h.counts(lambda url: True, [])["v00000008.delta"] == 0
+    clock.now += 0.02
     h.record("http://a:1", 9, ["v00000008.delta"])
     assert h.counts(lambda url: True, [])["v00000008.delta"] == 1
 
@@ -77,17 +102,20 @@ def test_head_quorum_waits_for_every_known_peer_once_an_index_named_them():
     assert q.check(book)
 
 
-def test_head_quorum_settles_on_quorum_or_after_the_wait():
+def test_head_quorum_settles_on_quorum_or_after_the_wait(monkeypatch):
     book = _book(*(f"http://127.0.0.{i}:1" for i in range(2, 9)))
     q = HeadQuorum(quorum=2, wait_s=60)
     q.reply("http://127.0.0.2:1", 3)
     assert not q.check(book)
     q.reply("http://127.0.0.3:1", 4)
     assert q.check(book)
-    q = HeadQuorum(quorum=5, wait_s=0.05)
+    clock = FakeClock(monkeypatch)
+    q = HeadQuorum(quorum=5, wait_s=5)
     q.reply("http://127.0.0.2:1", 3)
     assert not q.check(book)
-    time.sleep(0.1)
+    clock.now += 4.9
+    assert not q.check(book)
+    clock.now += 0.2
     assert q.check(book)
 
 
@@ -118,11 +146,12 @@ def test_a_restarted_keeper_still_keeps_what_the_recorded_live_versions_need(
     assert "v00000003.delta" not in store.artifacts()
 
 
-def test_a_node_no_peer_answers_may_go_on_with_its_own_store_after_the_wait():
+def test_a_node_no_peer_answers_may_go_on_with_its_own_store_after_the_wait(monkeypatch):
     book = _book("http://127.0.0.2:1")
-    q = HeadQuorum(quorum=3, wait_s=0.05)
+    clock = FakeClock(monkeypatch)
+    q = HeadQuorum(quorum=3, wait_s=5)
     assert not q.check(book)
-    time.sleep(0.1)
+    clock.now += 5.1
     assert q.check(book) and not q.settled
     q.reply("http://127.0.0.2:1", 3)  # a first answer: gather the others before planning
     assert not q.check(book)

@@ -5,6 +5,7 @@ import os
 import socket
 import time
 import uuid
+from types import SimpleNamespace
 
 import pytest
 
@@ -117,43 +118,52 @@ def drain(sock: socket.socket) -> list[str]:
             return out
 
 
-async def run_for(seconds: float, loop_coro) -> None:
-    """Run a watchdog loop for `seconds`; it must still be running (not returned) when cancelled."""
-    task = asyncio.create_task(loop_coro)
-    await asyncio.sleep(seconds)
-    assert not task.done(), "the watchdog loop returned on its own"
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
+class Ticks:
+    """Stands in for the loop's asyncio.sleep: records each requested pause, runs `on_tick`
+    after it, and stops the loop (CancelledError, as a shutdown would) after `n` pauses. No
+    real time passes, so the count of pings per pause is exact on a loaded host."""
+
+    def __init__(self, monkeypatch, n: int, on_tick=lambda i: None) -> None:
+        self.pauses: list[float] = []
+        self.n, self.on_tick = n, on_tick
+        real = asyncio.sleep
+
+        async def sleep(seconds: float) -> None:
+            self.pauses.append(seconds)
+            self.on_tick(len(self.pauses))
+            if len(self.pauses) >= self.n:
+                raise asyncio.CancelledError
+            await real(0)
+
+        monkeypatch.setattr(sdnotify, "asyncio", SimpleNamespace(sleep=sleep))
 
 
 async def test_watchdog_loop_pings_at_half_the_interval(listener, monkeypatch):
     monkeypatch.setenv("WATCHDOG_USEC", "400000")
     monkeypatch.delenv("WATCHDOG_PID", raising=False)
     listener.setblocking(False)
-    await run_for(0.9, sdnotify.watchdog_loop())
-    pings = drain(listener)
-    # every 0.2 s: t = 0, 0.2, ..., 0.8 (pinging only every full 0.4 s would give 3)
-    assert set(pings) == {"WATCHDOG=1"}
-    assert 4 <= len(pings) <= 6
+    ticks = Ticks(monkeypatch, 5)
+    with pytest.raises(asyncio.CancelledError):
+        await sdnotify.watchdog_loop()
+    # one ping before each pause of half the 0.4 s interval
+    assert ticks.pauses == [0.2] * 5
+    assert drain(listener) == ["WATCHDOG=1"] * 5
 
 
-async def test_watchdog_loop_withholds_pings_while_unhealthy(listener, caplog):
+async def test_watchdog_loop_withholds_pings_while_unhealthy(listener, monkeypatch, caplog):
     listener.setblocking(False)
     healthy = [True]
-    task = asyncio.create_task(sdnotify.watchdog_loop(lambda: healthy[0], interval=0.1))
-    await asyncio.sleep(0.12)
-    healthy[0] = False
-    while_healthy = drain(listener)
-    await asyncio.sleep(0.2)
-    assert not task.done()
-    task.cancel()
+
+    def tick(i: int) -> None:
+        if i == 2:
+            healthy[0] = False  # healthy for the first two rounds, then not
+
+    ticks = Ticks(monkeypatch, 5, tick)
     with pytest.raises(asyncio.CancelledError):
-        await task
-    # pinged while healthy (t = 0, 0.05, 0.1), so the silence afterwards is the check's doing
-    assert while_healthy and set(while_healthy) == {"WATCHDOG=1"}
-    assert drain(listener) == []
-    assert "withholding the systemd watchdog ping" in caplog.text
+        await sdnotify.watchdog_loop(lambda: healthy[0], interval=0.1)
+    assert ticks.pauses == [0.05] * 5
+    assert drain(listener) == ["WATCHDOG=1"] * 2, "no ping in the three unhealthy rounds"
+    assert caplog.text.count("withholding the systemd watchdog ping") == 3
 
 
 async def test_watchdog_loop_returns_when_systemd_set_no_watchdog(monkeypatch):

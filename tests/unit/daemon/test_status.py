@@ -109,6 +109,10 @@ def test_json_round_trip_keeps_every_field():
 # -- the status CLI, against a real aiohttp server on loopback -------------------------------
 
 
+STATUS_REQUESTS: list[str] = []
+"""Every /v1/status request the `server` fixture answered (cleared by the fixture)."""
+
+
 @pytest.fixture
 def server() -> Iterator[tuple[str, NodeStatus]]:
     """A real control plane serving /v1/status; requires token 'secret-token'."""
@@ -117,6 +121,7 @@ def server() -> Iterator[tuple[str, NodeStatus]]:
     holder: dict = {}
 
     async def status(request: web.Request) -> web.Response:
+        STATUS_REQUESTS.append(request.path)
         if request.headers.get("Authorization") != "Bearer secret-token":
             return web.json_response({"error": "bad token"}, status=401)
         return web.Response(body=board.model_dump_json(),
@@ -135,6 +140,7 @@ def server() -> Iterator[tuple[str, NodeStatus]]:
         await holder["stop"].wait()
         await runner.cleanup()
 
+    STATUS_REQUESTS.clear()
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_until_complete, args=(serve(),))
     thread.start()
@@ -212,6 +218,7 @@ def test_cli_watch_refreshes_count_times(server):
                           "0.05", "--count", "3"], console=console)
     assert rc == 0
     assert "eu-1" in console.export_text()
+    assert len(STATUS_REQUESTS) == 3, STATUS_REQUESTS
 
 
 def test_cli_watch_exits_cleanly_on_ctrl_c(server):

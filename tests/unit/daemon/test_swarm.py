@@ -212,7 +212,15 @@ def test_a_seed_reports_its_own_corrupt_piece_when_it_first_serves_it(tmp_path, 
     node.download(ART, tb, tmp_path / "n", [seed.endpoint])
     events = _until([seed, node], lambda: seed.status()["hash_failures"] > 0, 20)
     assert any(e.kind == "hash_failed" and e.artifact == ART for e in events)
-    assert seed.is_complete(ART) and not node.progress(ART).finished
+    assert seed.is_complete(ART)
+    # "never": watched for a further 3 s of both sides running, not read at one moment
+    bad = torrents.block_path(tmp_path / "n", ART, blocks[0][0])
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline:
+        seed.pump(0.05)
+        node.pump(0.05)
+        assert not node.progress(ART).finished
+        assert not (bad.exists() and block_id(bad.read_bytes()) == blocks[0][0])
     assert node.status()["bans"] == 0
 
 
@@ -272,3 +280,46 @@ def test_peer_bytes_names_each_connection_and_what_it_delivered(tmp_path, swarms
     sent = seed.peer_bytes()
     assert len(sent) == 1 and sent[0][0] == ART and sent[0][1].startswith("127.0.0.3:")
     assert sent[0][3] >= 2 << 20
+
+
+def test_status_read_while_another_thread_refreshes_and_removes_never_raises(tmp_path, swarms):
+    """The race fixed in e5c74c5: a status read (the control plane's thread) while the swarm
+    thread refreshes or removes a torrent hit an invalid handle and stopped the daemon. Here one
+    thread re-adds and removes the torrent as fast as it can while another reads status."""
+    import threading
+
+    _, tb = _store(tmp_path, 4, PIECE)
+    node = swarms("127.0.0.61")
+    node.download(ART, tb, tmp_path / "n", [("127.0.0.62", 9)])  # nobody there: never finishes
+    errors: list[BaseException] = []
+    reads = 0
+    done = threading.Event()
+
+    def churn() -> None:
+        try:
+            for i in range(150):
+                if i % 3 == 2:
+                    node.remove(ART)
+                    node.download(ART, tb, tmp_path / "n", [("127.0.0.62", 9)])
+                else:
+                    node.refresh(ART, timeout=0.5)
+        except BaseException as e:  # collected, then asserted empty
+            errors.append(e)
+        finally:
+            done.set()
+
+    worker = threading.Thread(target=churn)
+    worker.start()
+    try:
+        while not done.is_set():
+            try:
+                st = node.status()
+                reads += 1
+                assert set(st["torrents"]) <= {ART}
+            except BaseException as e:
+                errors.append(e)
+                break
+    finally:
+        worker.join(60)
+    assert not errors, errors
+    assert reads >= 50, f"only {reads} status reads overlapped the churn: the race was not run"
