@@ -4,6 +4,10 @@ the last decision (shown in status as `retention`).
 The trainer's daemon records each decision's inputs in its chain directory, so the publisher
 writing there deletes the same things while the daemon is down; after a restart the recorded
 live versions still count for `live_within_s`, until the nodes have polled again.
+
+A retention pass, whoever triggers it (any `POST /v1/publish`), runs under the chain
+directory's lock and spares versions a publisher is writing (its write lease, chain.lease):
+status shows those leases as `writing` and the blocks kept for them as `spared_blocks`.
 """
 
 import logging
@@ -68,4 +72,6 @@ class Keeper:
     def status(self) -> dict:
         d = self.last or Decision(frozenset(), self.retention.behind_budget_bytes)
         return {"versions": self.retention.versions, **d.as_status(),
-                "dropped": self.dropped[-50:], "at": self.at}
+                "dropped": self.dropped[-50:], "at": self.at,
+                "writing": [w.as_status() for w in self.store.writing_seen],
+                "spared_blocks": self.store.spared_blocks}
