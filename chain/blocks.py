@@ -49,8 +49,9 @@ class BlockStore:
         if len(data) > MAX_BLOCK:
             raise BadBlock(f"block of {len(data)} bytes exceeds the {MAX_BLOCK}-byte limit")
         bid = block_id(data)
-        if self.claim([bid]):
-            write_atomic(self.path(bid), data)
+        path = self.path(bid)
+        if not path.exists() or self.claim([bid]):  # new, or gone before it could be claimed
+            write_atomic(path, data)
         return bid
 
     def claim(self, ids: Iterable[str]) -> list[str]:

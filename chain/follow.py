@@ -22,6 +22,7 @@ leases, chain.lease).
 import logging
 
 from chain.errors import ChainError
+from chain.lease import ChainBusy
 from chain.policy import Retention, recorded_decision
 from chain.store import ChainStore
 
@@ -41,10 +42,18 @@ def publisher_retain(store: ChainStore, own: Retention, *, daemon: bool,
         if notified:
             return []
         retention, live = recorded
-        dropped = store.gc(retention, live=live)
+        try:
+            dropped = store.gc(retention, live=live)
+        except ChainBusy as e:
+            log.warning("%s", e)
+            return []
         if dropped:
             log.info("retention as the daemon last decided (live %s) dropped %s", live, dropped)
         return dropped
     if daemon:
         return []
-    return store.gc(own)
+    try:
+        return store.gc(own)
+    except ChainBusy as e:
+        log.warning("%s", e)
+        return []

@@ -31,6 +31,7 @@ import os
 import secrets
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +44,8 @@ LEASE_DIR = "writing"
 LOCK_FILE = ".lock"
 DEFAULT_TTL_S = 120.0
 """A lease nobody renews stops counting after this long (unless its holder is seen alive)."""
+RETENTION_WAIT_S = 10.0
+"""How long a retention pass waits for the chain lock before it is skipped."""
 SLACK_S = 60.0
 """Blocks modified up to this long before a live lease began are kept too (file clocks are
 coarse, and on a shared filesystem the writer's clock is not the reader's)."""
@@ -50,6 +53,10 @@ coarse, and on a shared filesystem the writer's clock is not the reader's)."""
 
 class LostBlocks(ChainError):
     """A version's blocks vanished while it was written; nothing of it was signed."""
+
+
+class ChainBusy(ChainError):
+    """The chain lock stayed held too long for a retention pass; it was skipped."""
 
 
 # --- the chain lock ------------------------------------------------------------------------
@@ -64,14 +71,21 @@ class ChainLock:
         self._depth = 0
         self._fd: int | None = None
 
-    def __enter__(self) -> "ChainLock":
-        self._thread.acquire()
+    def acquire(self, timeout: float | None = None) -> bool:
+        """Take the lock; False if `timeout` seconds passed first (None: wait as long as it
+        takes)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._thread.acquire(timeout=-1 if timeout is None else timeout):
+            return False
         try:
             if self._depth == 0:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
                 try:
-                    fcntl.flock(fd, fcntl.LOCK_EX)
+                    if not _flock(fd, deadline):
+                        os.close(fd)
+                        self._thread.release()
+                        return False
                 except BaseException:
                     os.close(fd)
                     raise
@@ -80,9 +94,9 @@ class ChainLock:
         except BaseException:
             self._thread.release()
             raise
-        return self
+        return True
 
-    def __exit__(self, *exc: object) -> None:
+    def release(self) -> None:
         self._depth -= 1
         if self._depth == 0 and self._fd is not None:
             fd, self._fd = self._fd, None
@@ -90,6 +104,39 @@ class ChainLock:
                 fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
         self._thread.release()
+
+    @contextlib.contextmanager
+    def within(self, timeout: float, what: str) -> Iterator[None]:
+        """Hold the lock, or raise ChainBusy after `timeout` seconds (for housekeeping that
+        can wait for its next turn: a paused publisher must not stall a daemon)."""
+        if not self.acquire(timeout):
+            raise ChainBusy(f"{what} skipped: {self.path} stayed locked for {timeout:g} s (a "
+                            "publisher paused while committing?); it runs again next time")
+        try:
+            yield
+        finally:
+            self.release()
+
+    def __enter__(self) -> "ChainLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _flock(fd: int, deadline: float | None) -> bool:
+    if deadline is None:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return True
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
 
 
 _locks: dict[Path, ChainLock] = {}

@@ -11,14 +11,16 @@ build a new dict and swap it in; readers take the current one and iterate it wit
 a reader never sees a dict change size under it (a region once crashed in `head()` that way).
 
 Processes: a trainer's chain directory is written by its publisher and pruned by its daemon
-(issue 20). The write lock is also a file lock on the directory (chain.lease.ChainLock), taken
-by every manifest commit and every retention pass; a publisher holds a write lease
+(issue 20). Besides the thread lock, the directory has a file lock (chain.lease.ChainLock),
+taken by every retention pass (which skips its turn, ChainBusy, rather than wait long for it),
+by a publisher's commit and by the taking of a lease; a publisher holds a write lease
 (`writing`) while it writes a version, and retention spares its blocks, the blocks of every
 manifest file on disk (including ones this process has not loaded), and, while a lease is
 held here, `add` stores only a manifest whose blocks are all present.
 """
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -28,7 +30,16 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from chain.atomic import write_atomic
 from chain.blocks import BlockStore
 from chain.errors import BadManifest, OtherRun, Replay, WrongParent
-from chain.lease import DEFAULT_TTL_S, SLACK_S, Lease, LeaseInfo, LostBlocks, chain_lock, sweep
+from chain.lease import (
+    DEFAULT_TTL_S,
+    RETENTION_WAIT_S,
+    SLACK_S,
+    Lease,
+    LeaseInfo,
+    LostBlocks,
+    chain_lock,
+    sweep,
+)
 from chain.manifest import Manifest, artifact_name, parse_artifact
 from chain.planner import plan
 from chain.policy import Decision, Retention
@@ -42,8 +53,10 @@ class ChainStore:
         self.public_key = public_key
         self.manifest_dir = self.root / "manifests"
         self.manifest_dir.mkdir(parents=True, exist_ok=True)
-        self._write = chain_lock(self.root)
-        self.blocks = BlockStore(self.root / "blocks", self._write)
+        self._write = threading.RLock()
+        self.dir_lock = chain_lock(self.root)
+        """Across processes: retention passes, leases being taken, a publisher's commit."""
+        self.blocks = BlockStore(self.root / "blocks", self.dir_lock)
         self._cache: Mapping[str, Manifest] = {}
         """Never changed in place: writers swap in a new dict (see the module docstring)."""
         self._holding: list[Lease] = []
@@ -137,7 +150,7 @@ class ChainStore:
         retention takes, so a version missing blocks is never signed into the chain."""
         if not self._holding:
             return self.add_manifest(m.to_bytes())
-        with self._write:
+        with self._write, self.dir_lock:
             missing = self.missing_blocks(m)
             if missing:
                 lost = any(lease.lost for lease in self._holding)
@@ -153,7 +166,7 @@ class ChainStore:
     def writing(self, version: int, ttl_s: float = DEFAULT_TTL_S) -> Lease:
         """The write lease for `version`, to hold (`with`) from before its first block is
         written until its manifests are added: retention spares what it writes meanwhile."""
-        return Lease(self.root, version, self._write, ttl_s, self._holding)
+        return Lease(self.root, version, self.dir_lock, ttl_s, self._holding)
 
     def gc(self, retention: Retention, protect: Iterable[str] = frozenset(),
            live: Iterable[int | None] = ()) -> list[str]:
@@ -166,8 +179,8 @@ class ChainStore:
                protect: Iterable[str] = frozenset()) -> tuple[Decision, list[str]]:
         """`decide` on the manifests held and apply it, both under the write lock, so a
         manifest another thread adds meanwhile is neither unseen by the decision nor dropped
-        for it."""
-        with self._write:
+        for it; and under the directory's lock (ChainBusy if a publisher holds it too long)."""
+        with self._write, self.dir_lock.within(RETENTION_WAIT_S, "retention"):
             self._forget_vanished()
             decision = decide(self._cache)
             return decision, self.apply_decision(decision, protect)
@@ -199,7 +212,7 @@ class ChainStore:
         """Keep what `decision` keeps (and `protect`); prefer `retain`, which decides on the
         same manifests it applies to."""
         keep = set(decision.keep) | set(protect)
-        with self._write:
+        with self._write, self.dir_lock.within(RETENTION_WAIT_S, "retention"):
             cache = self._cache
             dropped = [a for a in cache if a not in keep]
             self._cache = {a: m for a, m in cache.items() if a in keep}

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from chain.errors import ChainError
+from chain.lease import ChainBusy
 from chain.policy import Decision, Retention, record_decision, recorded_decision
 from chain.store import ChainStore
 
@@ -58,7 +59,12 @@ class Keeper:
         """Decide and drop (blocking: call from a thread); returns the dropped artifacts."""
         live = self.versions(extra_live)
         retention = self.retention
-        decision, dropped = self.store.retain(lambda held: retention.decide(held, live), protect)
+        try:
+            decision, dropped = self.store.retain(lambda held: retention.decide(held, live),
+                                                  protect)
+        except ChainBusy as e:  # a publisher holds the chain lock: keep all, try next time
+            log.warning("%s", e)
+            return []
         if self.record:
             record_decision(self.store.root, self.retention, live)
         if decision.fell_back and (self.last is None or self.last.fell_back != decision.fell_back):

@@ -88,7 +88,7 @@ def test_retention_spares_blocks_of_manifests_it_has_not_loaded(chain):
 def test_a_block_reused_from_an_old_version_is_claimed_again(chain):
     """A new version made of a block only a dropped version named: the re-put refreshes it,
     so retention treats it as written under the lease."""
-    store, key, s0 = chain
+    store, _, _ = chain
     old = store.blocks.put(b"an old tokenizer")
     past = time.time() - 3600
     os.utime(store.blocks.path(old), (past, past))
