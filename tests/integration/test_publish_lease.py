@@ -82,8 +82,11 @@ def test_a_publish_paused_mid_write_survives_the_daemons_retention(tmp_path: Pat
                 p.name not in before for p in blocks.glob("??/*") if not p.name.startswith(".")),
                 120, "the publisher to write its first block of v2", interval=0.002)
             os.kill(pub.pid, signal.SIGSTOP)
+            signed = (chain / "manifests" / "v00000002.delta.json").exists()
             code, body, _ = http(f"{t.url}/v1/publish", b'{"version": 1}', timeout=60)
             assert code == 200, body
+            ret = t.status()["retention"]
+            print(f"paused {'after' if signed else 'before'} signing; retention {ret}")
         finally:
             os.kill(pub.pid, signal.SIGCONT)
         _published(pub, 2)
