@@ -250,7 +250,10 @@ def sweep(chain_dir: Path, now: float | None = None) -> list[LeaseInfo]:
             log.warning("removing the stale write lease %s (v%s, pid %s on %s, not renewed for "
                         "%.0f s): its publisher is gone", info.path.name, info.version,
                         info.pid, info.host, (now or time.time()) - info.renewed)
-            info.path.unlink(missing_ok=True)
+            try:
+                info.path.unlink(missing_ok=True)
+            except OSError as e:  # another user's file: it just stays, dead
+                log.warning("could not remove %s: %s", info.path, e)
     return live
 
 

@@ -213,7 +213,10 @@ class ShardedPublisher:
         if self.rank == self.assembler:
             plan = self._plan(version)
             if not plan["error"]:  # taken before any rank writes a block of this version
-                lease = self.store.writing(version).acquire()
+                try:
+                    lease = self.store.writing(version).acquire()
+                except OSError as e:  # every rank must hear of it (the plan's error)
+                    plan["error"] = f"v{version} not published: its write lease failed: {e}"
 
         def work(plan: dict) -> shards.RankPart:
             if plan["head"] != self.head:
