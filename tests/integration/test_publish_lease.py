@@ -1,10 +1,12 @@
 """A publish retention cannot break (issue 20, findings 1 and 2), with a real trainer daemon and
 `deltaswarm publish` / `watch` as real processes.
 
-1. `deltaswarm publish` is SIGSTOPped once it has written the first blocks of v2 (before it
-   signs), and a token holder's `POST /v1/publish {"version": 1}` makes the daemon run
-   retention meanwhile: the publish, resumed, still signs a whole v2 the daemon takes, and the
-   next publish works (before: v2 lost blocks, the daemon refused it, the chain was wedged).
+1. A publisher has written some blocks of v2 and waits for the rest of its input (the last
+   tensor of the state dict), and a token holder's `POST /v1/publish {"version": 1}` makes the
+   daemon run retention meanwhile: the publish still signs a whole v2 the daemon takes, and
+   the next publish works (before: v2 lost blocks, the daemon refused it, the chain was
+   wedged). The same with `deltaswarm publish` SIGSTOPped once its first block of v2 is on
+   disk (where exactly it stops depends on timing; the first test does not).
 2. A region behind at v1: the deltas the daemon keeps for it survive every `deltaswarm
    publish` and `watch`, however short their own `retention_versions` (before: they were
    deleted while the daemon's index still listed them).
@@ -14,15 +16,19 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
 import yaml
 from safetensors.torch import save_file
 
+from chain.policy import SnapshotPolicy
 from chain.store import ChainStore
 from tests.integration.harness import ROOT, TOKEN, Cluster, http, step, tiny_model
 from tests.support import wait_until
+from trainer.publisher import Publisher
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 
@@ -61,6 +67,58 @@ def _whole(chain: Path) -> None:
     store = ChainStore(chain)
     for a, m in store.manifests().items():
         assert store.missing_blocks(m) == [], f"{a} lost blocks"
+
+
+class _LateState(Mapping):
+    """A trainer's state dict whose last tensor is not ready yet: reading it waits for `go`."""
+
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        self.state, self.late = state, sorted(state)[-1]
+        self.reached, self.go = threading.Event(), threading.Event()
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name == self.late and not self.go.is_set():
+            self.reached.set()
+            self.go.wait(300)
+        return self.state[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.state)
+
+    def __len__(self) -> int:
+        return len(self.state)
+
+
+def test_retention_during_a_publish_leaves_every_block_of_it(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr("chain.writer.BATCH_ELEMENTS", 1)  # blocks go out tensor by tensor
+    with Cluster(tmp_path / "cluster") as c:
+        t = c.trainer(retention={"versions": 1})
+        c.start_all()
+        chain = t.state_dir / "chain"
+        pub = Publisher(chain, c.key_path, c.run, t.url, TOKEN, SnapshotPolicy(every=1000),
+                        block_size=1 << 16)
+        state = tiny_model(0)
+        for v in range(2):
+            assert pub.publish(v, state).notified
+            state = step(state, v + 1)
+        state = step(state, 2, density=0.5)  # a large delta: blocks for every tensor
+        before = ChainStore(chain).blocks.ids()
+        late = _LateState(state)
+        out: list = []
+        writer = threading.Thread(target=lambda: out.append(pub.publish(2, late)))
+        writer.start()
+        try:
+            assert late.reached.wait(120), "the publisher never got to the last tensor"
+            assert ChainStore(chain).blocks.ids() - before, "no block of v2 written yet"
+            code, body, _ = http(f"{t.url}/v1/publish", b'{"version": 1}', timeout=60)
+            assert code == 200, body
+        finally:
+            late.go.set()
+            writer.join(120)
+        assert out and out[0].notified, f"the daemon refused v2:\n{t.log()}"
+        _whole(chain)
+        assert pub.publish(3, step(state, 3)).notified
+        _whole(chain)
 
 
 def test_a_publish_paused_mid_write_survives_the_daemons_retention(tmp_path: Path) -> None:
@@ -111,10 +169,10 @@ def test_deltas_kept_for_a_node_behind_survive_publish_and_watch(tmp_path: Path)
         for v in range(2):
             _published(_cli("publish", str(_checkpoint(ckpts / f"step_{v}", states[v])),
                             "--config", str(cfg), "--step", str(v)), v)
-        c.wait_all_at(1, 60)
+        c.wait_all_at(1, 180)
         wait_until(lambda: {"node": "r1", "region": "r1", "have": 1} in [
             {k: n[k] for k in ("node", "region", "have")}
-            for n in t.status()["retention"]["nodes"]], 20, "the trainer to hear r1 holds v1")
+            for n in t.status()["retention"]["nodes"]], 60, "the trainer to hear r1 holds v1")
         r1.stop()  # behind at v1 from now on
         for v in range(2, 6):
             _published(_cli("publish", str(_checkpoint(ckpts / f"step_{v}", states[v])),
