@@ -181,9 +181,9 @@ def test_deltas_kept_for_a_node_behind_survive_publish_and_watch(tmp_path: Path)
         watch = _cli("watch", str(ckpts), "--config", str(cfg), "--once")
         out = watch.communicate(timeout=180)[0]
         assert watch.returncode == 0 and "step 6 -> v6" in out, out
-        assert t.status()["retention"]["kept_for"] == [1]
         chain = t.state_dir / "chain"
         for v in range(2, 7):
             code, body, _ = http(f"{t.url}/v1/chain/manifests/v{v:08d}.delta")
             assert code == 200, f"v{v}.delta kept for r1 is gone: {code} {body[:200]!r}"
+        assert t.status()["retention"]["kept_for"] == [1]
         _whole(chain)
