@@ -4,8 +4,11 @@ Blocks are what the swarm moves, so their size is bounded (`MAX_BLOCK`) and ever
 verified: a block whose bytes no longer match its name is reported, never returned.
 """
 
+import contextlib
 import os
 import re
+from collections.abc import Iterable
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 from chain.atomic import write_atomic
@@ -24,11 +27,16 @@ def check_id(bid: str) -> str:
 
 
 class BlockStore:
-    """Blocks at `root/ab/<id>`; `put` is atomic and idempotent."""
+    """Blocks at `root/ab/<id>`; `put` is atomic and idempotent.
 
-    def __init__(self, root: Path) -> None:
+    `lock`: the chain directory's lock (chain.lease), held while a block already stored is
+    claimed again (its mtime refreshed), so a retention pass sparing what write leases cover
+    either sees the fresh mtime or has deleted the block before `put` writes it anew."""
+
+    def __init__(self, root: Path, lock: AbstractContextManager | None = None) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+        self.lock = lock
 
     def path(self, bid: str) -> Path:
         check_id(bid)
@@ -42,9 +50,29 @@ class BlockStore:
             raise BadBlock(f"block of {len(data)} bytes exceeds the {MAX_BLOCK}-byte limit")
         bid = block_id(data)
         path = self.path(bid)
-        if not path.exists():
+        if not path.exists() or self.claim([bid]):  # new, or gone before it could be claimed
             write_atomic(path, data)
         return bid
+
+    def claim(self, ids: Iterable[str]) -> list[str]:
+        """Mark blocks already stored as written now (mtime), for the write lease of the
+        version about to use them; returns those of `ids` not in the store."""
+        missing = []
+        with self.lock or contextlib.nullcontext():
+            for bid in ids:
+                try:
+                    os.utime(self.path(bid))
+                except FileNotFoundError:
+                    missing.append(bid)
+                except PermissionError:  # another user's file: it is there, just not ours
+                    pass
+        return missing
+
+    def mtime(self, bid: str) -> float | None:
+        try:
+            return self.path(bid).stat().st_mtime
+        except FileNotFoundError:
+            return None
 
     def get(self, bid: str, size: int | None = None) -> bytes:
         path = self.path(bid)

@@ -9,9 +9,19 @@ Threads: a daemon reads the store on its event loop while worker threads (asynci
 manifests and run retention. The manifest map is copy-on-write: writers, serialised by a lock,
 build a new dict and swap it in; readers take the current one and iterate it without a lock, so
 a reader never sees a dict change size under it (a region once crashed in `head()` that way).
+
+Processes: a trainer's chain directory is written by its publisher and pruned by its daemon
+(issue 20). Besides the thread lock, the directory has a file lock (chain.lease.ChainLock),
+taken by every retention pass (which skips its turn, ChainBusy, rather than wait long for it),
+by a publisher's commit and by the taking of a lease; a publisher holds a write lease
+(`writing`) while it writes a version, and retention spares its blocks, the blocks of every
+manifest file on disk (including ones this process has not loaded), and, while a lease is
+held here, `add` stores only a manifest whose blocks are all present.
 """
 
+import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
@@ -20,21 +30,40 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from chain.atomic import write_atomic
 from chain.blocks import BlockStore
 from chain.errors import BadManifest, OtherRun, Replay, WrongParent
+from chain.lease import (
+    DEFAULT_TTL_S,
+    RETENTION_WAIT_S,
+    SLACK_S,
+    Lease,
+    LeaseInfo,
+    LostBlocks,
+    chain_lock,
+    sweep,
+)
 from chain.manifest import Manifest, artifact_name, parse_artifact
 from chain.planner import plan
 from chain.policy import Decision, Retention
+
+log = logging.getLogger("deltaswarm.store")
 
 
 class ChainStore:
     def __init__(self, root: Path, public_key: Ed25519PublicKey | None = None) -> None:
         self.root = Path(root)
         self.public_key = public_key
-        self.blocks = BlockStore(self.root / "blocks")
         self.manifest_dir = self.root / "manifests"
         self.manifest_dir.mkdir(parents=True, exist_ok=True)
+        self._write = threading.RLock()
+        self.dir_lock = chain_lock(self.root)
+        """Across processes: retention passes, leases being taken, a publisher's commit."""
+        self.blocks = BlockStore(self.root / "blocks", self.dir_lock)
         self._cache: Mapping[str, Manifest] = {}
         """Never changed in place: writers swap in a new dict (see the module docstring)."""
-        self._write = threading.RLock()
+        self._holding: list[Lease] = []
+        self.writing_seen: list[LeaseInfo] = []
+        """The live write leases the last retention pass honoured (status)."""
+        self.spared_blocks = 0
+        """Unreferenced blocks the last retention pass kept for them."""
         cache: dict[str, Manifest] = {}
         for path in sorted(self.manifest_dir.glob("v*.json")):
             try:
@@ -116,7 +145,28 @@ class ChainStore:
         return m
 
     def add(self, m: Manifest) -> Manifest:
-        return self.add_manifest(m.to_bytes())
+        """Store a manifest; while this store holds a write lease (a publisher committing the
+        version it wrote), only if every block it names is present, checked under the lock
+        retention takes, so a version missing blocks is never signed into the chain."""
+        if not self._holding:
+            return self.add_manifest(m.to_bytes())
+        with self._write, self.dir_lock:
+            missing = self.missing_blocks(m)
+            if missing:
+                lost = any(lease.lost for lease in self._holding)
+                raise LostBlocks(
+                    f"{m.artifact}: {len(missing)} of its {len(m.blocks)} blocks vanished from "
+                    f"{self.blocks.root} while it was being written (e.g. {missing[0]}; "
+                    + ("its write lease lapsed: this publisher was stopped longer than its "
+                       "ttl" if lost else "deleted by something that ignores write leases")
+                    + f"). Nothing was signed; the head is still v{self.head()}: publish this "
+                    "version again")
+            return self.add_manifest(m.to_bytes())
+
+    def writing(self, version: int, ttl_s: float = DEFAULT_TTL_S) -> Lease:
+        """The write lease for `version`, to hold (`with`) from before its first block is
+        written until its manifests are added: retention spares what it writes meanwhile."""
+        return Lease(self.root, version, self.dir_lock, ttl_s, self._holding)
 
     def gc(self, retention: Retention, protect: Iterable[str] = frozenset(),
            live: Iterable[int | None] = ()) -> list[str]:
@@ -129,24 +179,60 @@ class ChainStore:
                protect: Iterable[str] = frozenset()) -> tuple[Decision, list[str]]:
         """`decide` on the manifests held and apply it, both under the write lock, so a
         manifest another thread adds meanwhile is neither unseen by the decision nor dropped
-        for it."""
-        with self._write:
+        for it; and under the directory's lock (ChainBusy if a publisher holds it too long)."""
+        with self._write, self.dir_lock.within(RETENTION_WAIT_S, "retention"):
+            self._forget_vanished()
             decision = decide(self._cache)
             return decision, self.apply_decision(decision, protect)
+
+    def _forget_vanished(self) -> None:
+        """Forget manifests whose file another process (the daemon's retention) removed, so a
+        decision is made on what the directory holds."""
+        cache = self._cache
+        gone = [a for a in cache if not (self.manifest_dir / f"{a}.json").is_file()]
+        if gone:
+            self._cache = {a: m for a, m in cache.items() if a not in gone}
+
+    def _blocks_on_disk_only(self) -> set[str]:
+        """Blocks named by manifest files this process has not loaded (a publisher's newest,
+        before its daemon is told): never deleted here, whether verified yet or not."""
+        out: set[str] = set()
+        cache = self._cache
+        for path in self.manifest_dir.glob("v*.json"):
+            if path.name.removesuffix(".json") in cache:
+                continue
+            try:
+                out |= {b.id for b in Manifest.parse(path.read_bytes(), None).blocks}
+            except (BadManifest, OSError):
+                continue
+        return out
 
     def apply_decision(self, decision: Decision, protect: Iterable[str] = frozenset()
                        ) -> list[str]:
         """Keep what `decision` keeps (and `protect`); prefer `retain`, which decides on the
         same manifests it applies to."""
         keep = set(decision.keep) | set(protect)
-        with self._write:
+        with self._write, self.dir_lock.within(RETENTION_WAIT_S, "retention"):
             cache = self._cache
             dropped = [a for a in cache if a not in keep]
             self._cache = {a: m for a, m in cache.items() if a in keep}
             for a in dropped:
                 (self.manifest_dir / f"{a}.json").unlink(missing_ok=True)
-            # Under the lock: a manifest added meanwhile must not lose the blocks it names.
+            # Under the lock: a manifest added meanwhile must not lose the blocks it names,
+            # nor a version being written (a write lease) those written so far.
             live = {b.id for m in self._cache.values() for b in m.blocks}
+            live |= self._blocks_on_disk_only()
+            now = time.time()
+            writing = sweep(self.root, now)
+            floor = min(w.started for w in writing) - SLACK_S if writing else None
+            spared = 0
             for bid in self.blocks.ids() - live:
+                if floor is not None and (self.blocks.mtime(bid) or 0.0) >= floor:
+                    spared += 1
+                    continue
                 self.blocks.delete(bid)
+            self.writing_seen, self.spared_blocks = writing, spared
+            if spared:
+                log.info("retention spared %d unreferenced blocks for versions being written "
+                         "(%s)", spared, ", ".join(f"v{w.version} pid {w.pid}" for w in writing))
         return dropped

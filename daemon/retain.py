@@ -4,6 +4,10 @@ the last decision (shown in status as `retention`).
 The trainer's daemon records each decision's inputs in its chain directory, so the publisher
 writing there deletes the same things while the daemon is down; after a restart the recorded
 live versions still count for `live_within_s`, until the nodes have polled again.
+
+A retention pass, whoever triggers it (any `POST /v1/publish`), runs under the chain
+directory's lock and spares versions a publisher is writing (its write lease, chain.lease):
+status shows those leases as `writing` and the blocks kept for them as `spared_blocks`.
 """
 
 import logging
@@ -11,6 +15,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from chain.errors import ChainError
+from chain.lease import ChainBusy
 from chain.policy import Decision, Retention, record_decision, recorded_decision
 from chain.store import ChainStore
 
@@ -54,7 +59,12 @@ class Keeper:
         """Decide and drop (blocking: call from a thread); returns the dropped artifacts."""
         live = self.versions(extra_live)
         retention = self.retention
-        decision, dropped = self.store.retain(lambda held: retention.decide(held, live), protect)
+        try:
+            decision, dropped = self.store.retain(lambda held: retention.decide(held, live),
+                                                  protect)
+        except ChainBusy as e:  # a publisher holds the chain lock: keep all, try next time
+            log.warning("%s", e)
+            return []
         if self.record:
             record_decision(self.store.root, self.retention, live)
         if decision.fell_back and (self.last is None or self.last.fell_back != decision.fell_back):
@@ -68,4 +78,6 @@ class Keeper:
     def status(self) -> dict:
         d = self.last or Decision(frozenset(), self.retention.behind_budget_bytes)
         return {"versions": self.retention.versions, **d.as_status(),
-                "dropped": self.dropped[-50:], "at": self.at}
+                "dropped": self.dropped[-50:], "at": self.at,
+                "writing": [w.as_status() for w in self.store.writing_seen],
+                "spared_blocks": self.store.spared_blocks}

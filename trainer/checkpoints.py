@@ -53,6 +53,7 @@ from chain import keys
 from chain.atomic import write_atomic
 from chain.blocks import DEFAULT_BLOCK
 from chain.errors import ChainError
+from chain.follow import publisher_retain
 from chain.manifest import Manifest, file_problem, tensor_problem
 from chain.policy import Retention, SnapshotPolicy
 from chain.safetensors_io import (
@@ -384,7 +385,8 @@ class CheckpointPublisher:
         self.ledger["pending"] = entry
         self._write_ledger(self.ledger)
         try:
-            delta, snapshot = self._write(ckpt, head, version)
+            with self.store.writing(version):  # retention spares what _write writes
+                delta, snapshot = self._write(ckpt, head, version)
         except BaseException:
             if self.store.head() == version:  # the delta is in the chain; its snapshot failed
                 self.ledger["published"].append(entry)
@@ -395,8 +397,9 @@ class CheckpointPublisher:
         self.ledger["pending"] = None
         self._write_ledger(self.ledger)
         self.sync_head()
-        self.store.gc(self.retention)
         notified = self._notify(version)
+        publisher_retain(self.store, self.retention, daemon=self.daemon_url is not None,
+                         notified=notified)
         log.info("published %s as v%d (%s)", ckpt.path, version,
                  "snapshot" if delta is None else "delta" + (" + snapshot" if snapshot else ""))
         return PublishedCheckpoint(version, ckpt.path, step, delta or snapshot,

@@ -10,8 +10,10 @@ swarm.
 Each call encodes the change against the last published version, writes blocks and a signed
 manifest (plus a snapshot when the policy says so) through `chain`, and tells the local daemon
 over HTTP to seed it. The daemon also picks up anything in the chain dir when it starts, so a
-daemon that was down misses nothing. Retention is the daemon's decision when one is linked
-(`_retain`): the publisher's own `retention` applies only to a chain dir no daemon serves.
+daemon that was down misses nothing. Retention is the daemon's decision whenever it recorded
+one (chain.follow): the publisher's own `retention` applies only to a chain dir no daemon
+serves. A write lease (chain.lease) covers each version from its first block to its stored
+manifests, so the daemon's retention never deletes what is being written.
 
 Cost per delta version: one encode pass over old and new (it finds the changes), then
 O(changes): the tensor digests are the head's moved by the changes, and the one kept CPU copy
@@ -35,8 +37,9 @@ import torch
 from chain import codec, dtypes, keys
 from chain.blocks import DEFAULT_BLOCK
 from chain.errors import ChainError
+from chain.follow import publisher_retain
 from chain.manifest import Manifest
-from chain.policy import Retention, SnapshotPolicy, recorded_decision
+from chain.policy import Retention, SnapshotPolicy
 from chain.sources import StateDictSource, source_digest
 from chain.store import ChainStore
 from chain.writer import write_artifact
@@ -120,23 +123,24 @@ class Publisher:
         changes: dict[str, codec.Changes | None] = {}
         common = dict(run=self.run, version=version, new=new, files=files,
                       block_size=self.block_size)
-        if head is not None:
-            assert self._last is not None
-            parent_m = self.store.get(head, "delta") or self.store.get(head, "snapshot")
-            delta, stats = write_artifact(self.store.blocks, self.key, kind="delta",
-                                          parent=StateDictSource(self._last),
-                                          parent_manifest=parent_m, trust_parent=True,
-                                          on_changes=changes.__setitem__, **common)
-            self.store.add(delta)
-            # the head moved: bring the kept copy along now, whatever happens next
-            self._last = _patched(self._last, state_dict, changes)
-        if head is None or self.snapshots.due(version, self.store.manifests()):
-            snapshot, snap_stats = write_artifact(self.store.blocks, self.key, kind="snapshot",
-                                                  same_tensors_as=delta, **common)
-            self.store.add(snapshot)
-            if delta is None:
-                stats = snap_stats
-                self._last = _cpu_copy(state_dict)
+        with self.store.writing(version):
+            if head is not None:
+                assert self._last is not None
+                parent_m = self.store.get(head, "delta") or self.store.get(head, "snapshot")
+                delta, stats = write_artifact(self.store.blocks, self.key, kind="delta",
+                                              parent=StateDictSource(self._last),
+                                              parent_manifest=parent_m, trust_parent=True,
+                                              on_changes=changes.__setitem__, **common)
+                self.store.add(delta)
+                # the head moved: bring the kept copy along now, whatever happens next
+                self._last = _patched(self._last, state_dict, changes)
+            if head is None or self.snapshots.due(version, self.store.manifests()):
+                snapshot, snap_stats = write_artifact(self.store.blocks, self.key, kind="snapshot",
+                                                      same_tensors_as=delta, **common)
+                self.store.add(snapshot)
+                if delta is None:
+                    stats = snap_stats
+                    self._last = _cpu_copy(state_dict)
         notified = self._notify(version)
         self._retain(notified)
         return Published(
@@ -147,22 +151,10 @@ class Publisher:
         )
 
     def _retain(self, notified: bool) -> None:
-        """Retention is one decision (chain.policy). Without a daemon the publisher applies its
-        own. With one, the daemon decides on each publish from the live nodes it sees; while it
-        is down, the publisher deletes only what the daemon's recorded decision (its settings
-        and the live versions it last saw) drops, so a delta that regions behind still need
-        survives the outage. Before the daemon recorded anything, nothing is deleted here."""
-        if self.daemon_url is None:
-            self.store.gc(self.retention)
-            return
-        if notified:
-            return
-        recorded = recorded_decision(self.store.root)
-        if recorded is not None:
-            retention, live = recorded
-            dropped = self.store.gc(retention, live=live)
-            if dropped:
-                log.info("daemon down: retention as it last decided dropped %s", dropped)
+        """Retention after a publish: the one rule of chain.follow (the daemon's decision
+        whenever it recorded one)."""
+        publisher_retain(self.store, self.retention, daemon=self.daemon_url is not None,
+                         notified=notified)
 
     def _notify(self, version: int) -> bool:
         return notify_daemon(self.daemon_url, self.token, version)

@@ -151,14 +151,15 @@ class RankEncoder:
     def _stored(self, version: int, parent_digest: str | None, parts: list[shards.SlicePart],
                 snapshot: bool) -> shards.RankPart | None:
         """The part this rank wrote for these very weights before a crash, if its blocks are
-        all still here."""
+        all still here (claimed: retention now counts them as written under this version's
+        write lease)."""
         try:
             old = shards.RankPart.model_validate_json(self.part_path(version).read_bytes())
         except (OSError, ValueError):
             return None
         if old.parent_digest != parent_digest or old.slices != parts or \
                 bool(old.snapshot_blocks) != snapshot or \
-                not all(self.blocks.has(b.id) for b in old.delta_blocks + old.snapshot_blocks):
+                self.blocks.claim(b.id for b in old.delta_blocks + old.snapshot_blocks):
             return None
         return old.model_copy(update={"reused": True})
 

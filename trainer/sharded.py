@@ -34,6 +34,8 @@ from chain import dtypes, keys, shards
 from chain.blocks import DEFAULT_BLOCK, BlockStore
 from chain.digest import pieces_root
 from chain.errors import ChainError
+from chain.follow import publisher_retain
+from chain.lease import chain_lock
 from chain.manifest import BlockEntry, FileEntry, Manifest, Parent
 from chain.policy import Retention, SnapshotPolicy
 from chain.store import ChainStore
@@ -118,8 +120,8 @@ class ShardedPublisher:
         self._dst = dist.get_global_rank(group, assembler) if group is not None else assembler
         chain_dir = Path(chain_dir)
         self.run = run
-        self.encoder = RankEncoder(BlockStore(chain_dir / "blocks"), chain_dir / "parts",
-                                   self.rank, block_size)
+        self.encoder = RankEncoder(BlockStore(chain_dir / "blocks", chain_lock(chain_dir)),
+                                   chain_dir / "parts", self.rank, block_size)
         self.head: int | None = None
         if self.rank == assembler:
             if key_path is None:
@@ -207,8 +209,14 @@ class ShardedPublisher:
         tokenizer) are taken from the assembling rank."""
         t0 = time.perf_counter()
         plan: dict = {"version": version}
+        lease = None
         if self.rank == self.assembler:
             plan = self._plan(version)
+            if not plan["error"]:  # taken before any rank writes a block of this version
+                try:
+                    lease = self.store.writing(version).acquire()
+                except OSError as e:  # every rank must hear of it (the plan's error)
+                    plan["error"] = f"v{version} not published: its write lease failed: {e}"
 
         def work(plan: dict) -> shards.RankPart:
             if plan["head"] != self.head:
@@ -217,7 +225,12 @@ class ShardedPublisher:
             return self.encoder.encode(version, local_slices(state, self.rank, self.world),
                                        parent_digest=plan["parent"], snapshot=plan["snapshot"])
 
-        out = self._round(plan, work, lambda plan, parts: self._finish(plan, parts, files, t0))
+        try:
+            out = self._round(plan, work,
+                              lambda plan, parts: self._finish(plan, parts, files, t0))
+        finally:
+            if lease is not None:
+                lease.release()
         self.head = version
         return out
 
@@ -260,12 +273,13 @@ class ShardedPublisher:
         for m in (delta, snapshot):  # both signed before either is stored
             if m is not None:
                 self.store.add(m)
+        notified = notify_daemon(self.daemon_url, self.token, version)
         try:  # the version is published now: housekeeping must not make the ranks think not
-            self.store.gc(self.retention)
+            publisher_retain(self.store, self.retention, daemon=self.daemon_url is not None,
+                             notified=notified)
             self.encoder.forget_parts(version)
         except OSError as e:
             log.warning("v%d published; cleaning up after it failed: %s", version, e)
-        notified = notify_daemon(self.daemon_url, self.token, version)
         return ShardedPublished(
             version=version, delta=delta, snapshot=snapshot, changed_elements=changed,
             elements=elements, delta_bytes=delta.payload_bytes if delta else 0,
