@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 from collections.abc import Callable, Coroutine
 
+from chain import refusals
 from chain.store import ChainStore
 from chain.weights import WeightsDir
 from daemon.artifacts import Artifacts
@@ -55,8 +56,12 @@ class TrainerRole:
         return {"published": self.seeder.published[-10:],
                 "caught_up": self.seeder.caught_up[-10:]}
 
+    def checkpoints(self) -> dict:
+        """Checkpoints `deltaswarm publish`/`watch` refused, and why (chain/refusals.py)."""
+        return {"refused": refusals.read(self.store.root)}
+
     def sections(self) -> dict:
-        return {"retention": self.seeder.keeper.status()}
+        return {"retention": self.seeder.keeper.status(), "checkpoints": self.checkpoints()}
 
 
 class RegionRole:

@@ -49,7 +49,7 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
-from chain import keys
+from chain import keys, refusals
 from chain.atomic import write_atomic
 from chain.blocks import DEFAULT_BLOCK
 from chain.errors import ChainError
@@ -353,6 +353,7 @@ class CheckpointPublisher:
         others = [r for r in self.refused() if r.get("dir") != entry["dir"]]  # the latest only
         self.ledger["refused"] = [*others, entry][-MAX_REFUSED:]
         self._write_ledger(self.ledger)
+        refusals.record(self.store.root, entry)  # what the trainer daemon's status shows
 
     def last_step(self) -> int | None:
         steps = [p["step"] for p in self.ledger["published"] if p["step"] is not None]

@@ -133,6 +133,9 @@ def test_watch_refuses_each_bad_checkpoint_says_why_and_publishes_the_next(tmp_p
             assert re.search(reason, refused[step]), (step, refused[step])
             assert f"step {step} refused" in log.read_text()
         assert [(p["step"], p["version"]) for p in _ledger(tmp_path)["published"]] == [(7, 0)]
+        # the same refusals in the chain dir, where the trainer daemon's status reads them
+        from chain import refusals
+        assert sorted(r["step"] for r in refusals.read(tmp_path / "chain")) == [1, 2, 3, 4, 5, 6]
         m = ChainStore(tmp_path / "chain").get(0, "snapshot")
         assert {f.name for f in m.files} == {"config.json", "tokenizer.json"}
         blocks = [p.read_bytes() for p in (tmp_path / "chain").rglob("*") if p.is_file()]

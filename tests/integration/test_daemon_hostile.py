@@ -113,15 +113,23 @@ def test_announcements_are_bounded_and_api_shaped(swarm) -> None:
     assert announce({"url": "http://127.0.0.90:7000/internal/admin/keys?"}) == 400
     assert announce({"url": "http://user:pw@127.0.0.90:7000"}) == 400
     assert announce({"url": "http://127.0.0.90:7000", "bt": "evil.example:6881"}) == 400
-    for i in range(60):
-        header = f"http://127.0.1.{i}:7000 127.0.1.{i}:6881 flood{i}"
-        import urllib.request
+    import urllib.request
 
+    for i in range(60):  # unsigned peer headers: hints nobody is bound to believe
+        header = f"http://127.0.1.{i}:7000 127.0.1.{i}:6881 flood{i}"
         req = urllib.request.Request(f"{t.url}/v1/peers", headers={
             "Authorization": "Bearer integration-test-token", "X-Deltaswarm-Peer": header})
         with urllib.request.urlopen(req, timeout=10) as r:
             assert r.status == 200
-    assert len(t.get("/v1/peers")["peers"]) <= 16
+    before = t.get("/v1/peers")["peers"]
+    assert not [p for p in before if (p["node"] or "").startswith("flood")], before
+    assert len(before) < 16, "the book was already full: the flood below would prove nothing"
+    for i in range(60):  # announcements: stored as hints, up to the book's bound
+        assert announce({"url": f"http://127.0.2.{i}:7000", "node": f"flood{i}"}) == 200
+    after = t.get("/v1/peers")["peers"]
+    stored = [p for p in after if p["url"].startswith("http://127.0.2.")]
+    assert stored, "no announcement was stored: the bound was never exercised"
+    assert len(after) == 16, [p["url"] for p in after]
 
 
 def test_a_bt_host_name_is_advertised_as_the_address_it_resolves_to(swarm) -> None:
