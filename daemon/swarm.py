@@ -145,6 +145,11 @@ class Swarm:
             # from the trainer, up to a second later. Idle connections still time out
             # (inactivity_timeout) once the connection limit is near.
             "close_redundant_connections": False,
+            # Small versions land in round trips, not ticks (issue 19): libtorrent dials the
+            # peers it was given, and re-evaluates unchokes and requests, on its session tick
+            # (500 ms by default), so a new artifact waited up to a tick per hop before its first
+            # connect. 50 ms costs a few wake-ups a second per daemon.
+            "tick_interval": 50,
             "alert_mask": (lt.alert_category.error | lt.alert_category.status
                            | lt.alert_category.peer | lt.alert_category.storage
                            | lt.alert_category.ip_block),

@@ -175,7 +175,7 @@ class Kernel:
             if table:
                 _state.fallbacks[self.name] = _state.fallbacks.get(self.name, 0) + 1
             return self.jit(*args)
-        return fn(*args)
+        return self.jit(*args)  # MUTANT
 
 
 def bind(jit: Callable, name: str) -> Kernel:

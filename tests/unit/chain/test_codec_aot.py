@@ -34,6 +34,13 @@ def _pair(dtype: str, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return old, new
 
 
+def _digest_parts(arr: np.ndarray) -> list[tuple[int, int]]:
+    out: list = [[]]
+    for _, job in lanehash.partial_jobs(arr, out, 0):
+        job()
+    return [(int(a), int(b)) for a, b in out[0]]
+
+
 def _jit_only(monkeypatch: pytest.MonkeyPatch) -> None:
     for k in (api.encode_segment, api.decode_segment, api.scatter, lanehash._put,
               lanehash._pull, lanehash._pull_put, lanehash._diff_pairs, lanehash._sum_words,
@@ -42,29 +49,37 @@ def _jit_only(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_compiled_kernels_round_trip_every_width_without_the_jit(dtype: str) -> None:
+    old, new = _pair(dtype, (1 << 20) + 4099, seed=len(dtype))
+    before = dict(aot.status()["jit_fallbacks"])
+    payload, changes = api.encode_changes([(old, new, dtype)])[0]
+    target = old.copy()
+    api.apply_many([(target, payload, dtype)])
+    assert np.array_equal(target, new)
+    decoded = api.decode_many([(old, payload, dtype)])[0]
+    assert np.array_equal(decoded.pos, changes.pos) and np.array_equal(decoded.val, changes.val)
+    moved = lanehash.moved_by_put(old.copy(), decoded.pos, decoded.val)
+    assert (moved[0] & lanehash.M64, moved[1] & lanehash.M64) == changes.digest
+    assert _digest_parts(new)
+    assert aot.status()["jit_fallbacks"] == before, "a codec call missed its compiled variant"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_compiled_and_jit_kernels_agree_bit_for_bit(dtype: str,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     old, new = _pair(dtype, (1 << 20) + 4099, seed=len(dtype))
-    before = dict(aot.status()["jit_fallbacks"])
-    got = api.encode_changes([(old, new, dtype)])[0]
+    payload, changes = api.encode_changes([(old, new, dtype)])[0]
     target = old.copy()
-    api.apply_many([(target, got[0], dtype)])
-    decoded = api.decode_many([(old, got[0], dtype)])[0]
-    moved = lanehash.moved_by_put(old.copy(), decoded.pos, decoded.val)
-    digest = lanehash.partial_jobs(new, [[]], 0)
-    assert aot.status()["jit_fallbacks"] == before, "a codec call missed its compiled variant"
-
+    api.apply_many([(target, payload, dtype)])
+    parts = _digest_parts(new)
     _jit_only(monkeypatch)
-    want = api.encode_changes([(old, new, dtype)])[0]
-    assert got[0] == want[0]
-    assert np.array_equal(got[1].pos, want[1].pos) and np.array_equal(got[1].val, want[1].val)
-    assert got[1].digest == want[1].digest
-    assert np.array_equal(target, new)
+    jit_payload, jit_changes = api.encode_changes([(old, new, dtype)])[0]
+    assert payload == jit_payload
+    assert changes.digest == jit_changes.digest
     jit_target = old.copy()
-    api.apply_many([(jit_target, want[0], dtype)])
+    api.apply_many([(jit_target, payload, dtype)])
     assert np.array_equal(jit_target, target)
-    assert moved == lanehash.moved_by_put(old.copy(), decoded.pos, decoded.val)
-    assert len(digest) == len(lanehash.partial_jobs(new, [[]], 0))
+    assert parts == _digest_parts(new)
 
 
 def test_stale_stamp_falls_back_to_the_jit(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
