@@ -175,7 +175,7 @@ class Kernel:
             if table:
                 _state.fallbacks[self.name] = _state.fallbacks.get(self.name, 0) + 1
             return self.jit(*args)
-        return self.jit(*args)  # MUTANT
+        return fn(*args)
 
 
 def bind(jit: Callable, name: str) -> Kernel:
