@@ -15,7 +15,8 @@ version signed, written and seeded by the trainer's daemon), read from the daemo
 - `current`:  t0 -> current; `total`: t0 -> the last region current (small_delta_serve_s is
               this up to the engine; bench/engine.py adds the engine's part).
 
-    python bench/latency.py [--versions 12] [--hops 3] [--params 7e6] [--density 0.01] [--json]
+    python bench/latency.py [--versions 12] [--hops 3] [--params 7e6] [--density 0.01]
+                            [--interval 2] [--json]
 
 `latency(...)` returns the same figures for other benches (bench/engine.py).
 """
@@ -47,7 +48,8 @@ def _record(d, artifact: str) -> tuple[float, float, float] | None:
 
 
 def latency(versions: int = 12, hops: int = 3, params: float = 7e6, density: float = 0.01,
-            gap_s: float = 0.3, root: Path | None = None, verbose: bool = False) -> dict:
+            gap_s: float = 0.3, interval_s: float = 0.0, root: Path | None = None,
+            verbose: bool = False) -> dict:
     """Run the chain and return per-version rows and medians (seconds)."""
     cols = 1024
     tensors = 8
@@ -64,17 +66,38 @@ def latency(versions: int = 12, hops: int = 3, params: float = 7e6, density: flo
         c.publish(0, state, snapshot=True)
         c.wait_all_at(0, 180)
         out = []
-        for v in range(1, versions + 1):
-            state = step(state, v, density)
-            out_pub = c.publish(v, state)
-            t0 = time.time()
-            c.wait_all_at(v, 120)
-            artifact = f"v{v:08d}.delta"
-            row = {"version": v, "bytes": out_pub.delta_bytes,
-                   "publish_s": round(out_pub.seconds, 3), "regions": []}
+        t0s: dict[int, float] = {}
+        pubs: dict[int, object] = {}
+        seen: dict[tuple[str, str], tuple[float, float, float]] = {}
+
+        def collect() -> None:
             for n in names:
-                r = _record(c.daemons[n], artifact)
-                if r is None:  # nothing downloaded (held already?)
+                for art in [f"v{v:08d}.delta" for v in t0s]:
+                    if (n, art) not in seen and (r := _record(c.daemons[n], art)) is not None:
+                        seen[(n, art)] = r
+
+        for v in range(1, versions + 1):
+            slot = time.time() + interval_s
+            state = step(state, v, density)
+            pubs[v] = c.publish(v, state)
+            t0s[v] = time.time()
+            if interval_s <= 0:
+                c.wait_all_at(v, 120)
+                collect()
+                time.sleep(gap_s)
+            else:  # a version every interval_s, whether or not the regions kept up
+                while time.time() < slot:
+                    collect()
+                    time.sleep(0.2)
+        c.wait_all_at(versions, 180)
+        collect()
+        for v in range(1, versions + 1):
+            artifact, t0 = f"v{v:08d}.delta", t0s[v]
+            row = {"version": v, "bytes": pubs[v].delta_bytes,
+                   "publish_s": round(pubs[v].seconds, 3), "regions": []}
+            for n in names:
+                r = seen.get((n, artifact))
+                if r is None:  # its record was dropped before we read it
                     row["regions"].append({"region": n})
                     continue
                 started, secs, cur = r
@@ -82,12 +105,13 @@ def latency(versions: int = 12, hops: int = 3, params: float = 7e6, density: flo
                                        "transfer": round(secs, 3),
                                        "apply": round(cur - started - secs, 3),
                                        "current": round(cur - t0, 3)})
-            row["total"] = max((h.get("current", 0.0) for h in row["regions"]), default=0.0)
+            done = [h["current"] for h in row["regions"] if "current" in h]
+            row["total"] = max(done) if len(done) == len(names) else None
             out.append(row)
             if verbose:
                 print(json.dumps(row), flush=True)
-            time.sleep(gap_s)
-        med = {"total": statistics.median(r["total"] for r in out)}
+        totals = [r["total"] for r in out if r["total"] is not None]
+        med = {"total": statistics.median(totals) if totals else None}
         for part in ("ask", "transfer", "apply", "current"):
             vals = [h[part] for r in out for h in r["regions"] if part in h]
             med[part] = statistics.median(vals) if vals else None
@@ -104,10 +128,14 @@ def main() -> None:
     ap.add_argument("--hops", type=int, default=3)
     ap.add_argument("--params", type=float, default=7e6)
     ap.add_argument("--density", type=float, default=0.01)
+    ap.add_argument("--interval", type=float, default=0.0,
+                    help="publish a version every this many seconds without waiting for the "
+                         "regions (0: publish the next once all are current)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     load0 = os.getloadavg()
-    res = latency(a.versions, a.hops, a.params, a.density, verbose=not a.json)
+    res = latency(a.versions, a.hops, a.params, a.density, interval_s=a.interval,
+                  verbose=not a.json)
     res["load_before"], res["load_after"] = load0, os.getloadavg()
     m = res["median"]
     print(f"params {res['params']:,}, density {a.density}, {a.hops} hops, {a.versions} versions; "
