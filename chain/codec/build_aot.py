@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print(json.dumps(build()))
     except Exception as e:  # no compiler, no pycc, ...: the JIT still works
-        print(f"chain.codec.aot: could not compile the kernels ahead of time "
+        print(f"chain.codec.build_aot: could not compile the kernels ahead of time "
               f"({type(e).__name__}: {str(e)[:300]}); they will be JIT-compiled on first use",
               file=sys.stderr)
         return 1
