@@ -5,16 +5,23 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint demo bench bench-swarm bench-topo bench-chaos clean vllm-env
+.PHONY: install aot test lint demo bench bench-swarm bench-topo bench-chaos clean vllm-env
 
+# The last step compiles the codec kernels ahead of time (chain/codec/aot.py), so no process
+# waits on numba's JIT for its first delta; without a C compiler it warns and the JIT is used.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[all,dev]"
+	$(PY) -m chain.codec.build_aot || echo "warning: codec kernels not compiled ahead of time; numba will JIT them on first use"
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# Rebuild the compiled kernels (after editing chain/codec/kernels.py or chain/lanehash.py).
+aot: $(STAMP)
+	$(PY) -m chain.codec.build_aot
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check chain daemon trainer rollout demo tests bench ops
@@ -47,4 +54,4 @@ vllm-env:
 	bash tools/vllm_env.sh
 
 clean:
-	rm -rf $(VENV) .venv-vllm .pytest_cache build *.egg-info
+	rm -rf $(VENV) .venv-vllm .pytest_cache build *.egg-info chain/codec/_aot_*

@@ -20,6 +20,8 @@ import numpy as np
 import xxhash
 from numba import njit
 
+from chain.codec.aot import bind
+
 K0 = np.uint64(0x9E3779B97F4A7C15)
 K1 = np.uint64(0xD6E8FEB86659FD93)
 S0 = np.uint64(0x243F6A8885A308D3)
@@ -151,21 +153,30 @@ def words(arr: np.ndarray) -> np.ndarray:
     return arr[: arr.size // per * per].view(np.uint8).view(np.uint64)
 
 
+# The entry points below run the kernels compiled at install when present (chain/codec/aot.py).
+_sum_words = bind(sum_words, "sum_words")
+_diff_pairs = bind(diff_pairs, "diff_pairs")
+_pull_put = bind(pull_put, "pull_put")
+_put = bind(put, "put")
+_pull = bind(pull, "pull")
+fast_gather = bind(gather, "gather")
+
+
 def moved_by_put(target: np.ndarray, pos: np.ndarray, val: np.ndarray) -> tuple[int, int]:
-    return put(target, words(target), pos, val, *word_layout(target))
+    return _put(target, words(target), pos, val, *word_layout(target))
 
 
 def moved_by_pull(target: np.ndarray, source: np.ndarray, pos: np.ndarray) -> tuple[int, int]:
-    return pull(target, words(target), source, pos, *word_layout(target))
+    return _pull(target, words(target), source, pos, *word_layout(target))
 
 
 def moved_by_pull_put(target: np.ndarray, source: np.ndarray, ppos: np.ndarray,
                       pos: np.ndarray, val: np.ndarray) -> tuple[int, int]:
-    return pull_put(target, words(target), source, ppos, pos, val, *word_layout(target))
+    return _pull_put(target, words(target), source, ppos, pos, val, *word_layout(target))
 
 
 def moved_between(old: np.ndarray, new: np.ndarray, pos: np.ndarray) -> tuple[int, int]:
-    return diff_pairs(old, words(old), new, words(new), pos, *word_layout(old))
+    return _diff_pairs(old, words(old), new, words(new), pos, *word_layout(old))
 
 
 # ---------------------------------------------------------------- digests as strings
@@ -214,13 +225,13 @@ def partial_jobs(data: np.ndarray, out: list, slot: int) -> list[tuple[int, Call
         hi = min(nwords, lo + CHUNK_WORDS)
 
         def job(lo: int = lo, hi: int = hi) -> None:
-            out[slot].append(sum_words(words[lo:hi], lo))
+            out[slot].append(_sum_words(words[lo:hi], lo))
         jobs.append((hi - lo, job))
     tail = raw[8 * nwords:]
     if tail.size:
         x = int.from_bytes(tail.tobytes(), "little")
         w = np.array([x], np.uint64)
-        out[slot].append(sum_words(w, nwords))
+        out[slot].append(_sum_words(w, nwords))
     return jobs
 
 

@@ -7,8 +7,11 @@ the usual dtypes: publish a snapshot and two deltas, apply all three into a weig
 (the second delta brought forward in place), so every kernel and argument type an apply uses is
 compiled once. numba's compiler lock makes a real apply that starts meanwhile wait for the
 kernel being compiled instead of compiling it twice. Publishing compiles the encoder too, which
-a region never runs: about half the cold warm-up, paid once per numba cache (shipping
-pre-encoded artifacts would avoid it).
+a region never runs: about half the cold warm-up, paid once per numba cache.
+
+With the kernels compiled at install (chain/codec/aot.py, `make install`) this compiles nothing
+and takes well under a second: it then only proves the compiled path round-trips, and the
+returned `kernels` says which path ran ("aot" or "jit", with the reason).
 
     python -c "from chain.warmup import warm; print(warm())"
 """
@@ -20,6 +23,7 @@ from pathlib import Path
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from chain.codec import aot
 from chain.errors import ChainError
 from chain.sources import ArraySource
 from chain.store import ChainStore
@@ -64,4 +68,4 @@ def warm(workdir: Path | None = None, dtypes: tuple[str, ...] = tuple(DTYPES)) -
             if got.state_digest != m.state_digest:
                 raise ChainError(f"warm-up v{v} did not verify")
             parent = m
-    return {"seconds": round(time.perf_counter() - t0, 3)}
+    return {"seconds": round(time.perf_counter() - t0, 3), **aot.status()}

@@ -278,7 +278,7 @@ class Node:
             self.warmup["state"] = "running"
             t0 = time.monotonic()
             try:
-                warm(self.paths.root)
+                self.warmup["kernels"] = warm(self.paths.root).get("kernels")
             except Exception as e:
                 self.warmup.update(state="failed", error=f"{type(e).__name__}: {e}"[:300])
                 log.warning("codec warm-up failed: %s", self.warmup["error"])

@@ -133,6 +133,8 @@ class Warmup(_Model):
     seconds: float | None = Field(None, description="how long compiling (or loading the numba "
                                   "cache) took")
     error: str | None = None
+    kernels: str | None = Field(None, description="aot: compiled at install, nothing to "
+                                "compile; jit: numba compiles them (chain/codec/aot.py)")
 
 
 class RefusedManifest(_Model):

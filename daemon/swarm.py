@@ -26,7 +26,7 @@ filter, so the peer, and any innocent daemon on its address, trade all other art
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -145,6 +145,11 @@ class Swarm:
             # from the trainer, up to a second later. Idle connections still time out
             # (inactivity_timeout) once the connection limit is near.
             "close_redundant_connections": False,
+            # Small versions land in round trips, not ticks (issue 19): libtorrent dials the
+            # peers it was given, and re-evaluates unchokes and requests, on its session tick
+            # (500 ms by default), so a new artifact waited up to a tick per hop before its first
+            # connect. 50 ms costs a few wake-ups a second per daemon.
+            "tick_interval": 50,
             "alert_mask": (lt.alert_category.error | lt.alert_category.status
                            | lt.alert_category.peer | lt.alert_category.storage
                            | lt.alert_category.ip_block),
@@ -165,6 +170,7 @@ class Swarm:
         self._resume_failed: dict[str, str] = {}
         self._pending: list[SwarmEvent] = []
         self.hash_failures = 0
+        self._listeners: list[Callable[[str], None]] = []
         self._removed_up = 0
         self._removed_down = 0
 
@@ -200,6 +206,11 @@ class Swarm:
         torrent keeps seeding; there is no need to call seed() for it."""
         self._add(artifact, self._info(artifact, torrent_bytes), save_path, resume_data,
                   list(peers), seeding=False)
+
+    def add_listener(self, fn: Callable[[str], None]) -> None:
+        """Call fn(artifact), from the thread running `pump`, the moment a download is complete
+        on disk (the 'finished' event), so a waiter needs no progress polling."""
+        self._listeners.append(fn)
 
     def add_peers(self, artifact: str, peers: Iterable[Peer]) -> None:
         handle = self._get(artifact).handle
@@ -483,6 +494,8 @@ class Swarm:
                     t.complete = True
                     self._pending.append(SwarmEvent("finished", artifact,
                                                     f"{artifact} is complete on disk"))
+                    for fn in self._listeners:
+                        fn(artifact)
         elif isinstance(a, lt.save_resume_data_alert):
             self._resume[artifact] = lt.write_resume_data_buf(a.params)
         elif isinstance(a, lt.save_resume_data_failed_alert):

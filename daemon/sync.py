@@ -56,6 +56,8 @@ from daemon.swarm import SwarmError
 
 log = logging.getLogger("deltaswarm.sync")
 Notify = Callable[[int, Path, str], Awaitable[object]]
+PROGRESS_CHECK_S = 0.5
+"""A download's periodic checks (stall, holders to dial); completion itself wakes it at once."""
 
 
 class SyncError(RuntimeError):
@@ -108,6 +110,8 @@ class Syncer:
         self.replans = 0
         self.stalled: set[str] = set()
         """Artifacts whose download stalled: their holders are dialled directly (_dial_for)."""
+        self._finished: dict[str, asyncio.Event] | None = None
+        """Set when the swarm reports an artifact complete on disk (_swarm_moved)."""
 
     def reconfigure(self, settings: SyncConfig) -> None:
         self.settings = self.holders.settings = settings
@@ -117,6 +121,10 @@ class Syncer:
     async def run(self) -> None:
         delay = 1.0
         while not self.stopping:
+            # Cleared before the step, not after: a head announced while a step runs (the next
+            # version, published meanwhile) starts the next step at once instead of after
+            # `delay` (issue 19: up to a second per version when versions come every 2 s).
+            self.wake.clear()
             try:
                 progressed = await self.step()
                 self.last_error = "" if progressed is not None else self.last_error
@@ -128,7 +136,6 @@ class Syncer:
                 await self.gc_quietly()
             except Abandoned:
                 return
-            self.wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.wake.wait(), delay)
 
@@ -381,7 +388,7 @@ class Syncer:
             elif time.monotonic() - t0 > 10:
                 swarm.add_peers(m.artifact, endpoints)
                 t0 = time.monotonic()
-            await asyncio.sleep(0.2)
+            await self._swarm_moved(m.artifact, PROGRESS_CHECK_S)
         info["seconds"] = round(time.time() - info["started"], 3)
         self.stalled.discard(m.artifact)
         try:
@@ -394,6 +401,30 @@ class Syncer:
                             "refetching") from None
         log.info("downloaded %s in %.2fs (%d payload bytes this run)", m.artifact,
                  info["seconds"], info["downloaded"])
+
+    async def _swarm_moved(self, artifact: str, timeout: float) -> None:
+        """Wait until the swarm reports `artifact` complete on disk (its pump thread calls the
+        listener the moment the write cache is flushed), or `timeout` for the periodic checks
+        (stall, new holders to dial): a finished download is seen at once, not at the next
+        poll."""
+        swarm = self.artifacts.swarm
+        assert swarm is not None
+        if self._finished is None:
+            loop = asyncio.get_running_loop()
+            self._finished = {}
+
+            def done(name: str) -> None:
+                loop.call_soon_threadsafe(lambda: self._finished.setdefault(
+                    name, asyncio.Event()).set())
+
+            swarm.add_listener(done)
+        ev = self._finished.setdefault(artifact, asyncio.Event())
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(ev.wait(), timeout)
+        finally:
+            if ev.is_set():
+                self._finished.pop(artifact, None)
 
     def _dial_for(self, artifact: str) -> set:
         """What the swarm dials for `artifact`: the region peering's choice, plus, once a

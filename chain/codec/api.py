@@ -16,16 +16,9 @@ import numpy as np
 
 from chain import lanehash
 from chain.codec import header as hdr
-from chain.codec.kernels import (
-    ERR_COUNT,
-    ERR_GAP,
-    ERR_STREAM,
-    ERR_VALUE,
-    decode_segment,
-    encode_segment,
-    model_size,
-    scatter,
-)
+from chain.codec import kernels
+from chain.codec.aot import bind
+from chain.codec.kernels import ERR_COUNT, ERR_GAP, ERR_STREAM, ERR_VALUE, model_size
 from chain.errors import BadDelta
 
 LOG2_SEG = 20
@@ -67,6 +60,10 @@ class _Workspace:
 
 
 _NO_KEEP = np.empty(0, np.int64)
+# The kernels compiled at install when present, else numba's JIT (chain/codec/aot.py).
+encode_segment = bind(kernels.encode_segment, "encode_segment")
+decode_segment = bind(kernels.decode_segment, "decode_segment")
+scatter = bind(kernels.scatter, "scatter")
 _local = threading.local()
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -188,7 +185,7 @@ def _encode_job(old, new, lo, hi, words: bool, c: hdr.Coding, parts: list,
         if found:
             pos = keep[:k] + lo
             val = np.empty(k, old.dtype)
-            lanehash.gather(new, pos, val)
+            lanehash.fast_gather(new, pos, val)
             found[s] = (pos, val, lanehash.moved_between(old, new, pos))
         if k == 0:
             parts[s] = (0, [b""] * hdr.STREAMS, 0)

@@ -323,3 +323,19 @@ def test_status_read_while_another_thread_refreshes_and_removes_never_raises(tmp
         worker.join(60)
     assert not errors, errors
     assert reads >= 50, f"only {reads} status reads overlapped the churn: the race was not run"
+
+
+def test_a_listener_hears_a_download_complete_on_disk_once_and_a_seed_never(tmp_path, swarms):
+    """Syncer.download waits on this instead of polling progress (issue 19, item 4)."""
+    blocks, tb = _store(tmp_path, 2, 100_000)
+    torrents.link_blocks(ART, blocks, tmp_path / "seed")
+    seed = swarms("127.0.0.2")
+    peer = swarms("127.0.0.3")
+    heard: list[tuple[str, str, bool]] = []
+    for name, s in (("seed", seed), ("peer", peer)):
+        s.add_listener(lambda a, name=name, s=s: heard.append((name, a, s.is_complete(a))))
+    seed.seed(ART, tb, tmp_path / "seed")
+    peer.download(ART, tb, tmp_path / "n0", [seed.endpoint])
+    _until([seed, peer], lambda: peer.progress(ART).finished, 30)
+    assert heard == [("peer", ART, True)]
+    assert _holds_blocks(tmp_path / "n0", blocks)
