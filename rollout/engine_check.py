@@ -22,10 +22,13 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
+from numba import njit
 
 from chain import dtypes
 from chain.digest import tensor_digest
+from chain.lanehash import _mix0, _mix1
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,18 @@ def live_tensor(params: Mapping[str, torch.Tensor], loc: Location, dtype: torch.
     p = params[loc.param].detach()
     block = p if loc.whole else p.narrow(0, loc.start, loc.rows)
     return block.to(device="cpu", dtype=dtype).reshape(shape).contiguous()
+
+
+@njit(nogil=True, cache=True)
+def sum_at(words, widx):
+    """Lane sums of chain.lanehash's digest over scattered words: words[i] at word index
+    widx[i] (both uint64). A digest moves by sum_at(new, w) - sum_at(old, w)."""
+    a = np.uint64(0)
+    b = np.uint64(0)
+    for i in range(words.size):
+        a += _mix0(widx[i], words[i])
+        b += _mix1(widx[i], words[i])
+    return a, b
 
 
 def digest_of(t: torch.Tensor) -> str:
