@@ -80,6 +80,8 @@ class Parts:
     """A peer says we sent it bad data for an artifact: re-check it (rate-limited there)."""
     live: LiveNodes | None = None
     """Where the `node`/`region`/`have` of head long-polls are recorded (retention's input)."""
+    engine_check: Callable[[], Awaitable[dict]] | None = None
+    """POST /v1/engine/check: read the engine's live weights back in full now."""
 
 
 NODE: web.AppKey[Parts] = web.AppKey("node")
@@ -407,6 +409,22 @@ async def swarm_complaint(request: web.Request) -> web.Response:
     return web.json_response({"ok": True, "checking": node.complaint(artifact)})
 
 
+async def engine_check(request: web.Request) -> web.Response:
+    """Read the engine's live weights back in full now (vLLM backend hook); the result also
+    shows in the status's engine_check.full_check."""
+    node = request.app[NODE]
+    if node.engine_check is None:
+        raise fail(404, "this node has no engine weight check")
+    try:
+        found = await node.engine_check()
+    except LookupError as e:
+        raise fail(404, str(e)) from None
+    except Exception as e:  # the engine's answer, not ours: say what it was
+        raise fail(409, f"the engine check did not run: {type(e).__name__}: {e}"[:500]) \
+            from None
+    return web.json_response(found)
+
+
 def build_app(node: Parts) -> web.Application:
     app = web.Application(middlewares=[auth], client_max_size=node.max_body_bytes)
     app[NODE] = node
@@ -427,5 +445,6 @@ def build_app(node: Parts) -> web.Application:
         web.get("/v1/fleet", fleet_view),
         web.get("/v1/fleet/sent/{digest}", fleet_sent),
         web.post("/v1/swarm/complaints", swarm_complaint),
+        web.post("/v1/engine/check", engine_check),
     ])
     return app
