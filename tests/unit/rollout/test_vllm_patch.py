@@ -55,7 +55,7 @@ def states() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     shapes = {"q": (8, 4), "k": (4, 4), "v": (4, 4), "col": (8, 6), "row": (4, 8), "norm": (6,)}
     old = {n: torch.randn(s, generator=g).bfloat16() for n, s in shapes.items()}
     new = {n: t.clone() for n, t in old.items()}
-    for n, t in new.items():
+    for t in new.values():
         flat = t.view(-1)
         flat[torch.randperm(flat.numel(), generator=g)[:3]] += 1.0
     return old, new
