@@ -313,6 +313,8 @@ class DeltaswarmWeightTransferEngine(WeightTransferEngine[DeltaswarmInitInfo,
         """Patch in place from the region's patch file (see the module doc). Refuses, before
         writing anything, unless the engine holds the patch's parent."""
         ppath = self._confined(info.patch, "patch")
+        if info.path:
+            self._confined(info.path, "path")
         try:
             patch = read_patch(ppath)
         except BadPatch as e:
