@@ -331,6 +331,13 @@ class DeltaswarmWeightTransferEngine(WeightTransferEngine[DeltaswarmInitInfo,
             raise ValueError(f"cannot patch v{info.version} in place: the engine's "
                              f"{stale[:3]} are not v{patch.parent}'s")
         s.mode, s.patch = "patch", patch
+        try:
+            self._write_patch(s, info, patch)
+        except BaseException:
+            self.loaded_version = None  # written in part: only a full round can tell now
+            raise
+
+    def _write_patch(self, s: Session, info: DeltaswarmUpdateInfo, patch: Patch) -> None:
         quantized = bool(getattr(self.model_config, "quantization", None))
         patcher = Patcher(self.model, self.maps)
         slow: list[TensorPatch] = []
