@@ -112,6 +112,16 @@ class Maps:
         return TensorMap(name, shape, dtype, boxes, affine(boxes, shape, pshapes), whole)
 
 
+def _distinct(sorted_words: np.ndarray) -> np.ndarray:
+    """The distinct values of an ascending array (np.unique without its sort)."""
+    if sorted_words.size == 0:
+        return sorted_words
+    keep = np.empty(sorted_words.size, bool)
+    keep[0] = True
+    np.not_equal(sorted_words[1:], sorted_words[:-1], out=keep[1:])
+    return sorted_words[keep]
+
+
 def _bits(t: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
     """Live values (any device, any float dtype) as the checkpoint dtype's bit patterns."""
     return chain_dtypes.bits_view(t.to(dtype=dtype, device="cpu"))
@@ -194,7 +204,7 @@ class Patcher:
         per = 8 // dt.itemsize
         signed = np.ascontiguousarray(tp.values).view(f"i{dt.itemsize}")
         values = torch.from_numpy(signed).view(m.dtype)
-        widx = np.unique(pos // per) if check else np.zeros(0, np.int64)
+        widx = _distinct(pos // per) if check else np.zeros(0, np.int64)
         old = self._word_bits(m, widx, per) if check else None
         self._write(m, pos, values)
         if not check:
