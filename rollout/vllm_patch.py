@@ -29,7 +29,7 @@ import torch
 from chain import dtypes as chain_dtypes
 from chain import lanehash
 from chain.patchfile import TensorPatch
-from rollout.engine_check import sum_at
+from rollout.engine_check import put_moved, sum_at
 from rollout.vllm_patchmap import Box, probe, to_live
 
 
@@ -110,6 +110,9 @@ class Maps:
         whole = sum(int(np.prod(b.extent)) for b in boxes) == numel and \
             len({b.src_lo for b in boxes}) == len(boxes)
         return TensorMap(name, shape, dtype, boxes, affine(boxes, shape, pshapes), whole)
+
+
+_SAME_WIDTH_INT = {8: torch.uint8, 16: torch.int16, 32: torch.int32, 64: torch.int64}
 
 
 def _distinct(sorted_words: np.ndarray) -> np.ndarray:
@@ -202,6 +205,8 @@ class Patcher:
         dt = chain_dtypes.lookup(tp.dtype)
         pos = np.asarray(tp.indices, np.int64)
         per = 8 // dt.itemsize
+        if check and m.whole and self._host_words(m, per):
+            return self._apply_on_host(m, tp, pos, per)
         signed = np.ascontiguousarray(tp.values).view(f"i{dt.itemsize}")
         values = torch.from_numpy(signed).view(m.dtype)
         widx = _distinct(pos // per) if check else np.zeros(0, np.int64)
@@ -223,6 +228,40 @@ class Patcher:
         held = self._held_mask(m, widx, per)
         same = np.array_equal(new.view(dt.uint)[held], want[held])
         return TensorResult(tp.name, int(pos.size), int(widx.size), None, bool(same))
+
+    def _host_words(self, m: TensorMap, per: int) -> bool:
+        """Whether the one-pass host kernel applies: the parameters are in host memory, in
+        the checkpoint's dtype, and every range is word-aligned on both sides."""
+        if m.flat is None:
+            return False
+        for a in m.flat:
+            p = self.params[a.param]
+            if p.device.type != "cpu" or p.dtype != m.dtype or a.start % per \
+                    or a.end % per or (a.start + a.shift) % per:
+                return False
+        return True
+
+    def _apply_on_host(self, m: TensorMap, tp: TensorPatch, pos: np.ndarray,
+                       per: int) -> TensorResult:
+        """Write and check in one walk over the touched words (engine_check.put_moved):
+        host memory is the device here, read before and after each word's write."""
+        dt = chain_dtypes.lookup(tp.dtype)
+        values = np.ascontiguousarray(tp.values, dt.uint)
+        sh, width = lanehash.word_layout(values)
+        da = db = 0
+        words = 0
+        assert m.flat is not None
+        for a in m.flat:
+            lo, hi = np.searchsorted(pos, [a.start, a.end])
+            if hi <= lo:
+                continue
+            flat = self.params[a.param].view(-1).view(_SAME_WIDTH_INT[dt.bits])
+            arr = flat.numpy().view(dt.uint)[a.start + a.shift : a.end + a.shift]
+            ra, rb, n = put_moved(arr, lanehash.words(arr), pos[lo:hi] - a.start,
+                                  values[lo:hi], sh, width, a.start // per)
+            da, db, words = da + int(ra), db + int(rb), words + int(n)
+        moved = lanehash.add(tp.parent_digest, (da, db))
+        return TensorResult(tp.name, int(pos.size), words, moved, moved == tp.digest)
 
     def _held_mask(self, m: TensorMap, widx: np.ndarray, per: int) -> np.ndarray:
         """Which elements of the words `widx` this rank holds."""
