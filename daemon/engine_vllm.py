@@ -155,15 +155,9 @@ class VllmBackendHook:
         if patch is not None:
             info["patch"] = str(patch)
         await self._post("/start_weight_update")
-        try:
-            await self._post("/update_weights", {"update_info": info})
-        except EngineRoundFailed:
-            # close vLLM's update session so the next round can start
-            try:
-                await self._post("/finish_weight_update", {"weight_version": str(version)})
-            except EngineRoundFailed as e:
-                log.debug("closing the refused round: %s", e)
-            raise
+        # a refused update closes vLLM's update session itself (its worker resets it on any
+        # exception; a finish then would be refused), so there is nothing to close here
+        await self._post("/update_weights", {"update_info": info})
         await self._post("/finish_weight_update", {"weight_version": str(version)})
         return self._reports(ticket)
 

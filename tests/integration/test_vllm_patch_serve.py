@@ -63,7 +63,8 @@ async def refused(url: str, infos: dict[str, dict]) -> dict[str, tuple[int, str]
         for label, info in infos.items():
             await post(session, url, "/start_weight_update", {})
             out[label] = await post(session, url, "/update_weights", {"update_info": info})
-            await post(session, url, "/finish_weight_update", {"weight_version": "x"})
+            if out[label][0] == 200:  # not refused: close the round (a refusal closes it)
+                await post(session, url, "/finish_weight_update", {})
     return out
 
 
