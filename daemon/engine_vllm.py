@@ -131,6 +131,7 @@ class VllmBackendHook:
                                      timeout=aiohttp.ClientTimeout(total=self.cfg.timeout_s)) as r:
             text = await r.text()
             if r.status != 200:
+                r.close()  # vLLM drops the connection after an error: never reuse it
                 raise EngineRoundFailed(f"POST {route} -> HTTP {r.status}: {text[:400]}")
             return json.loads(text) if text else None
 

@@ -54,7 +54,10 @@ async def live_bits(url: str, names: list[str]) -> dict[str, str]:
 async def post(session: aiohttp.ClientSession, url: str, route: str, body: dict) -> tuple[int,
                                                                                        str]:
     async with session.post(url + route, json=body) as r:
-        return r.status, await r.text()
+        text = await r.text()
+        if r.status != 200:
+            r.close()  # vLLM drops the connection after an error: never reuse it
+        return r.status, text
 
 
 async def refused(url: str, infos: dict[str, dict]) -> dict[str, tuple[int, str]]:
