@@ -127,7 +127,10 @@ class VllmBackendHook:
 
     async def _post_once(self, route: str, body: dict | None,
                          params: dict[str, str] | None) -> Any:
+        # one connection per call: vLLM drops connections after an error answer, and a
+        # pooled one then fails the next call ("connection reset")
         async with self.session.post(self.base + route, json=body or {}, params=params,
+                                     headers={"Connection": "close"},
                                      timeout=aiohttp.ClientTimeout(total=self.cfg.timeout_s)) as r:
             text = await r.text()
             if r.status != 200:

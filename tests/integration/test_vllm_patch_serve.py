@@ -62,7 +62,7 @@ async def post(session: aiohttp.ClientSession, url: str, route: str, body: dict)
 
 async def refused(url: str, infos: dict[str, dict]) -> dict[str, tuple[int, str]]:
     out = {}
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
         for label, info in infos.items():
             await post(session, url, "/start_weight_update", {})
             out[label] = await post(session, url, "/update_weights", {"update_info": info})
