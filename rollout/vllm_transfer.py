@@ -46,6 +46,7 @@ import json
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -75,7 +76,7 @@ from chain.weights import version_dir_name
 from rollout import engine_check
 from rollout.version_files import Target, read_target, scatter
 from rollout.vllm_ext import expand_to_groups, read_tensors
-from rollout.vllm_patch import Maps, Patcher, TensorResult
+from rollout.vllm_patch import Maps, Patcher, TensorMap, TensorResult
 
 MODES = ("auto", "patch", "changed", "full", "check")
 log = logging.getLogger("deltaswarm.vllm_transfer")
@@ -341,6 +342,7 @@ class DeltaswarmWeightTransferEngine(WeightTransferEngine[DeltaswarmInitInfo,
         quantized = bool(getattr(self.model_config, "quantization", None))
         patcher = Patcher(self.model, self.maps)
         slow: list[TensorPatch] = []
+        ready: list[tuple[TensorMap, TensorPatch]] = []
         for tp in patch.tensors:
             dtype = chain_dtype(tp.dtype).torch_dtype
             shape = tuple(tp.shape)
@@ -351,8 +353,12 @@ class DeltaswarmWeightTransferEngine(WeightTransferEngine[DeltaswarmInitInfo,
             if m is None or self.loaded.get(tp.name) is None:
                 slow.append(tp)
                 continue
-            s.results.append(patcher.apply(m, tp, check=info.check))
+            ready.append((m, tp))
             s.loaded_bytes += tp.indices.size * (8 + tp.values.itemsize)
+        # tensors are independent (fused blocks are word-aligned row ranges): the host kernels
+        # release the GIL, so a few threads share the walk
+        with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+            s.results = list(pool.map(lambda a: patcher.apply(*a, check=info.check), ready))
         s.loaded = sorted(t.name for t in patch.tensors)
         if slow:
             s.mode = "patch+reload"
