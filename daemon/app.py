@@ -85,6 +85,8 @@ class Parts:
     """Where the `node`/`region`/`have` of head long-polls are recorded (retention's input)."""
     identity: Identities | None = None
     """This node's key and pins: who signed a request (daemon/identity.py)."""
+    engine_check: Callable[[], Awaitable[dict]] | None = None
+    """POST /v1/engine/check: read the engine's live weights back in full now."""
 
 
 NODE: web.AppKey[Parts] = web.AppKey("node")
@@ -515,6 +517,22 @@ async def swarm_complaint(request: web.Request) -> web.Response:
     return web.json_response({"ok": True, "checking": node.complaint(artifact)})
 
 
+async def engine_check(request: web.Request) -> web.Response:
+    """Read the engine's live weights back in full now (vLLM backend hook); the result also
+    shows in the status's engine_check.full_check."""
+    node = request.app[NODE]
+    if node.engine_check is None:
+        raise fail(404, "this node has no engine weight check")
+    try:
+        found = await node.engine_check()
+    except LookupError as e:
+        raise fail(404, str(e)) from None
+    except Exception as e:  # the engine's answer, not ours: say what it was
+        raise fail(409, f"the engine check did not run: {type(e).__name__}: {e}"[:500]) \
+            from None
+    return web.json_response(found)
+
+
 def build_app(node: Parts) -> web.Application:
     app = web.Application(middlewares=[auth], client_max_size=node.max_body_bytes)
     app[NODE] = node
@@ -536,5 +554,6 @@ def build_app(node: Parts) -> web.Application:
         web.get("/v1/fleet/sent/{digest}", fleet_sent),
         web.post("/v1/swarm/complaints", swarm_complaint),
         web.get("/ui", fleet_page),
+        web.post("/v1/engine/check", engine_check),
     ])
     return app

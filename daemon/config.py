@@ -194,6 +194,10 @@ class VllmHook(_Section):
     check: bool = True
     """backend only: read the live weights back after each update and compare them with the
     version's digests; a mismatch triggers a full reload."""
+    full_check_every: int = Field(20, ge=0, le=1_000_000)
+    """backend only, patch updates: besides the incremental check of the words each patch
+    touched, read every tensor back on every Nth update (0: only on request,
+    POST /v1/engine/check)."""
 
 
 EngineHook = Annotated[NoHook | HttpHook | CommandHook | VllmHook, Field(discriminator="type")]

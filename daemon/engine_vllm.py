@@ -10,8 +10,16 @@ digests, writing a report into this node's state directory (the backend runs on 
 it reads the weights directory). A mismatch, or a report that never came, triggers a full
 reload of the same verified directory; if that does not verify either, vLLM is left paused
 (it never serves weights that are not the version) and the hook fails, so the notifier retries.
+
+Given the region's patch file (`notify(..., patch=P)`, issue 19), the round names it instead:
+the backend patches in place and checks only the words it touched (O(changes)); every
+`full_check_every`-th update, and on request (`POST /v1/engine/check`), every tensor is read
+back too, and `engine_check.full_check` in the status says when that last ran and what it found.
+If the backend refuses the patch (it does not hold the parent, e.g. after a restart), the round
+is run again from the version directory when the region has it.
 """
 
+import asyncio
 import json
 import logging
 import time
@@ -59,6 +67,17 @@ class EngineCheck:
     last_error: str | None = None
     phases: dict[str, float] = field(default_factory=dict)
     """Seconds per HTTP step of the last update (repeated steps add up), for where time goes."""
+    reason: str | None = None
+    """Why the last update was not all patched in place (module reload, or no patch given)."""
+    kind: str | None = None
+    """What the last check read: incremental (the words a patch touched) | full."""
+    words: int = 0
+    """64-bit words the last incremental check read back."""
+    state_digest_ok: bool | None = None
+    """The digests the engine tracks through patches sum to the patch's state digest."""
+    full_check: dict[str, Any] = field(default_factory=dict)
+    """The last whole read-back: at (unix time), version, ok, checked, unreadable, mismatched,
+    seconds, why (scheduled | requested | update)."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -91,6 +110,11 @@ class VllmBackendHook:
         self.base = str(cfg.url).rstrip("/")
         self.report_dir = Path(state_dir) / "engine-reports"
         self.check = EngineCheck(enabled=cfg.check)
+        self.updates = 0
+        self.lock = asyncio.Lock()
+        self.held: tuple[int, Path] | None = None
+        """(version, weights dir) of the last update that verified: what a requested check
+        reads back against."""
 
     async def _post(self, route: str, body: dict | None = None,
                     params: dict[str, str] | None = None) -> Any:
@@ -103,10 +127,14 @@ class VllmBackendHook:
 
     async def _post_once(self, route: str, body: dict | None,
                          params: dict[str, str] | None) -> Any:
+        # one connection per call: vLLM drops connections after an error answer, and a
+        # pooled one then fails the next call ("connection reset")
         async with self.session.post(self.base + route, json=body or {}, params=params,
+                                     headers={"Connection": "close"},
                                      timeout=aiohttp.ClientTimeout(total=self.cfg.timeout_s)) as r:
             text = await r.text()
             if r.status != 200:
+                r.close()  # vLLM drops the connection after an error: never reuse it
                 raise EngineRoundFailed(f"POST {route} -> HTTP {r.status}: {text[:400]}")
             return json.loads(text) if text else None
 
@@ -121,12 +149,19 @@ class VllmBackendHook:
                 out.append(doc)
         return out
 
-    async def _round(self, version: int, path: Path, mode: str) -> list[dict]:
+    async def _round(self, version: int, path: Path | None, mode: str,
+                     patch: Path | None = None, full_check: bool = False) -> list[dict]:
         ticket = f"v{version}-{mode}-{uuid.uuid4().hex[:12]}"
+        info: dict[str, Any] = {"version": version, "mode": mode, "check": self.cfg.check,
+                                "ticket": ticket, "full_check": full_check}
+        if path is not None:
+            info["path"] = str(path)
+        if patch is not None:
+            info["patch"] = str(patch)
         await self._post("/start_weight_update")
-        await self._post("/update_weights", {"update_info": {
-            "version": version, "path": str(path), "mode": mode, "check": self.cfg.check,
-            "ticket": ticket}})
+        # a refused update closes vLLM's update session itself (its worker resets it on any
+        # exception; a finish then would be refused), so there is nothing to close here
+        await self._post("/update_weights", {"update_info": info})
         await self._post("/finish_weight_update", {"weight_version": str(version)})
         return self._reports(ticket)
 
@@ -137,6 +172,16 @@ class VllmBackendHook:
         c.loaded_tensors = sum(r.get("loaded_tensors", 0) for r in reports)
         c.loaded_bytes = sum(r.get("loaded_bytes", 0) for r in reports)
         checks = [r["check"] for r in reports if r.get("check")]
+        c.reason = next((r["reason"] for r in reports if r.get("reason")), None)
+        c.kind = checks[0].get("kind", "full") if checks else None
+        c.words = sum(k.get("words", 0) for k in checks)
+        states = [k.get("state_digest_ok") for k in checks]
+        c.state_digest_ok = False if False in states else (True if True in states else None)
+        fulls = [r["full"] for r in reports if r.get("full")]
+        if fulls:
+            self._record_full(version, fulls, "scheduled")
+        elif c.kind == "full" and checks:
+            self._record_full(version, checks, "update")
         c.checked = sum(k.get("checked", 0) for k in checks)
         c.unreadable = sum(k.get("unreadable_count", 0) for k in checks)
         c.check_s = max((k.get("seconds", 0.0) for k in checks), default=0.0)
@@ -145,26 +190,82 @@ class VllmBackendHook:
         oks = [k.get("ok") for k in checks]
         c.ok = False if False in oks else (True if True in oks else None)
 
-    async def notify(self, version: int, path: Path, state_digest: str) -> None:
+    def _record_full(self, version: int, checks: list[dict], why: str) -> None:
+        oks = [k.get("ok") for k in checks]
+        self.check.full_check = {
+            "at": time.time(), "version": version, "why": why,
+            "ok": False if False in oks else (True if True in oks else None),
+            "checked": sum(k.get("checked", 0) for k in checks),
+            "unreadable": sum(k.get("unreadable_count", 0) for k in checks),
+            "mismatched": sorted({n for k in checks for n in k.get("mismatched", [])})[:20],
+            "seconds": max((k.get("seconds", 0.0) for k in checks), default=0.0)}
+
+    async def _init(self, weights_dir: Path, patch: Path | None) -> None:
+        self.report_dir.mkdir(parents=True, exist_ok=True)
+        init: dict[str, str] = {"weights_dir": str(weights_dir),
+                                "report_dir": str(self.report_dir)}
+        if patch is not None and not Path(patch).resolve().is_relative_to(
+                Path(weights_dir).resolve()):
+            init["patches_dir"] = str(Path(patch).parent)
+        await self._post("/init_weight_transfer_engine", {"init_info": init})
+
+    async def notify(self, version: int, path: Path, state_digest: str,
+                     patch: Path | None = None) -> None:
+        async with self.lock:
+            await self._notify(version, Path(path), patch)
+
+    async def _notify(self, version: int, path: Path, patch: Path | None) -> None:
         t0 = time.monotonic()
         self.check.phases = {}
-        self.report_dir.mkdir(parents=True, exist_ok=True)
-        await self._post("/init_weight_transfer_engine", {"init_info": {
-            "weights_dir": str(Path(path).parent), "report_dir": str(self.report_dir)}})
+        self.updates += 1
+        every = getattr(self.cfg, "full_check_every", 0)
+        full = bool(patch is not None and every and self.updates % every == 0)
+        on_disk = (path / "VERSION.json").exists()
+        await self._init(path.parent, patch)
         await self._post("/pause", params={"mode": "keep"})
         try:
-            reports = await self._round(version, path, self.cfg.mode)
+            reports = None
+            if patch is not None:
+                try:
+                    reports = await self._round(version, path if on_disk else None,
+                                                self.cfg.mode, patch, full)
+                except EngineRoundFailed as e:
+                    if not on_disk:
+                        raise
+                    log.info("v%d: the backend refused the patch (%s); loading %s", version,
+                             e, path)
+            if reports is None:
+                reports = await self._round(version, path, self.cfg.mode)
             self._record(version, reports)
+            if patch is None:
+                self.check.reason = self.check.reason or "no patch file given"
             passed, why = verdict(reports)
             if self.cfg.check and not passed:
                 await self._repair(version, path, reports, why)
             await self._post("/reset_prefix_cache", params={"reset_running_requests": "true"})
         except (EngineRoundFailed, aiohttp.ClientError, TimeoutError) as e:
             self.check.last_error = f"v{version}: {e}"[:400]
-            raise EngineRoundFailed(f"v{version} from {path}: {e}; vLLM left paused") from e
+            raise EngineRoundFailed(f"v{version} from {patch or path}: {e}; vLLM left paused") \
+                from e
         await self._post("/resume")
+        self.held = (version, path.parent)
         self.check.update_s = time.monotonic() - t0
         self.check.last_error = None
+
+    async def full_check(self) -> dict[str, Any]:
+        """Read every tensor back now (no pause: reads only) against the digests the engine
+        tracks for the version it holds; the result lands in `engine_check.full_check`."""
+        async with self.lock:
+            if self.held is None:
+                raise EngineRoundFailed("no verified update yet: nothing to check against")
+            version, weights_dir = self.held
+            await self._init(weights_dir, None)
+            reports = await self._round(version, None, "check")
+            checks = [r["check"] for r in reports if r.get("check")]
+            if not checks:
+                raise EngineRoundFailed(f"no check came back: {verdict(reports)[1]}")
+            self._record_full(version, checks, "requested")
+            return self.check.full_check
 
     async def _repair(self, version: int, path: Path, reports: list[dict], why: str) -> None:
         c = self.check

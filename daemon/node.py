@@ -178,7 +178,8 @@ class Node:
             board=self.board, artifacts=self.artifacts, role=self.role, intake=self.intake,
             status=self.status, metrics=self.metrics_text, stopping=lambda: self.stopping,
             fleet=self.fleet, live=self.live, identity=self.identity,
-            complaint=lambda artifact: self.selfcheck.request(artifact, "complaint"))
+            complaint=lambda artifact: self.selfcheck.request(artifact, "complaint"),
+            engine_check=self._engine_full_check)
         self._registry = metrics.build_registry(self.status_model)
         self._registry.register(GatewayMetrics(self.peering))  # daemon/regions.py
         self._forwarding: asyncio.Task | None = None
@@ -294,6 +295,13 @@ class Node:
         for stale in self.paths.root.glob("deltaswarm-warmup-*"):  # left by a kill -9
             shutil.rmtree(stale, ignore_errors=True)
         threading.Thread(target=run, name="warmup", daemon=True).start()
+
+    async def _engine_full_check(self) -> dict:
+        """POST /v1/engine/check: the engine hook's whole read-back, if it has one."""
+        run = getattr(self.notifier.hook if self.notifier else None, "full_check", None)
+        if run is None:
+            raise LookupError(f"the engine hook ({self.cfg.engine.type}) has no weight check")
+        return await run()
 
     async def _notify(self, version: int, path: Path, digest: str) -> None:
         if self.notifier is not None:

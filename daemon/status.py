@@ -3,7 +3,7 @@ turned into Prometheus metrics by `daemon.metrics`). `daemon.report` fills it in
 request from the running node's parts. Every field has a default so a partial report is valid.
 """
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, computed_field
 
@@ -183,6 +183,16 @@ class EngineCheckStatus(_Model):
     last_error: str | None = None
     phases: dict[str, float] = Field(default_factory=dict,
                                      description="seconds per vLLM call of the last update")
+    reason: str | None = Field(None, description="why the last update was not all patched in "
+                               "place (module reload, or no patch file)")
+    kind: str | None = Field(None, description="what the last check read: incremental (the "
+                             "words the patch touched) | full")
+    words: int = Field(0, ge=0, description="64-bit words the last incremental check read")
+    state_digest_ok: bool | None = Field(None, description="the engine's tracked digests give "
+                                         "the patch's state digest")
+    full_check: dict[str, Any] = Field(default_factory=dict, description="the last whole "
+                                       "read-back: at, version, why, ok, checked, unreadable, "
+                                       "mismatched, seconds")
 
 
 class SpoolStatus(_Model):

@@ -125,8 +125,32 @@ def summary(s: NodeStatus) -> Table:
         table.add_row("identity", _plain(f"{ident.get('fingerprint')}, {claims}",
                                          style="red" if ident.get("refused_total") else ""))
     table.add_row("engine", _plain(engine))
+    if s.engine_check is not None:
+        table.add_row("engine check", _plain(*_engine_check_line(s)))
     table.add_row("spool", _plain(spool))
     return table
+
+
+def _engine_check_line(s: NodeStatus) -> tuple[str, str]:
+    """The vLLM backend's last update and its check, and when the whole read-back last ran."""
+    c = s.engine_check
+    assert c is not None
+    verdict = {True: "ok", False: "MISMATCH", None: "unchecked"}[c.ok]
+    line = (f"v{_v(c.last_version)} {c.mode or '-'} ({c.kind or '-'} check {verdict}, "
+            f"{c.words} words); {c.mismatches} mismatches, {c.repairs} repaired")
+    if c.reason:
+        line += f"; {c.reason}"
+    f = c.full_check
+    if f:
+        line += (f"; full read-back {time.strftime('%H:%M:%S', time.localtime(f['at']))} "
+                 f"({f['why']}) v{f['version']}: "
+                 f"{ {True: 'ok', False: 'MISMATCH', None: 'unreadable'}[f['ok']]}, "
+                 f"{f['checked']} checked, {f['unreadable']} unreadable"
+                 + (f", differ: {', '.join(f['mismatched'][:3])}" if f["mismatched"] else ""))
+    else:
+        line += "; full read-back: never (POST /v1/engine/check runs one)"
+    bad = c.ok is False or (f and f.get("ok") is False)
+    return line, "red" if bad else ""
 
 
 def peers_table(s: NodeStatus) -> Table:

@@ -22,10 +22,13 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
+from numba import njit
 
 from chain import dtypes
 from chain.digest import tensor_digest
+from chain.lanehash import _mix0, _mix1, _word
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,44 @@ def live_tensor(params: Mapping[str, torch.Tensor], loc: Location, dtype: torch.
     p = params[loc.param].detach()
     block = p if loc.whole else p.narrow(0, loc.start, loc.rows)
     return block.to(device="cpu", dtype=dtype).reshape(shape).contiguous()
+
+
+@njit(nogil=True, cache=True)
+def sum_at(words, widx):
+    """Lane sums of chain.lanehash's digest over scattered words: words[i] at word index
+    widx[i] (both uint64). A digest moves by sum_at(new, w) - sum_at(old, w)."""
+    a = np.uint64(0)
+    b = np.uint64(0)
+    for i in range(words.size):
+        a += _mix0(widx[i], words[i])
+        b += _mix1(widx[i], words[i])
+    return a, b
+
+
+@njit(nogil=True, cache=True)
+def put_moved(target, tw, pos, val, sh, width, base):
+    """target[pos] = val (pos ascending) in place, in one walk over the touched words: each
+    word is read before its elements are written and read again after; returns the digest
+    change of the checkpoint tensor whose word `base` is target's word 0, and the number of
+    words touched. (chain.lanehash.put, with a word offset: target may be a row block of a
+    fused parameter.)"""
+    a = np.uint64(0)
+    b = np.uint64(0)
+    j = 0
+    n = pos.size
+    touched = 0
+    while j < n:
+        w = pos[j] >> sh
+        xo = _word(target, tw, w, sh, width)
+        while j < n and (pos[j] >> sh) == w:
+            target[pos[j]] = val[j]
+            j += 1
+        xn = _word(target, tw, w, sh, width)
+        uw = np.uint64(w + base)
+        a += _mix0(uw, xn) - _mix0(uw, xo)
+        b += _mix1(uw, xn) - _mix1(uw, xo)
+        touched += 1
+    return a, b, touched
 
 
 def digest_of(t: torch.Tensor) -> str:

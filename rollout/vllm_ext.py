@@ -204,3 +204,24 @@ class DeltaswarmWorkerExtension:
         return {"patched": len(patches), "loaded": sorted(loaded),
                 "elements": sum(p.values.numel() for p in patches),
                 "apply_s": time.perf_counter() - t0}
+
+    @torch.no_grad()
+    def deltaswarm_param_bits(self, names: list[str] | str) -> dict[str, dict[str, Any]]:
+        """Live parameters' bytes (hex), dtype and shape, for tests and audits that compare the
+        served weights with a checkpoint independently of the backend's own check."""
+        wanted = json.loads(names) if isinstance(names, str) else list(names)
+        params = dict(self._model().named_parameters())
+        out = {}
+        for n in wanted:
+            p = params[n].detach().to("cpu").contiguous()
+            out[n] = {"dtype": str(p.dtype).removeprefix("torch."), "shape": list(p.shape),
+                      "hex": p.view(-1).view(torch.uint8).numpy().tobytes().hex()}
+        return out
+
+    @torch.no_grad()
+    def deltaswarm_poke(self, name: str, index: int, add: float) -> float:
+        """Add `add` to element `index` of live parameter `name` behind every check's back
+        (fault injection for tests); returns the new value."""
+        flat = dict(self._model().named_parameters())[name].data.view(-1)
+        flat[index] += add
+        return float(flat[index])

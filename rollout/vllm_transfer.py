@@ -16,6 +16,20 @@ One round, as the daemon's vllm hook drives it (daemon/engine_vllm.py):
   the version's digests (rollout/engine_check.py); it writes R/<worker>.json for ticket T.
   A mismatch makes the daemon run another round with mode "full"; then /resume.
 
+Patch files (issue 19): `update_info: {"version": N, "patch": P}` names the region's patch file
+(chain/patchfile.py: per changed tensor its positions, new values, parent and new digests).
+Each element is written in place through the model loader's own layout (rollout/vllm_patch.py:
+fused q/k/v and gate/up, TP slices), and each tensor's digest is moved from the 64-bit words
+the patch touched, read back from the device before and after: the check costs O(changes).
+A whole read-back runs when the update asks for it (`"full_check": true`, which the daemon sets
+on a schedule and on request). Tensors whose layout vLLM changed after loading (quantized,
+or vLLM CPU's repacked linear weights unless DELTASWARM_VLLM_CPU_CHECKPOINT_LAYOUT=1) are
+reloaded by module instead, and the report says so (mode `patch+reload`, `reason`).
+
+Inputs are confined (issue 20, finding 11): `path` and `patch` must resolve (symlinks followed)
+inside the weights directory or the patches directory set at init, with no `..`; a directory
+set at init cannot be changed later (restart vLLM to move it); `version` is an int >= 1.
+
 Modes: `patch` writes only the changed elements in place (scattered straight into the live
 tensors the check can locate, else vLLM's checkpoint-weight-patch API; needs the engine at N-1,
 the version's CHANGES file, and unquantized weights in checkpoint layout: GPU, or CPU with
@@ -32,6 +46,7 @@ import json
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,12 +67,16 @@ from vllm.model_executor.model_loader.reload import (
     initialize_layerwise_reload,
 )
 
+from chain.digest import state_digest
+from chain.dtypes import lookup as chain_dtype
+from chain.patchfile import BadPatch, Patch, TensorPatch, read_patch
 from chain.safetensors_io import TensorFiles
 from chain.versiondir import read_changes
 from chain.weights import version_dir_name
 from rollout import engine_check
 from rollout.version_files import Target, read_target, scatter
 from rollout.vllm_ext import expand_to_groups, read_tensors
+from rollout.vllm_patch import Maps, Patcher, TensorMap, TensorResult
 
 MODES = ("auto", "patch", "changed", "full", "check")
 log = logging.getLogger("deltaswarm.vllm_transfer")
@@ -69,6 +88,8 @@ class DeltaswarmInitInfo(WeightTransferInitInfo):
     """The local daemon's weights directory (its vNNNNNNNN version directories)."""
     report_dir: str = ""
     """Where each worker writes its round report (JSON); empty: no reports."""
+    patches_dir: str = ""
+    """Where the region leaves patch files, if not inside weights_dir."""
 
 
 @dataclass
@@ -80,10 +101,23 @@ class DeltaswarmUpdateInfo(WeightTransferUpdateInfo):
     check: bool = True
     ticket: str = ""
     """Copied into the report, so the caller knows the report is this round's."""
+    patch: str = ""
+    """The region's patch file for this version (chain/patchfile.py), to patch in place."""
+    full_check: bool = False
+    """Also read every tensor back after this update (the scheduled / requested full check)."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.version, int) or self.version < 0:
-            raise ValueError(f"version must be an int >= 0, not {self.version!r}")
+        if isinstance(self.version, bool) or not isinstance(self.version, int) \
+                or self.version < 1:
+            raise ValueError(f"update_info.version must be a positive integer, not "
+                             f"{self.version!r}")
+        for key in ("path", "patch"):
+            value = getattr(self, key)
+            if not isinstance(value, str):
+                raise ValueError(f"update_info.{key} must be a string path, not {value!r}")
+            if ".." in Path(value).parts:
+                raise ValueError(f"update_info.{key} {value!r} contains '..'; name the file "
+                                 "by its path inside the weights directory")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, not {self.mode!r}")
 
@@ -101,6 +135,12 @@ class Session:
     loaded_bytes: int = 0
     base: dict[str, str | None] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
+    patch: Patch | None = None
+    results: list[TensorResult] = field(default_factory=list)
+    reloaded: dict[str, torch.Tensor] = field(default_factory=dict)
+    """patch mode: new checkpoint tensors loaded by module (not patchable in place)."""
+    reason: str = ""
+    """Why some tensors were reloaded by module instead of patched (empty: all patched)."""
 
 
 class DeltaswarmWeightTransferEngine(WeightTransferEngine[DeltaswarmInitInfo,
@@ -115,7 +155,11 @@ class DeltaswarmWeightTransferEngine(WeightTransferEngine[DeltaswarmInitInfo,
                  model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
         self.weights_dir: Path | None = None
+        self.patches_dir: Path | None = None
         self.report_dir: Path | None = None
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.dtypes: dict[str, torch.dtype] = {}
+        self.maps = Maps(model)
         self.loaded_version: int | None = None
         self.loaded: dict[str, str | None] = {}
         """checkpoint name -> digest the live weights are known to hold (None: unknown)."""
@@ -131,13 +175,28 @@ class DeltaswarmWeightTransferEngine(WeightTransferEngine[DeltaswarmInitInfo,
     def init_transfer_engine(self, init_info: DeltaswarmInitInfo) -> None:
         """Where versions and reports live; may be called again (e.g. after a daemon restart)."""
         if init_info.weights_dir:
-            wd = Path(init_info.weights_dir)
-            if not wd.is_dir():
-                raise ValueError(f"weights_dir {wd} is not a directory")
-            self.weights_dir = wd
+            self.weights_dir = self._set_once("weights_dir", self.weights_dir,
+                                              init_info.weights_dir)
+        if init_info.patches_dir:
+            self.patches_dir = self._set_once("patches_dir", self.patches_dir,
+                                              init_info.patches_dir)
         if init_info.report_dir:
             self.report_dir = Path(init_info.report_dir)
             self.report_dir.mkdir(parents=True, exist_ok=True)
+
+    @staticmethod
+    def _set_once(key: str, held: Path | None, given: str) -> Path:
+        """A directory given at init: must exist; once set, a different one is refused (what
+        update_weights may read is fixed when vLLM's daemon first speaks to it)."""
+        if ".." in Path(given).parts:
+            raise ValueError(f"{key} {given!r} contains '..'")
+        wd = Path(given).resolve()
+        if not wd.is_dir():
+            raise ValueError(f"{key} {given} is not a directory")
+        if held is not None and held != wd:
+            raise ValueError(f"{key} is already {held}; refusing to move it to {wd} (restart "
+                             "vLLM to serve another weights directory)")
+        return wd
 
     def start_weight_update(self) -> None:
         """Opens a round. The layerwise reload starts in update_weights, once the mode is
@@ -154,10 +213,22 @@ class DeltaswarmWeightTransferEngine(WeightTransferEngine[DeltaswarmInitInfo,
         s = self.session
         if s is None:
             raise RuntimeError("update_weights without start_weight_update")
+        s.info = update_info
+        t0 = time.perf_counter()
+        if update_info.patch and update_info.mode in ("auto", "patch"):
+            self._receive_patch(s, update_info)
+            s.seconds["load"] = time.perf_counter() - t0
+            return
+        if update_info.mode == "check" and not update_info.path \
+                and self.loaded_version == update_info.version and self.shapes:
+            s.mode = "check"  # against the digests tracked through the patches
+            s.target = Target(update_info.version, self.weights_dir or Path("."),
+                              {n: d for n, d in self.loaded.items() if d is not None},
+                              dict(self.shapes), dict(self.dtypes), {})
+            return
         path = self._path(update_info)
         target = read_target(path, update_info.version)
-        s.target, s.info = target, update_info
-        t0 = time.perf_counter()
+        s.target = target
         if update_info.mode == "check":
             s.mode = "check"
             return
@@ -180,25 +251,27 @@ class DeltaswarmWeightTransferEngine(WeightTransferEngine[DeltaswarmInitInfo,
         if s is None:
             return
         t0 = time.perf_counter()
-        report: dict[str, Any] = {"check": None, "error": None}
+        report: dict[str, Any] = {"check": None, "error": None, "reason": s.reason or None}
         try:
             if s.layerwise:
                 # post-load processing (repacking, re-quantization) of the reloaded layers
                 finalize_layerwise_reload(self.model, self.model_config)
                 s.seconds["finalize"] = time.perf_counter() - t0
-            if s.target is None:
+            if s.patch is not None:
+                self._finish_patch(s, report)
+            elif s.target is None:
                 return
-            result = self._verify(s) if s.info is not None and s.info.check else None
+            else:
+                result = self._verify(s) if s.info is not None and s.info.check else None
+                self._remember(s, result)
+                if result is not None:
+                    report["check"] = result.summary()
+                    s.seconds["check"] = result.seconds
         except Exception as e:
             # into the report, not out of finish: vLLM's worker would stay stuck in its update
             # session (every later start_weight_update refused); the daemon reloads in full
             self.loaded_version = None
             report["error"] = f"{type(e).__name__}: {e}"[:500]
-        else:
-            self._remember(s, result)
-            if result is not None:
-                report["check"] = result.summary()
-                s.seconds["check"] = result.seconds
         s.seconds["total"] = time.perf_counter() - s.started
         self._write_report(s, report)
 
@@ -209,11 +282,209 @@ class DeltaswarmWeightTransferEngine(WeightTransferEngine[DeltaswarmInitInfo,
 
     def _path(self, info: DeltaswarmUpdateInfo) -> Path:
         if info.path:
-            return Path(info.path).resolve()
+            return self._confined(info.path, "path")
         if self.weights_dir is None:
             raise ValueError("update_info has no path and init_weight_transfer_engine gave no "
                              "weights_dir")
-        return (self.weights_dir / version_dir_name(info.version)).resolve()
+        return self._confined(str(self.weights_dir / version_dir_name(info.version)), "path")
+
+    def _confined(self, given: str, key: str) -> Path:
+        """`given` resolved (symlinks followed), refused unless inside the weights directory
+        (or, for a patch, the patches directory) set at init."""
+        roots = [r for r in (self.weights_dir, self.patches_dir if key == "patch" else None)
+                 if r is not None]
+        if not roots:
+            raise ValueError(f"update_info.{key} given before init_weight_transfer_engine set "
+                             "a weights_dir")
+        if ".." in Path(given).parts:
+            raise ValueError(f"update_info.{key} {given!r} contains '..'")
+        try:
+            real = Path(given).resolve(strict=True)
+        except (OSError, RuntimeError):
+            raise ValueError(f"update_info.{key} {given} does not exist") from None
+        if not any(real == r or real.is_relative_to(r) for r in roots):
+            raise ValueError(f"update_info.{key} {given} resolves to {real}, outside "
+                             f"{' and '.join(str(r) for r in roots)}; the backend reads only "
+                             "what the local daemon verified")
+        return real
+
+    # ------------------------------------------------------------------ patch files
+
+    def _receive_patch(self, s: Session, info: DeltaswarmUpdateInfo) -> None:
+        """Patch in place from the region's patch file (see the module doc). Refuses, before
+        writing anything, unless the engine holds the patch's parent."""
+        ppath = self._confined(info.patch, "patch")
+        if info.path:
+            self._confined(info.path, "path")
+        try:
+            patch = read_patch(ppath)
+        except BadPatch as e:
+            raise ValueError(str(e)) from None
+        if patch.version != info.version or patch.parent != info.version - 1:
+            raise ValueError(f"{ppath} patches v{patch.parent} to v{patch.version}, not "
+                             f"v{info.version - 1} to v{info.version}")
+        why = self._base(patch)
+        if why:
+            raise ValueError(f"cannot patch v{info.version} in place: {why}")
+        stale = [t.name for t in patch.tensors
+                 if self.loaded.get(t.name) not in (t.parent_digest, None)]
+        if stale:
+            raise ValueError(f"cannot patch v{info.version} in place: the engine's "
+                             f"{stale[:3]} are not v{patch.parent}'s")
+        s.mode, s.patch = "patch", patch
+        try:
+            self._write_patch(s, info, patch)
+        except BaseException:
+            self.loaded_version = None  # written in part: only a full round can tell now
+            raise
+
+    def _write_patch(self, s: Session, info: DeltaswarmUpdateInfo, patch: Patch) -> None:
+        quantized = bool(getattr(self.model_config, "quantization", None))
+        patcher = Patcher(self.model, self.maps)
+        slow: list[TensorPatch] = []
+        ready: list[tuple[TensorMap, TensorPatch]] = []
+        for tp in patch.tensors:
+            dtype = chain_dtype(tp.dtype).torch_dtype
+            shape = tuple(tp.shape)
+            if self.shapes.get(tp.name, shape) != shape:
+                raise ValueError(f"{tp.name}: the patch says shape {shape}, the engine holds "
+                                 f"{self.shapes[tp.name]}")
+            m = None if quantized else self.maps.get(tp.name, shape, dtype)
+            if m is None or self.loaded.get(tp.name) is None:
+                slow.append(tp)
+                continue
+            ready.append((m, tp))
+            s.loaded_bytes += tp.indices.size * (8 + tp.values.itemsize)
+        # tensors are independent (fused blocks are word-aligned row ranges): the host kernels
+        # release the GIL, so a few threads share the walk
+        with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+            s.results = list(pool.map(lambda a: patcher.apply(*a, check=info.check), ready))
+        s.loaded = sorted(t.name for t in patch.tensors)
+        if slow:
+            s.mode = "patch+reload"
+            s.reason = (f"{len(slow)} of {len(patch.tensors)} tensors reloaded by module ("
+                        + ("quantized weights" if quantized else
+                           "vLLM changed their layout after loading (e.g. CPU's repacked linear "
+                           "weights; DELTASWARM_VLLM_CPU_CHECKPOINT_LAYOUT=1 keeps them patchable)"
+                           " or they cannot be read back") + f", e.g. {slow[0].name})")
+            self._reload_from_patch(s, patch, slow)
+
+    def _base(self, patch: Patch) -> str:
+        """'' once the engine is known to hold v{parent}; else why not. An engine that does
+        not know what it holds (after a start) reads every tensor back once against the verified
+        parent directory, if the region still has it."""
+        if self.loaded_version == patch.parent:
+            return ""
+        if self.loaded_version is not None:
+            return f"the engine holds v{self.loaded_version}, not v{patch.parent}"
+        if self.weights_dir is None:
+            return "the engine does not know what it holds and has no weights_dir"
+        pdir = self.weights_dir / version_dir_name(patch.parent)
+        try:
+            target = read_target(pdir, patch.parent)
+        except (ValueError, OSError) as e:
+            return f"the engine does not know what it holds and cannot check it: {e}"
+        result = engine_check.check(self.model, target.version, target.digests, target.shapes,
+                                    target.dtypes)
+        if result.mismatched:
+            return f"its weights are not v{patch.parent}'s (e.g. {result.mismatched[:3]})"
+        self.loaded = dict(result.live)
+        self.shapes, self.dtypes = dict(target.shapes), dict(target.dtypes)
+        self.loaded_version = patch.parent
+        return ""
+
+    def _reload_from_patch(self, s: Session, patch: Patch, slow: list[TensorPatch]) -> None:
+        """Module reload of the tensors that cannot be patched: their new values from the
+        verified v{N} directory if the region has it, else the parent directory plus the patch;
+        fused siblings come along (a module is reloaded whole)."""
+        assert self.weights_dir is not None
+        new_dir = self.weights_dir / version_dir_name(patch.version)
+        old_dir = self.weights_dir / version_dir_name(patch.parent)
+        try:
+            src, pending = read_target(new_dir, patch.version), {}
+        except ValueError:
+            src = read_target(old_dir, patch.parent)
+            pending = {t.name: t for t in patch.tensors}
+        packed = dict(getattr(self.model, "packed_modules_mapping", {}) or {})
+        load = expand_to_groups([t.name for t in slow], src.files, packed)
+        if not s.layerwise:
+            initialize_layerwise_reload(self.model)
+            s.layerwise = True
+        tensors = []
+        for name, tensor in read_tensors(src.files, load):
+            tp = pending.get(name)
+            if tp is not None:
+                tensor = tensor.clone()
+                signed = tp.values.view(f"i{tp.values.itemsize}")
+                tensor.view(-1)[torch.from_numpy(tp.indices)] = \
+                    torch.from_numpy(signed).view(tensor.dtype)
+            s.reloaded[name] = tensor
+            tensors.append((name, tensor))
+            s.loaded_bytes += tensor.numel() * tensor.element_size()
+        try:
+            self.model.load_weights(iter(tensors))
+        except BaseException:
+            finalize_layerwise_reload(self.model, self.model_config)
+            s.layerwise = False
+            self.loaded_version = None
+            raise
+
+    def _finish_patch(self, s: Session, report: dict[str, Any]) -> None:
+        """The round's verdict: the incremental check of the patched tensors, the reloaded
+        ones read back, the tracked digests against the patch's state digest, and the whole
+        read-back when asked."""
+        patch, info = s.patch, s.info
+        assert patch is not None and info is not None
+        t0 = time.perf_counter()
+        want = {t.name: t.digest for t in patch.tensors}
+        bad = [r.name for r in s.results if not r.ok]
+        known = dict(self.loaded)
+        for r in s.results:
+            known[r.name] = r.digest if r.digest is not None else (want[r.name] if r.ok
+                                                                   else None)
+        unreadable: list[str] = []
+        if s.reloaded or s.layerwise:
+            # the layerwise reload re-ran post-load processing: read back what it loaded and
+            # what was patched in place before it
+            names = sorted(set(s.reloaded) | {r.name for r in s.results})
+            live = engine_check.live_digests(self.model, self.shapes, self.dtypes, names)
+            for n in names:
+                expect = want.get(n, self.loaded.get(n))
+                if live[n] is None:
+                    unreadable.append(n)
+                    known[n] = expect  # loaded this round; not readable here
+                elif live[n] != expect:
+                    bad.append(n)
+                    known[n] = live[n]
+                else:
+                    known[n] = live[n]
+        bad = sorted(set(bad))
+        full = None
+        if info.full_check:
+            expected = {n: d for n, d in known.items() if d is not None}
+            full = engine_check.check(self.model, patch.version, expected, self.shapes,
+                                      self.dtypes)
+            bad = sorted(set(bad) | set(full.mismatched))
+            report["full"] = full.summary()
+            s.seconds["full_check"] = full.seconds
+        state_ok = None
+        if all(d is not None for d in known.values()) and set(known) >= set(want):
+            state_ok = state_digest({n: d for n, d in known.items() if d is not None}) \
+                == patch.state_digest
+        checked = len(s.results) - len([r for r in s.results if not r.ok])
+        report["check"] = {
+            "kind": "incremental", "ok": (not bad and state_ok is not False) if info.check
+            else None, "checked": checked, "mismatched": bad[:20],
+            "mismatched_count": len(bad), "unreadable": unreadable[:20],
+            "unreadable_count": len(unreadable), "state_digest_ok": state_ok,
+            "elements": sum(r.elements for r in s.results),
+            "words": sum(r.words for r in s.results), "seconds": time.perf_counter() - t0,
+            "checked_bytes": sum(r.words for r in s.results) * 8}
+        s.seconds["check"] = time.perf_counter() - t0
+        self.loaded = known
+        self.loaded_version = None if bad or state_ok is False else patch.version
+        if s.layerwise:
+            self.maps = Maps(self.model)
 
     def _patchable(self) -> str:
         """Why elements cannot be written in place here ('' if they can)."""
@@ -349,15 +620,19 @@ class DeltaswarmWeightTransferEngine(WeightTransferEngine[DeltaswarmInitInfo,
                 live = want if (n in touched or before.get(n) == want) else None
             known[n] = live
         self.loaded = known
+        self.shapes, self.dtypes = dict(t.shapes), dict(t.dtypes)
         bad = result is not None and (result.mismatched or result.ok is False)
         self.loaded_version = None if bad else t.version
+        if s.layerwise:
+            self.maps = Maps(self.model)
 
     def _write_report(self, s: Session, extra: dict[str, Any]) -> None:
-        if self.report_dir is None or s.target is None or s.info is None:
+        if self.report_dir is None or s.info is None or (s.target is None and s.patch is None):
             return
-        doc = {"ticket": s.info.ticket, "worker": self.worker, "version": s.target.version,
-               "path": str(s.target.path), "mode": s.mode, "loaded_tensors": len(s.loaded),
-               "loaded_bytes": s.loaded_bytes, "total_tensors": len(s.target.digests),
+        doc = {"ticket": s.info.ticket, "worker": self.worker, "version": s.info.version,
+               "path": str(s.target.path) if s.target else s.info.patch, "mode": s.mode,
+               "loaded_tensors": len(s.loaded), "loaded_bytes": s.loaded_bytes,
+               "total_tensors": len(s.target.digests) if s.target else len(self.shapes),
                "seconds": {k: round(v, 6) for k, v in s.seconds.items()}, "time": time.time(),
                **extra}
         out = self.report_dir / f"{self.worker}.json"

@@ -147,3 +147,47 @@ async def test_the_config_picks_the_backend_by_default_and_the_reload_path_on_re
                                      session, "t"), VllmNotifyHook)
         with pytest.raises(ValueError, match="state_dir"):
             build_hook(VllmHook(type="vllm", url=url), session, "t")
+
+
+async def test_a_patch_round_names_the_patch_and_a_scheduled_full_check(tmp_path: Path) -> None:
+    """With the region's patch file, the round names it (no version directory on disk yet, so
+    no path), and every `full_check_every`-th update asks for the whole read-back."""
+    fake = FakeBackend([True])
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", fake.handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    patch = tmp_path / "patches" / "v6.patch"
+    patch.parent.mkdir()
+    patch.write_bytes(b"x")
+    cfg = VllmHook(type="vllm", url=f"http://127.0.0.1:{port}", timeout_s=10,
+                   full_check_every=2)
+    try:
+        async with aiohttp.ClientSession() as session:
+            hook = VllmBackendHook(cfg, session, tmp_path / "state")
+            await hook.notify(5, tmp_path / "weights" / "v00000005", "d", patch=patch)
+            first = dict(fake.update)
+            await hook.notify(6, tmp_path / "weights" / "v00000006", "d", patch=patch)
+    finally:
+        await runner.cleanup()
+    assert first["patch"] == str(patch) and "path" not in first
+    assert first["full_check"] is False and fake.update["full_check"] is True
+    init = fake.calls[0][2]["init_info"]
+    assert init["patches_dir"] == str(patch.parent)
+
+
+def test_status_shows_the_engine_check_and_when_the_full_read_back_last_ran() -> None:
+    from daemon.status_cli import _engine_check_line
+
+    never = NodeStatus(node="n", engine_check=EngineCheckStatus(ok=True, last_version=3,
+                                                                mode="patch", kind="incremental"))
+    assert "full read-back: never" in _engine_check_line(never)[0]
+    found = NodeStatus(node="n", engine_check=EngineCheckStatus(
+        ok=True, last_version=3, mode="patch", full_check={
+            "at": 0.0, "version": 3, "why": "requested", "ok": False, "checked": 9,
+            "unreadable": 0, "mismatched": ["lm_head.weight"], "seconds": 0.1}))
+    line, style = _engine_check_line(found)
+    assert "(requested) v3: MISMATCH" in line and "lm_head.weight" in line and style == "red"

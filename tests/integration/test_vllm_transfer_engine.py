@@ -32,9 +32,18 @@ def probe(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def test_bad_requests_are_refused_with_the_reason(probe: dict) -> None:
     assert "mode must be one of" in probe["bad_mode"]["error"]
-    assert "holds version 1, not 0" in probe["wrong_version"]["error"]
-    assert "cannot patch v1 in place: the engine holds no verified version, not v0" in \
+    assert "holds version 1, not 2" in probe["wrong_version"]["error"]
+    assert "cannot patch v2 in place: the engine holds no verified version, not v1" in \
         probe["patch_unknown_base"]["error"]
+
+
+@pytest.mark.parametrize(("label", "says"), [
+    ("outside", "outside"), ("dotdot", "contains '..'"), ("symlink_out", "outside"),
+    ("version_true", "positive integer"), ("version_zero", "positive integer"),
+    ("version_negative", "positive integer"), ("move_weights_dir", "refusing to move it")])
+def test_update_info_outside_the_weights_dir_or_with_a_bad_version_is_refused(
+        probe: dict, label: str, says: str) -> None:
+    assert says in probe[label]["error"], probe[label]
 
 
 def test_a_check_reads_the_fused_block_back_and_passes_on_the_served_version(probe: dict) -> None:

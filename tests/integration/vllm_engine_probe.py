@@ -57,9 +57,12 @@ def main(root: Path) -> None:
     v1["attn.k_proj.weight"].view(-1)[[3, 9]] += 1.0
     v1["norm.weight"] = v0["norm.weight"] + 1.0
     weights = root / "weights"
-    version_dir(weights, 0, v0, None)
-    version_dir(weights, 1, v1, {"attn.k_proj.weight": torch.tensor([3, 9]).numpy(),
+    version_dir(weights, 1, v0, None)
+    version_dir(weights, 2, v1, {"attn.k_proj.weight": torch.tensor([3, 9]).numpy(),
                                  "norm.weight": None})
+    (root / "elsewhere").mkdir()
+    version_dir(root / "elsewhere", 2, v1, None)
+    (weights / "escape").symlink_to(root / "elsewhere" / "v00000002")
     model = Model(v0)
     cfg = SimpleNamespace(parallel_config=SimpleNamespace(rank=0, data_parallel_index=0,
                                                           tensor_parallel_size=1),
@@ -84,17 +87,27 @@ def main(root: Path) -> None:
                       "mismatched": report["check"]["mismatched"],
                       "loaded": report["loaded_tensors"], "ticket": report["ticket"]}
 
-    round_("bad_mode", {"version": 1, "mode": "sideways"})
-    round_("wrong_version", {"version": 0, "path": str(weights / "v00000001")})
-    round_("patch_unknown_base", {"version": 1, "mode": "patch"})
-    round_("check_v0", {"version": 0, "mode": "check", "ticket": "a"})
-    round_("patch_v1", {"version": 1, "ticket": "b"})
+    round_("bad_mode", {"version": 2, "mode": "sideways"})
+    round_("wrong_version", {"version": 2, "path": str(weights / "v00000001")})
+    round_("outside", {"version": 2, "path": str(root / "elsewhere" / "v00000002")})
+    round_("dotdot", {"version": 2, "path": str(weights / ".." / "elsewhere" / "v00000002")})
+    round_("symlink_out", {"version": 2, "path": str(weights / "escape")})
+    round_("version_true", {"version": True, "mode": "check"})
+    round_("version_zero", {"version": 0, "mode": "check"})
+    round_("version_negative", {"version": -1, "mode": "check"})
+    try:
+        engine.init_transfer_engine(engine.parse_init_info({"weights_dir": str(root)}))
+    except ValueError as e:
+        out["move_weights_dir"] = {"error": str(e)}
+    round_("patch_unknown_base", {"version": 2, "mode": "patch"})
+    round_("check_v0", {"version": 1, "mode": "check", "ticket": "a"})
+    round_("patch_v1", {"version": 2, "ticket": "b"})
     out["qkv_after"] = model.attn.qkv_proj.weight.view(torch.int16).tolist()
     out["qkv_v1"] = torch.cat([v1[f"attn.{x}_proj.weight"] for x in "qkv"]) \
         .view(torch.int16).tolist()
     with torch.no_grad():
         model.attn.qkv_proj.weight[13, 0] += 2.0  # v_proj row 1, behind the engine's back
-    round_("check_after_tamper", {"version": 1, "mode": "check", "ticket": "c"})
+    round_("check_after_tamper", {"version": 2, "mode": "check", "ticket": "c"})
     print(json.dumps(out))
 
 
