@@ -64,7 +64,7 @@ class _Decode(Fill):
         self.olds: dict[str, np.ndarray] = {}
         self.out_patches: list[TensorPatch] = []
 
-    def _base_of(self, t):  # noqa: ANN001, ANN202 - Fill's signature
+    def _base_of(self, t):
         arr = self.olds.get(t.name)
         if arr is None:
             arr = super()._base_of(t)

@@ -145,7 +145,8 @@ class VllmBackendHook:
         oks = [k.get("ok") for k in checks]
         c.ok = False if False in oks else (True if True in oks else None)
 
-    async def notify(self, version: int, path: Path, state_digest: str) -> None:
+    async def notify(self, version: int, path: Path, state_digest: str,
+                     patch: Path | None = None) -> None:
         t0 = time.monotonic()
         self.check.phases = {}
         self.report_dir.mkdir(parents=True, exist_ok=True)

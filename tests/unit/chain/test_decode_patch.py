@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from chain.decode import NotPatchable, decode_patch, merge
-from chain.errors import DigestMismatch
+from chain.errors import ChainError, DigestMismatch
 from chain.patchfile import BadPatch, read_patch, write_patch
 from chain.safetensors_io import TensorFiles
 from chain.store import ChainStore
@@ -75,9 +75,13 @@ def test_a_tampered_patch_layer_or_wrong_base_is_refused(tmp_path, signing_key):
     (p2,) = _patches(store, w, 2)
     cur = w.current()
     files, digests = TensorFiles(cur.path), read_info(cur.path).tensors
-    p2.tensors[0].values = p2.tensors[0].values.copy()
-    p2.tensors[0].values[0] ^= 1  # the overlay no longer gives v2's values
-    with pytest.raises(DigestMismatch):
+    good = p2.tensors[0].parent_digest
+    p2.tensors[0].parent_digest = "0" * 32  # a layer that does not follow v1
+    with pytest.raises(ChainError, match="does not follow"):
+        decode_patch(store.manifest("v00000003.delta"), files, 1, digests, [p2], getter(store))
+    p2.tensors[0].parent_digest = good
+    p2.tensors[0].digest = "0" * 32  # nor lead to v2's state
+    with pytest.raises(DigestMismatch, match="parent digest"):
         decode_patch(store.manifest("v00000003.delta"), files, 1, digests, [p2], getter(store))
     with pytest.raises(NotPatchable):
         decode_patch(store.manifest("v00000003.delta"), files, 1, digests, [], getter(store))
