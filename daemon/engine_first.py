@@ -91,11 +91,11 @@ class EngineFirst:
         this region holds (the caller catches up the disk and applies it there)."""
         if not self.enabled or m.kind != "delta":
             return None
+        self._phase(m.version)  # its blocks are held and verified: the clock starts here
         async with self.lock:
             disk = self.weights.current()
             if disk is None:
                 return None
-            self._phase(m.version)
             t0 = time.monotonic()
             try:
                 patch = await asyncio.to_thread(self._decode, m, disk)
