@@ -174,6 +174,7 @@ class RolloutWorker:
                 continue
             if p["parent"] != have:
                 return
+            t0 = time.monotonic()
             try:
                 await asyncio.to_thread(apply, p["path"])
             except (OSError, ValueError) as e:  # refused or mismatched: a directory follows
@@ -182,7 +183,8 @@ class RolloutWorker:
                             p["version"], e)
                 return
             self.stats["patches"] += 1
-            log.info("patched to version %d from %s", p["version"], p["path"])
+            log.info("patched to version %d from %s in %.2fs", p["version"], p["path"],
+                     time.monotonic() - t0)
             await self._served(session, p["version"], "patch")
 
     async def _served(self, session: aiohttp.ClientSession, version: int, how: str) -> None:
