@@ -167,6 +167,38 @@ def put_unwritten(old, oldw, pos, val, sh, width):
 
 
 @njit(nogil=True, cache=True)
+def put_wide(target, pos, val, sh, width, shift):
+    """`put` into a copy held widened: element i's `width`-bit pattern is target[i] >> shift
+    (bf16 held as fp32: the top 16 bits); writes val << shift, returns the digest change of
+    the narrow patterns, from the touched words before and after."""
+    a = np.uint64(0)
+    b = np.uint64(0)
+    j = 0
+    n = pos.size
+    size = target.size
+    per = 1 << sh
+    s = np.uint64(shift)
+    while j < n:
+        w = pos[j] >> sh
+        lo = w << sh
+        xo = np.uint64(0)
+        for k in range(per):
+            if lo + k < size:
+                xo |= (np.uint64(target[lo + k]) >> s) << np.uint64(width * k)
+        while j < n and (pos[j] >> sh) == w:
+            target[pos[j]] = np.uint64(val[j]) << s
+            j += 1
+        xn = np.uint64(0)
+        for k in range(per):
+            if lo + k < size:
+                xn |= (np.uint64(target[lo + k]) >> s) << np.uint64(width * k)
+        uw = np.uint64(w)
+        a += _mix0(uw, xn) - _mix0(uw, xo)
+        b += _mix1(uw, xn) - _mix1(uw, xo)
+    return a, b
+
+
+@njit(nogil=True, cache=True)
 def sum_at(widx, wvals):
     """Lane sums of words `wvals` at word indices `widx` (any order)."""
     a = np.uint64(0)
@@ -209,6 +241,13 @@ def moved_by_pull(target: np.ndarray, source: np.ndarray, pos: np.ndarray) -> tu
 def moved_by_pull_put(target: np.ndarray, source: np.ndarray, ppos: np.ndarray,
                       pos: np.ndarray, val: np.ndarray) -> tuple[int, int]:
     return pull_put(target, words(target), source, ppos, pos, val, *word_layout(target))
+
+
+def moved_by_put_wide(target: np.ndarray, pos: np.ndarray, val: np.ndarray,
+                     shift: int) -> tuple[int, int]:
+    """moved_by_put for a copy whose elements hold `val`'s patterns shifted up by `shift`."""
+    sh, width = word_layout(val)
+    return put_wide(target, pos, val, sh, width, shift)
 
 
 def moved_by_changes(old: np.ndarray, pos: np.ndarray, val: np.ndarray) -> tuple[int, int]:

@@ -125,6 +125,16 @@ class TorchEngine:
         read back (in the checkpoint dtype) before and after."""
         flat = param.view(-1)
         ck = lookup(t.dtype)
+        if param.device.type == "cpu":  # one pass over the changes, in place (chain.lanehash)
+            signed = _SIGNED[param.element_size()]
+            if param.dtype == ck.torch_dtype:
+                bits = flat.view(signed).numpy().view(ck.uint)
+                return lanehash.add(t.parent_digest,
+                                    lanehash.moved_by_put(bits, t.indices, t.values))
+            if param.dtype == torch.float32 and t.dtype == "bfloat16":
+                bits = flat.view(torch.int32).numpy().view(np.uint32)
+                return lanehash.add(t.parent_digest,
+                                    lanehash.moved_by_put_wide(bits, t.indices, t.values, 16))
         sh, _ = lanehash.word_layout(t.values)
         per = 1 << sh
         w = t.indices >> sh  # ascending (read_patch checks nothing more: dups are harmless)

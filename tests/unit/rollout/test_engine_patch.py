@@ -91,15 +91,19 @@ def test_a_patch_whose_values_do_not_match_its_digests_drops_the_version(v0, tmp
 
 
 def test_the_digest_from_touched_words_is_exact_at_a_short_last_word(v0) -> None:
+    """Every path of _patch_one: fp32 over bf16 (widened bits), same dtype, torch fallback."""
     engine = TorchEngine(str(v0[0]), 0)
-    for n in (7, 8, 1):
-        old = torch.randn(n).bfloat16()
-        new = old.clone()
-        pos = np.array(sorted({0, n - 1}), np.int64)
-        new.view(torch.int16)[torch.from_numpy(pos)] += 1
-        live = old.float()
-        t = TensorPatch("x", "bfloat16", [n], pos, bits_view(new)[pos].copy(),
-                        tensor_digest("bfloat16", [n], bits_view(old)),
-                        tensor_digest("bfloat16", [n], bits_view(new)))
-        assert engine._patch_one(live, t) == t.digest
-        assert torch.equal(live.bfloat16(), new)
+    for ck, held, name in ((torch.bfloat16, torch.float32, "bfloat16"),
+                           (torch.bfloat16, torch.bfloat16, "bfloat16"),
+                           (torch.float16, torch.float32, "float16")):
+        for n in (7, 8, 1):
+            old = torch.randn(n).to(ck)
+            new = old.clone()
+            pos = np.array(sorted({0, n - 1}), np.int64)
+            new.view(torch.int16)[torch.from_numpy(pos)] += 1
+            live = old.to(held)
+            t = TensorPatch("x", name, [n], pos, bits_view(new)[pos].copy(),
+                            tensor_digest(name, [n], bits_view(old)),
+                            tensor_digest(name, [n], bits_view(new)))
+            assert engine._patch_one(live, t) == t.digest, (name, held, n)
+            assert torch.equal(live.to(ck).view(torch.int16), new.view(torch.int16))
