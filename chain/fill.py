@@ -147,7 +147,29 @@ class Fill:
                            "tensor)")
         return b.bits(t.name)
 
-    def _batch(self, batch: list[_Item]) -> None:
+    def run_changes(self, changes: dict[str, codec.Changes], resumed: bool = False) -> None:
+        """Fill every tensor from changes already decoded and verified (the region's patches,
+        chain/decode.py) instead of a record stream: the same journaled, digest-checked pass."""
+        self.resumed = resumed
+        jpath = self.journal_path
+        done = set(jpath.read_text().split("\n")) if jpath and jpath.exists() else set()
+        with open(jpath or os.devnull, "a") as self.journal:
+            batch: list[_Item] = []
+            size = 0
+            for i, t in enumerate(self.tensors):
+                ch = changes.get(t.name)
+                item = _Item(i, t, t.name in done, None if ch is None else "delta", changes=ch)
+                if ch is not None:
+                    self._base_of(t)
+                batch.append(item)
+                size += t.numel
+                if size >= BATCH:
+                    self._batch(batch)
+                    batch, size = [], 0
+            self._batch(batch)
+
+    def _decode(self, batch: list[_Item]) -> None:
+        """Decode the batch's delta payloads against the base into each item's changes."""
         coded = [it for it in batch if it.payloads]
         for it in coded:
             self.base.prefault(it.t.name)
@@ -162,6 +184,9 @@ class Fill:
                     codec.Changes(np.concatenate([c.pos + np.int64(at) for at, c in parts]),
                                   np.concatenate([c.val for _, c in parts]))
                 it.payloads = []
+
+    def _batch(self, batch: list[_Item]) -> None:
+        self._decode(batch)
         jobs = [(it.t.numel, self._job(it)) for it in batch
                 if not it.done and it.op != "full"]
         run_jobs(jobs)

@@ -142,6 +142,85 @@ def pull(target, tw, source, pos, sh, width):
 
 
 @njit(nogil=True, cache=True)
+def put_unwritten(old, oldw, pos, val, sh, width):
+    """The digest change that `old[pos] = val` (pos sorted) would make, without writing `old`
+    (it may be a read-only map): each touched word is rebuilt in a register."""
+    a = np.uint64(0)
+    b = np.uint64(0)
+    j = 0
+    n = pos.size
+    ones = np.uint64(0xFFFFFFFFFFFFFFFF)
+    while j < n:
+        w = pos[j] >> sh
+        xo = _word(old, oldw, w, sh, width)
+        xn = xo
+        while j < n and (pos[j] >> sh) == w:
+            if width == 64:
+                xn = np.uint64(val[j])
+            else:
+                s = np.uint64(width * (pos[j] - (w << sh)))
+                m = (ones >> np.uint64(64 - width)) << s
+                xn = (xn & ~m) | (np.uint64(val[j]) << s)
+            j += 1
+        uw = np.uint64(w)
+        a += _mix0(uw, xn) - _mix0(uw, xo)
+        b += _mix1(uw, xn) - _mix1(uw, xo)
+    return a, b
+
+
+@njit(nogil=True, cache=True)
+def put_wide(target, pos, val, sh, width, shift):
+    """`put` into a copy held widened: element i's `width`-bit pattern is target[i] >> shift
+    (bf16 held as fp32: the top 16 bits); writes val << shift, returns the digest change of
+    the narrow patterns, from the touched words before and after."""
+    a = np.uint64(0)
+    b = np.uint64(0)
+    j = 0
+    n = pos.size
+    size = target.size
+    per = 1 << sh
+    s = np.uint64(shift)
+    while j < n:
+        w = pos[j] >> sh
+        lo = w << sh
+        xo = np.uint64(0)
+        for k in range(per):
+            if lo + k < size:
+                xo |= (np.uint64(target[lo + k]) >> s) << np.uint64(width * k)
+        while j < n and (pos[j] >> sh) == w:
+            target[pos[j]] = np.uint64(val[j]) << s
+            j += 1
+        xn = np.uint64(0)
+        for k in range(per):
+            if lo + k < size:
+                xn |= (np.uint64(target[lo + k]) >> s) << np.uint64(width * k)
+        uw = np.uint64(w)
+        a += _mix0(uw, xn) - _mix0(uw, xo)
+        b += _mix1(uw, xn) - _mix1(uw, xo)
+    return a, b
+
+
+@njit(nogil=True, cache=True)
+def sum_at(widx, wvals):
+    """Lane sums of words `wvals` at word indices `widx` (any order)."""
+    a = np.uint64(0)
+    b = np.uint64(0)
+    for i in range(widx.size):
+        w = np.uint64(widx[i])
+        a += _mix0(w, wvals[i])
+        b += _mix1(w, wvals[i])
+    return a, b
+
+
+def moved_by_words(widx: np.ndarray, old: np.ndarray, new: np.ndarray) -> tuple[int, int]:
+    """The digest change when the words at indices `widx` go from `old` to `new` (uint64):
+    what an engine that patched its own copy reads back around the positions it wrote."""
+    a0, b0 = sum_at(widx, old)
+    a1, b1 = sum_at(widx, new)
+    return (int(a1) - int(a0)) & M64, (int(b1) - int(b0)) & M64
+
+
+@njit(nogil=True, cache=True)
 def gather(source, pos, out):
     for j in range(pos.size):
         out[j] = source[pos[j]]
@@ -173,6 +252,18 @@ def moved_by_pull(target: np.ndarray, source: np.ndarray, pos: np.ndarray) -> tu
 def moved_by_pull_put(target: np.ndarray, source: np.ndarray, ppos: np.ndarray,
                       pos: np.ndarray, val: np.ndarray) -> tuple[int, int]:
     return _pull_put(target, words(target), source, ppos, pos, val, *word_layout(target))
+
+
+def moved_by_put_wide(target: np.ndarray, pos: np.ndarray, val: np.ndarray,
+                     shift: int) -> tuple[int, int]:
+    """moved_by_put for a copy whose elements hold `val`'s patterns shifted up by `shift`."""
+    sh, width = word_layout(val)
+    return put_wide(target, pos, val, sh, width, shift)
+
+
+def moved_by_changes(old: np.ndarray, pos: np.ndarray, val: np.ndarray) -> tuple[int, int]:
+    """How writing `val` at sorted `pos` would move `old`'s digest; `old` is only read."""
+    return put_unwritten(old, words(old), pos, val, *word_layout(old))
 
 
 def moved_between(old: np.ndarray, new: np.ndarray, pos: np.ndarray) -> tuple[int, int]:

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from chain.atomic import fsync_dir, symlink_atomic, write_atomic
+from chain.codec import Changes
 from chain.digest import state_digest, tensor_digests
 from chain.errors import ChainError, DigestMismatch
 from chain.fill import Fill
@@ -117,9 +118,24 @@ class WeightsDir:
         assert cur is not None
         return cur
 
+    def apply_changes(self, m: Manifest, parent: int, changes: dict[str, Changes],
+                      get_block: GetBlock, progress: Progress | None = None) -> Current:
+        """Bring the directory on disk forward from version `parent` (current) to `m`'s, with
+        changes already decoded and verified (chain/decode.py; several versions merged when
+        `parent` < m.version - 1): the same journaled, resumable, digest-checked pass as a
+        delta, without decoding again. The engines were patched first; this is the catch-up."""
+        cur = self.current()
+        if cur is None or cur.version != parent:
+            raise ChainError(f"changes to v{m.version} need v{parent} current; this node has "
+                             f"{'nothing' if cur is None else f'v{cur.version}'}")
+        if m.kind != "delta":
+            raise ChainError(f"{m.artifact} is not a delta")
+        return self._apply_one(m, cur, get_block, progress, changes, parent)
+
     # --- one artifact -----------------------------------------------------------------------
     def _apply_one(self, m: Manifest, cur: Current | None, get_block: GetBlock,
-                   progress: Progress | None) -> Current:
+                   progress: Progress | None, changes: dict[str, Changes] | None = None,
+                   parent: int | None = None) -> Current:
         staging = self.root / f".staging-{m.artifact}"
         for stale in [*self.staging(), *self.root.glob(".prep-*")]:
             if stale != staging:
@@ -146,11 +162,17 @@ class WeightsDir:
         if (staging / ADVANCE).is_file() and not resumed:
             plan = json.loads((staging / ADVANCE).read_text())
             fill.in_place(self._steps(plan["from"], cur), _info_or_none(staging))
-        fill.run([BlockReader.of_blocks(b, get_block) for b in m.substreams], resumed)
+        if changes is None:
+            fill.run([BlockReader.of_blocks(b, get_block) for b in m.substreams], resumed)
+        else:
+            fill.run_changes(changes, resumed)
         if state_digest({t.name: t.digest for t in m.tensors}) != m.state_digest:
             raise ChainError(f"{m.artifact}: state digest mismatch")
         mode = _file_mode(staging)
-        write_changes(staging, m.version, fill.changes, mode)
+        # changes merged over several versions are not the step from m.version - 1: record
+        # none, so a later bring-forward copies whole tensors instead of trusting them
+        one_step = parent is None or parent == m.version - 1
+        write_changes(staging, m.version, fill.changes if one_step else {}, mode)
         _write_files(staging, m, get_block, mode)
         write_info(staging, VersionInfo(m.version, m.state_digest, m.run,
                                         {t.name: t.digest for t in m.tensors}), mode)

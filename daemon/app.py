@@ -315,14 +315,36 @@ async def weights_current(request: web.Request) -> web.Response:
     after = int_param(request, "after", None, -1, 2**62)
     timeout = timeout_param(request, node.long_poll_timeout_s)
 
+    first = getattr(node.role, "syncer", None)
+    first = first.engine_first if first is not None else None
+
     def newer() -> bool:
         cur = node.role.current()
-        return node.stopping() or (cur is not None and cur["version"] > after)
+        top = first.verified() if first is not None else None
+        have = max(-1 if cur is None else cur["version"], -1 if top is None else top.patch.version)
+        return node.stopping() or have > after
 
     if after is not None:
         await node.board.wait(newer, timeout)
-    return web.json_response(node.role.current() or {"version": None, "state_digest": None,
-                                                "path": None})
+    doc = node.role.current() or {"version": None, "state_digest": None, "path": None}
+    # engine first: versions verified and patched but not yet on disk (daemon/engine_first.py)
+    return web.json_response({**doc, "serving": first.serving_doc() if first else None})
+
+
+async def engine_served(request: web.Request) -> web.Response:
+    """An engine that follows this daemon says it now generates with a version (and how:
+    "patch" or "load"); the status shows it per version (daemon/engine_first.py)."""
+    node = request.app[NODE]
+    try:
+        body = await request.json()
+        engine, version, how = str(body["engine"])[:100], int(body["version"]), str(body["how"])
+    except (ValueError, KeyError, TypeError):
+        raise web.HTTPBadRequest(text='{"error": "need {engine, version, how}"}',
+                                 content_type="application/json") from None
+    syncer = getattr(node.role, "syncer", None)
+    if syncer is not None and syncer.engine_first is not None:
+        syncer.engine_first.served(engine, version, how[:20])
+    return web.json_response({"ok": True})
 
 
 async def trajectories(request: web.Request) -> web.Response:
@@ -546,6 +568,7 @@ def build_app(node: Parts) -> web.Application:
         web.get("/v1/chain/torrents/{artifact}", chain_torrent),
         web.get("/v1/weights/current", weights_current),
         web.post("/v1/trajectories", trajectories),
+        web.post("/v1/engine/served", engine_served),
         web.post("/v1/publish", publish),
         web.get("/v1/peers", peers_list),
         web.post("/v1/peers", peers_announce),

@@ -123,6 +123,13 @@ class SyncConfig(_Section):
     every peer it knows, or `head_wait_s`), so it plans once toward the real head."""
     head_wait_s: float = Field(3.0, ge=0, le=600)
     """Longest wait for `head_quorum` after the first head reply."""
+    engine_first: bool = True
+    """A verified delta goes to the engines as one patch file (their live weights patched in
+    place) before the directory on disk is brought forward (daemon/engine_first.py)."""
+    disk_batch_versions: int = Field(4, ge=1, le=1000)
+    """Engine first: bring the disk forward once this many versions wait (one pass for all)."""
+    disk_idle_s: float = Field(1.0, ge=0, le=3600)
+    """Engine first: or once no new version was verified for this long."""
 
 
 class BanConfig(_Section):

@@ -1,11 +1,18 @@
 """Telling the local inference engine that a new verified version is current.
 
-One small seam, `EngineHook.notify(version, path, state_digest)`, chosen by the config's
+One small seam, `EngineHook.notify(version, path, state_digest, patch=None)`, chosen by the config's
 `engine.type`: none, an HTTP POST, a command, or a vLLM server: through vLLM's weight-transfer
 API and the `deltaswarm` backend (daemon/engine_vllm.py, `transfer: backend`), or for older
 vLLM by running `python -m rollout.vllm_server reload …` (`transfer: reload`, a process
 boundary rather than an import).
 Failures are retried a few times, then counted; they never stop the sync.
+
+Engine first (daemon/engine_first.py): a hook whose `takes_patches` is true is told each
+verified version as soon as its patch file (chain/patchfile.py) is written, before the
+directory `path` exists, and patches its live weights from it (the patch names its parent
+version; an engine elsewhere waits for `path`); it is told a version on disk only if it has not
+served it. Other hooks are told versions on disk, as before; http and command hooks also get
+the patch path when there is one ("patch" in the body, DELTASWARM_PATCH).
 """
 
 import asyncio
@@ -29,12 +36,21 @@ class HookFailed(RuntimeError):
 
 
 class EngineHook(Protocol):
-    async def notify(self, version: int, path: Path, state_digest: str) -> None: ...
+    async def notify(self, version: int, path: Path, state_digest: str,
+                     patch: Path | None = None) -> None: ...
     async def close(self) -> None: ...
 
 
+def takes_patches(hook: object) -> bool:
+    """Does this hook want each version as a patch, before its directory is on disk?"""
+    return bool(getattr(hook, "takes_patches", False))
+
+
 class NullHook:
-    async def notify(self, version: int, path: Path, state_digest: str) -> None:
+    takes_patches = True  # nothing to tell: its "engine" serves at once
+
+    async def notify(self, version: int, path: Path, state_digest: str,
+                     patch: Path | None = None) -> None:
         return None
 
     async def close(self) -> None:
@@ -47,8 +63,11 @@ class HttpNotifyHook:
         self.session = session
         self.headers = {"Authorization": f"Bearer {token}"}
 
-    async def notify(self, version: int, path: Path, state_digest: str) -> None:
+    async def notify(self, version: int, path: Path, state_digest: str,
+                     patch: Path | None = None) -> None:
         body = {"version": version, "path": str(path), "state_digest": state_digest}
+        if patch is not None:
+            body["patch"] = str(patch)
         async with self.session.post(self.cfg.url, json=body, headers=self.headers,
                                      timeout=aiohttp.ClientTimeout(total=self.cfg.timeout_s)) as r:
             if r.status >= 300:
@@ -63,11 +82,14 @@ class CommandNotifyHook:
     def __init__(self, cfg: CommandHook) -> None:
         self.cfg = cfg
 
-    async def notify(self, version: int, path: Path, state_digest: str) -> None:
-        values = {"version": str(version), "path": str(path), "state_digest": state_digest}
+    async def notify(self, version: int, path: Path, state_digest: str,
+                     patch: Path | None = None) -> None:
+        values = {"version": str(version), "path": str(path), "state_digest": state_digest,
+                  "patch": "" if patch is None else str(patch)}
         argv = [a.format_map(values) if "{" in a else a for a in self.cfg.argv]
         env = {**os.environ, "DELTASWARM_VERSION": values["version"],
-               "DELTASWARM_PATH": values["path"], "DELTASWARM_STATE_DIGEST": state_digest}
+               "DELTASWARM_PATH": values["path"], "DELTASWARM_STATE_DIGEST": state_digest,
+               "DELTASWARM_PATCH": values["patch"]}
         proc = await asyncio.create_subprocess_exec(
             *argv, env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
         try:
@@ -128,12 +150,16 @@ class Notifier:
         self.last_ok_at: float | None = None
         self.last_error_at: float | None = None
 
-    async def notify(self, version: int, path: Path, state_digest: str) -> bool:
+    async def notify(self, version: int, path: Path, state_digest: str,
+                     patch: Path | None = None) -> bool:
         delay = 0.5
         for attempt in range(1, self.attempts + 1):
             t0 = time.monotonic()
             try:
-                await self.hook.notify(version, path, state_digest)
+                if patch is None:
+                    await self.hook.notify(version, path, state_digest)
+                else:
+                    await self.hook.notify(version, path, state_digest, patch=patch)
             except Exception as e:  # an engine failure must never stop the sync loop
                 self.last_error = f"v{version}: {type(e).__name__}: {e}"[:400]
                 self.last_error_at = time.time()

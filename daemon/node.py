@@ -42,9 +42,10 @@ from daemon.asking import HeadWatcher, prove_loop
 from daemon.bans import BanList, BanRecord
 from daemon.board import Board
 from daemon.config import Config, ConfigError, load_config
+from daemon.engine_first import EngineFirst
 from daemon.fleet import FleetBoard
 from daemon.fleet_link import FleetParts, Reporter, Verifier
-from daemon.hooks import Notifier, build_hook
+from daemon.hooks import Notifier, build_hook, takes_patches
 from daemon.identity import Identities
 from daemon.intake import Intake
 from daemon.live import LiveNodes
@@ -204,9 +205,14 @@ class Node:
         if cfg.role == "trainer":
             return TrainerRole(Seeder(self.store, self.artifacts, self.board, keeper),
                                self.store)
+        first = EngineFirst(self.weights, self.paths.root / "patches",
+                            lambda b: self.store.blocks.get(b.id, b.size),
+                            enabled=cfg.sync.engine_first, batch=cfg.sync.disk_batch_versions,
+                            idle_s=cfg.sync.disk_idle_s)
         syncer = Syncer(store=self.store, weights=self.weights, book=self.book,
                         client=self.client, artifacts=self.artifacts, board=self.board,
-                        notify=self._notify, keeper=keeper, settings=cfg.sync)
+                        notify=self._notify, keeper=keeper, settings=cfg.sync,
+                        engine_first=first)
 
         def poller() -> dict[str, str]:
             have = syncer.current_version()
@@ -303,9 +309,23 @@ class Node:
             raise LookupError(f"the engine hook ({self.cfg.engine.type}) has no weight check")
         return await run()
 
-    async def _notify(self, version: int, path: Path, digest: str) -> None:
-        if self.notifier is not None:
-            await self.notifier.notify(version, path, digest)
+    async def _notify(self, version: int, path: Path, digest: str,
+                      patch: Path | None = None) -> None:
+        """A hook that takes patches gets each version as its patch (engine first) and a
+        version on disk only if it has not served it; any other hook gets versions on disk."""
+        n = self.notifier
+        if n is None:
+            return
+        patches = takes_patches(n.hook)
+        if patch is not None and not patches:
+            return
+        if patch is None and patches and (n.last_version or -1) >= version:
+            return
+        if await n.notify(version, path, digest, patch) and n.kind != "none":
+            syncer = self.role.syncer
+            if syncer is not None and syncer.engine_first is not None:
+                syncer.engine_first.served(f"hook:{n.kind}", version,
+                                           "patch" if patch is not None else "load")
 
     def bt_advertised(self) -> str:
         host, port = self.book.self_bt

@@ -88,7 +88,8 @@ class RegionRole:
     async def start(self, spawn: Spawn) -> None:
         await asyncio.to_thread(self.artifacts.reseed, self.store)
         self._tasks = [spawn(self.watcher.run(), "heads"),
-                       spawn(self.syncer.notify_loop(), "notify")]
+                       spawn(self.syncer.notify_loop(), "notify"),
+                       spawn(self.syncer.disk_loop(), "disk")]
         self._loop = spawn(self.syncer.run(), "sync")
 
     async def serving(self) -> None:

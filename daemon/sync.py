@@ -41,12 +41,13 @@ from chain.errors import (
 )
 from chain.manifest import BlockEntry, Manifest, parse_artifact
 from chain.store import ChainStore
-from chain.weights import WeightsDir
+from chain.weights import Current, WeightsDir
 from daemon import torrents
 from daemon.artifacts import Artifacts
 from daemon.asking import HeadQuorum, first_good
 from daemon.board import Board
 from daemon.config import SyncConfig
+from daemon.engine_first import EngineFirst
 from daemon.holders import Holders
 from daemon.peer_client import BadReply, PeerClient, PeerError, torrent_cap
 from daemon.peers import BadPeer, Peer, PeerBook, check_node, parse_endpoint
@@ -55,7 +56,8 @@ from daemon.retain import Keeper
 from daemon.swarm import SwarmError
 
 log = logging.getLogger("deltaswarm.sync")
-Notify = Callable[[int, Path, str], Awaitable[object]]
+Notify = Callable[..., Awaitable[object]]
+"""(version, path, state_digest, patch: Path | None): the engines, patch first (engine_first)."""
 PROGRESS_CHECK_S = 0.5
 """A download's periodic checks (stall, holders to dial); completion itself wakes it at once."""
 
@@ -78,7 +80,8 @@ class Syncer:
 
     def __init__(self, *, store: ChainStore, weights: WeightsDir, book: PeerBook,
                  client: PeerClient, artifacts: Artifacts, board: Board, notify: Notify,
-                 keeper: Keeper, settings: SyncConfig) -> None:
+                 keeper: Keeper, settings: SyncConfig,
+                 engine_first: EngineFirst | None = None) -> None:
         self.store = store
         self.weights = weights
         self.book = book
@@ -100,7 +103,9 @@ class Syncer:
         self.bytes_saved = 0
         self.applying: dict | None = None
         self.last_error = ""
-        self._notify_pending: tuple[int, Path, str] | None = None
+        self._notify_pending: tuple[int, Path, str, Path | None] | None = None
+        self._notify_disk: tuple[int, Path, str, None] | None = None
+        self.engine_first = engine_first
         self._notify_wake = asyncio.Event()
         self.holders = Holders(settings)
         self.heads = HeadQuorum(settings.head_quorum, settings.head_wait_s)
@@ -144,6 +149,10 @@ class Syncer:
         self.wake.set()
 
     def current_version(self) -> int | None:
+        """The newest verified version: patched into the engines (engine first) or on disk."""
+        top = self.engine_first.verified() if self.engine_first is not None else None
+        if top is not None:
+            return top.patch.version
         cur = self.weights.current()
         return None if cur is None else cur.version
 
@@ -478,7 +487,22 @@ class Syncer:
             return self.store.blocks.get(b.id, b.size)
 
         t0 = time.monotonic()
+        ef = self.engine_first
         try:
+            if ef is not None:
+                first = await ef.decode(m, progress)
+                if first is not None:
+                    self._applied(m, time.monotonic() - t0)
+                    log.info("v%d verified and patched (%s, %d changes, %.2fs); disk follows",
+                             m.version, m.artifact, first.patch.elements,
+                             time.monotonic() - t0)
+                    await self.board.bump()
+                    self._notify_pending = (m.version, self.weights.path(m.version),
+                                            m.state_digest, first.path)
+                    self._notify_wake.set()
+                    return
+                await ef.catch_up(progress)  # a snapshot or reshape applies over the newest
+                t0 = time.monotonic()
             current = await asyncio.to_thread(self.weights.apply, [m], get_block, progress)
         except Abandoned:
             log.info("apply of %s abandoned for shutdown; the journal resumes it", m.artifact)
@@ -489,24 +513,46 @@ class Syncer:
         finally:
             self.applying = None
         seconds = time.monotonic() - t0
+        self._applied(m, seconds)
+        log.info("v%d current (%s, digest %s…, %.2fs)", current.version, m.artifact,
+                 current.state_digest[:12], seconds)
+        await self.on_disk(current)
+
+    def _applied(self, m: Manifest, seconds: float) -> None:
         full = sum(t.nbytes for t in m.tensors) + sum(f.size for f in m.files)
         if m.kind == "delta":
             self.bytes_saved += max(0, full - m.payload_bytes)
         self.applied.append({"artifact": m.artifact, "version": m.version,
                              "bytes": m.payload_bytes, "full_bytes": full,
                              "apply_seconds": round(seconds, 3), "time": round(time.time(), 3)})
-        log.info("v%d current (%s, digest %s…, %.2fs)", current.version, m.artifact,
-                 current.state_digest[:12], seconds)
+
+    async def on_disk(self, current: Current) -> None:
+        """A version is current on disk: wake the long-polls, tell the engines its path."""
         await self.board.bump()
-        self._notify_pending = (current.version, current.path, current.state_digest)
+        self._notify_disk = (current.version, current.path, current.state_digest, None)
         self._notify_wake.set()
 
+    async def disk_loop(self) -> None:
+        """Engine first: the disk catch-up, off the sync loop (daemon/engine_first.py)."""
+        if self.engine_first is None:
+            return
+
+        def progress(artifact: str, done: int, total: int) -> None:
+            if self.stopping:
+                raise Abandoned(f"stopping during the disk catch-up to {artifact}")
+
+        await self.engine_first.loop(progress, self.on_disk)
+
     async def notify_loop(self) -> None:
-        """Tell the engine about the newest current version (latest wins, in order)."""
+        """Tell the engines about the newest version on disk, then the newest patch (latest
+        wins, in order)."""
         while True:
             await self._notify_wake.wait()
             self._notify_wake.clear()
+            disk, self._notify_disk = self._notify_disk, None
             pending, self._notify_pending = self._notify_pending, None
+            if disk is not None:
+                await self.notify(*disk)
             if pending is not None:
                 await self.notify(*pending)
 
@@ -516,6 +562,8 @@ class Syncer:
         counted), the current version, and what is downloading or planned."""
         cur = self.current_version()
         protect = set(self.downloads) | set(self.plan_now)
+        if self.engine_first is not None:  # what the disk still needs to reach `cur`
+            protect |= self.engine_first.protected()
         if cur is not None:
             protect |= {a for a in self.store.artifacts() if parse_artifact(a)[0] == cur}
         dropped = await asyncio.to_thread(self.keeper.run, protect, [cur])
@@ -547,7 +595,8 @@ class Syncer:
                 "failures": dict(self.failures),
                 "applied": list(self.applied), "bytes_saved": self.bytes_saved,
                 "applying": self.applying, "transfers": dict(self.transfers),
-                "last_error": self.last_error}
+                "last_error": self.last_error,
+                "engine_first": self.engine_first.status() if self.engine_first else None}
 
 
 def refusal_kind(err: BadManifest) -> str:

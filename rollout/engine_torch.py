@@ -3,20 +3,46 @@ sampling loop, so it records the exact log-probability of each sampled token.
 
 Weights are loaded from an HF directory (bf16 on disk, run in fp32 by default). A new version
 is copied into the existing module's parameters: no re-initialisation, no new module.
+
+Engine first (daemon/engine_first.py): `apply_patch` takes a version as the region's patch file
+(chain/patchfile.py) and writes only the changed elements into the live parameters (index_put
+on the flat view). The engine keeps each tensor's digest (VERSION.json of the directory it
+loaded, then moved by each patch) and checks every patched tensor from the words it touched,
+read back from the live parameter in the checkpoint's dtype (chain.lanehash, additive): a patch
+that does not land exactly leaves the engine without a version, so it reloads a directory.
 """
 
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
+from chain import lanehash
+from chain.digest import state_digest
+from chain.dtypes import lookup
+from chain.errors import ChainError
+from chain.patchfile import TensorPatch, read_patch
+from chain.versiondir import BadVersionDir, read_info
 from rollout.engine import Completion
+
+_SIGNED = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 class EngineLoadError(ValueError):
     """An HF directory that cannot be loaded into this engine; the message says why."""
+
+
+class PatchRefused(ValueError):
+    """A patch this engine cannot take as it stands (other parent, unknown tensor, no digests):
+    nothing was written; load the version's directory instead."""
+
+
+class PatchMismatch(ValueError):
+    """A patch was written but the live weights do not match its digests: the engine has no
+    version now and must reload a directory."""
 
 
 class TorchEngine:
@@ -28,6 +54,9 @@ class TorchEngine:
         self.tokenizer = None
         self._version: int | None = None
         self.loads = 0
+        self.patches = 0
+        self.digests: dict[str, str] | None = None
+        """Each tensor's digest in the checkpoint's dtype (None: unknown, patches refused)."""
         if path is not None:
             self.load_version(path, 0 if version is None else version)
 
@@ -48,6 +77,88 @@ class TorchEngine:
             self._copy_weights(path)
         self._version = version
         self.loads += 1
+        try:
+            info = read_info(path)
+            self.digests = dict(info.tensors) if info.version == version else None
+        except BadVersionDir:
+            self.digests = None
+
+    def apply_patch(self, path: str | Path) -> int:
+        """Patch the live weights from a patch file to its version; returns the elements
+        written. PatchRefused (nothing written) or PatchMismatch (version dropped)."""
+        try:
+            patch = read_patch(Path(path))
+        except ChainError as e:
+            raise PatchRefused(str(e)) from None
+        if self.model is None or self._version is None or self._version != patch.parent:
+            raise PatchRefused(f"patch v{patch.version} is over v{patch.parent}; the engine is "
+                               f"at {self._version}")
+        if self.digests is None:
+            raise PatchRefused("the engine does not know its tensors' digests (loaded without "
+                               "VERSION.json)")
+        params = self.model.state_dict()
+        for t in patch.tensors:
+            p = params.get(t.name)
+            if p is None or list(p.shape) != list(t.shape) or not p.is_contiguous():
+                raise PatchRefused(f"patch tensor {t.name} does not fit the loaded model")
+            if self.digests.get(t.name) != t.parent_digest:
+                raise PatchRefused(f"patch v{patch.version} expects another {t.name} than the "
+                                   "engine holds")
+        digests = dict(self.digests)
+        self._version = None  # until every tensor is checked
+        with torch.no_grad():
+            for t in patch.tensors:
+                digests[t.name] = self._patch_one(params[t.name], t)
+                if digests[t.name] != t.digest:
+                    raise PatchMismatch(f"{t.name} does not match patch v{patch.version}'s "
+                                        "digest after patching; reload a directory")
+        if state_digest(digests) != patch.state_digest:
+            raise PatchMismatch(f"the state after patch v{patch.version} does not match its "
+                                "state digest; reload a directory")
+        self.digests = digests
+        self._version = patch.version
+        self.patches += 1
+        return patch.elements
+
+    def _patch_one(self, param: torch.Tensor, t: TensorPatch) -> str:
+        """Write t's values into `param` in place; its new digest, from the touched words
+        read back (in the checkpoint dtype) before and after."""
+        flat = param.view(-1)
+        ck = lookup(t.dtype)
+        if param.device.type == "cpu":  # one pass over the changes, in place (chain.lanehash)
+            signed = _SIGNED[param.element_size()]
+            if param.dtype == ck.torch_dtype:
+                bits = flat.view(signed).numpy().view(ck.uint)
+                return lanehash.add(t.parent_digest,
+                                    lanehash.moved_by_put(bits, t.indices, t.values))
+            if param.dtype == torch.float32 and t.dtype == "bfloat16":
+                bits = flat.view(torch.int32).numpy().view(np.uint32)
+                return lanehash.add(t.parent_digest,
+                                    lanehash.moved_by_put_wide(bits, t.indices, t.values, 16))
+        sh, _ = lanehash.word_layout(t.values)
+        per = 1 << sh
+        w = t.indices >> sh  # ascending (read_patch checks nothing more: dups are harmless)
+        widx = w[np.concatenate(([True], w[1:] != w[:-1]))] if w.size else w
+        elems = (widx[:, None] << sh) + np.arange(per, dtype=np.int64)
+        whole = not elems.size or elems[-1, -1] < flat.numel()  # else the last word is short
+        valid = None if whole else elems < flat.numel()
+        where = torch.from_numpy(elems.reshape(-1) if whole else elems[valid])
+        signed = _SIGNED[ck.itemsize]
+
+        def words() -> np.ndarray:
+            live = flat[where].to(ck.torch_dtype).view(signed).numpy().view(ck.uint)
+            if whole:
+                return np.ascontiguousarray(live).view(np.uint64)
+            bits = np.zeros(elems.shape, ck.uint)
+            bits[valid] = live
+            return bits.view(np.uint64).reshape(-1)
+
+        old = words()
+        values = torch.from_numpy(t.values.view(np.dtype(f"i{ck.itemsize}")))
+        flat.index_copy_(0, torch.from_numpy(t.indices), values.view(ck.torch_dtype)
+                         .to(param.dtype))
+        new = words()
+        return lanehash.add(t.parent_digest, lanehash.moved_by_words(widx, old, new))
 
     def _copy_weights(self, path: Path) -> None:
         files = sorted(path.glob("*.safetensors"))

@@ -2,7 +2,11 @@ r"""The rollout worker: follow the local daemon's verified weights, generate gro
 completions, score them with the task, and post them as trajectories to the daemon's spool.
 
 Run: python -m rollout.worker --daemon http://127.0.0.1:7001 --token T --region eu
-A new version is loaded between batches. Posts retry with the same body (same ids) on
+A new version is loaded between batches: as the daemon's patch files while the daemon serves a
+version ahead of its disk (engine first: `serving.patches` of /v1/weights/current, applied in
+place by an engine with `apply_patch`, each reported to POST /v1/engine/served), else from the
+verified directory on disk (and a restarted worker loads the disk version, then the patches).
+Posts retry with the same body (same ids) on
 connection errors and 5xx, wait out 429 + Retry-After, and stop on a rejected request.
 SIGTERM/SIGINT: finish delivering the current batch (bounded by --drain-s), then exit 0;
 a second signal exits at once.
@@ -83,10 +87,15 @@ class RolloutWorker:
         self.task = task
         self.stop = asyncio.Event()
         self.latest: tuple[int, str] | None = None
+        """The newest verified version on the daemon's disk, and its directory."""
+        self.serving: dict | None = None
+        """Engine first: the versions verified past the disk, as patch files (daemon side)."""
+        self.seen = -1
         self._new_version = asyncio.Event()
         self._stop_at: float | None = None
         self.stats = {"batches": 0, "posted": 0, "retries": 0, "pushbacks": 0, "loads": 0,
-                      "undelivered": 0, "clamped_logprobs": 0, "dropped_invalid": 0}
+                      "undelivered": 0, "clamped_logprobs": 0, "dropped_invalid": 0,
+                      "patches": 0, "patch_failures": 0}
         self.pacing = {"generated": 0, "waits": 0}
         self._pace_from: int | None = None
 
@@ -117,21 +126,15 @@ class RolloutWorker:
             await self._paced()
             if self.stop.is_set():
                 return
-            if self.latest is None or self.latest[0] != self.engine.version:
-                if self.latest is None:
+            if self.seen != self.engine.version:
+                if self.latest is None and self.engine.version is None:
                     await self._wait_any(self._new_version.wait())
                     continue
-                version, path = self.latest
-                try:
-                    await asyncio.to_thread(self.engine.load_version, path, version)
-                    self.stats["loads"] += 1
-                    log.info("loaded version %d from %s", version, path)
-                except (OSError, ValueError) as e:
-                    log.error("cannot load version %d from %s: %s", version, path, e)
-                    if self.engine.version is None:
-                        self._new_version.clear()
-                        await self._wait_any(self._new_version.wait())
-                        continue
+                await self._follow(session)
+                if self.engine.version is None:
+                    self._new_version.clear()
+                    await self._wait_any(self._new_version.wait())
+                    continue
             self.pacing["generated"] += cfg.prompts_per_batch * cfg.group_size
             prompts = self.task.sample_prompts(rng, cfg.prompts_per_batch)
             seed = rng.getrandbits(63)
@@ -144,16 +147,67 @@ class RolloutWorker:
                 await self._post(session, trajs)
             self.stats["batches"] += 1
 
+    async def _follow(self, session: aiohttp.ClientSession) -> None:
+        """Bring the engine to the newest verified version: patches from its own version
+        where the daemon has them, else the directory on disk, then patches from there."""
+        await self._patches(session)
+        have = self.engine.version
+        if self.latest is not None and (have is None or have < self.latest[0]):
+            version, path = self.latest
+            try:
+                await asyncio.to_thread(self.engine.load_version, path, version)
+                self.stats["loads"] += 1
+                log.info("loaded version %d from %s", version, path)
+                await self._served(session, version, "load")
+            except (OSError, ValueError) as e:
+                log.error("cannot load version %d from %s: %s", version, path, e)
+            await self._patches(session)
+
+    async def _patches(self, session: aiohttp.ClientSession) -> None:
+        apply = getattr(self.engine, "apply_patch", None)
+        serving = self.serving
+        if apply is None or serving is None:
+            return
+        for p in serving.get("patches") or []:
+            have = self.engine.version
+            if have is None or p["version"] <= have:
+                continue
+            if p["parent"] != have:
+                return
+            t0 = time.monotonic()
+            try:
+                await asyncio.to_thread(apply, p["path"])
+            except (OSError, ValueError) as e:  # refused or mismatched: a directory follows
+                self.stats["patch_failures"] += 1
+                log.warning("patch v%s not applied (%s); waiting for its directory",
+                            p["version"], e)
+                return
+            self.stats["patches"] += 1
+            log.info("patched to version %d from %s in %.2fs", p["version"], p["path"],
+                     time.monotonic() - t0)
+            await self._served(session, p["version"], "patch")
+
+    async def _served(self, session: aiohttp.ClientSession, version: int, how: str) -> None:
+        """Tell the daemon this engine now generates with `version` (its status shows it)."""
+        url = f"{self.config.daemon.rstrip('/')}/v1/engine/served"
+        try:
+            async with session.post(url, json={"engine": self.config.worker, "version": version,
+                                               "how": how},
+                                    timeout=aiohttp.ClientTimeout(total=5)) as r:
+                await r.read()
+        except (aiohttp.ClientError, TimeoutError) as e:
+            log.info("could not report serving v%d: %s", version, e)
+
     def has_credit(self) -> bool:
         """Pacing: may another batch start? Each version seen since the first grants
         `pace_per_version` trajectories, plus `pace_ahead` versions' worth up front; a batch
         starts while the worker is under its credit (so the first always does)."""
         cfg = self.config
-        if cfg.pace_per_version is None or self.latest is None:
+        if cfg.pace_per_version is None or self.seen < 0:
             return True
         if self._pace_from is None:
-            self._pace_from = self.latest[0]
-        versions = self.latest[0] - self._pace_from + 1 + cfg.pace_ahead
+            self._pace_from = self.seen
+        versions = self.seen - self._pace_from + 1 + cfg.pace_ahead
         return self.pacing["generated"] < cfg.pace_per_version * versions
 
     async def _paced(self) -> None:
@@ -184,7 +238,9 @@ class RolloutWorker:
         backoff = 0.2
         timeout = aiohttp.ClientTimeout(total=cfg.poll_timeout_s + 15)
         while True:
-            after = -1 if self.latest is None else self.latest[0]
+            # an engine that could not follow the patches waits for the disk to catch up
+            behind = self.engine.version != self.seen and self.latest is not None
+            after = self.latest[0] if behind else self.seen
             try:
                 async with session.get(url, params={"after": after,
                                                     "timeout": cfg.poll_timeout_s},
@@ -200,9 +256,19 @@ class RolloutWorker:
                 backoff = min(backoff * 2, cfg.retry_max_s)
                 continue
             version = body.get("version") if isinstance(body, dict) else None
+            serving = body.get("serving") if isinstance(body, dict) else None
+            serving = serving if isinstance(serving, dict) else None
+            top = max(version if isinstance(version, int) else -1,
+                      serving["version"] if serving and isinstance(serving.get("version"), int)
+                      else -1)
             if isinstance(version, int) and (self.latest is None or version > self.latest[0]):
                 self.latest = (version, str(body["path"]))
                 self._new_version.set()
+            if top > self.seen:
+                self.serving, self.seen = serving, top
+                self._new_version.set()
+            elif behind:
+                await asyncio.sleep(0.5)
 
     def _drain_left(self) -> float | None:
         if self._stop_at is None:

@@ -1,0 +1,158 @@
+"""Decoding a delta once into a verified Patch: the engine-first path's first step.
+
+A region whose version's blocks have verified decodes the delta here, against its newest
+version on disk (read-only) overlaid with the patches of the versions verified since but not yet
+written (the decoder needs the exact parent values: positions are ranks within exponent
+contexts). Every tensor's new digest follows from its parent digest and the words the changes
+touch (chain.lanehash, nothing written), and the state digest is checked, so the Patch handed to
+the engines is as verified as a reconstructed directory. Full records become changes too (the
+positions that differ from the parent), so a patch stays O(changes).
+
+The same changes then bring the directory on disk forward later (chain.weights.WeightsDir
+.apply_changes, merged over several versions by `merge`), never decoding twice.
+"""
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from chain import codec, lanehash
+from chain.digest import state_digest
+from chain.dtypes import BY_NAME
+from chain.errors import BadDelta, ChainError, DigestMismatch
+from chain.fill import Fill, _Item
+from chain.manifest import Manifest
+from chain.patchfile import Patch, TensorPatch
+from chain.safetensors_io import TensorFiles
+from chain.stream import BlockReader
+from chain.weights import GetBlock
+
+
+class NotPatchable(ChainError):
+    """This artifact cannot become a patch over the version on disk (a snapshot, or tensors
+    added, dropped or reshaped): the region reconstructs the directory first instead."""
+
+
+class _Buffers:
+    """Where full records land: one buffer per tensor, held until its batch is done."""
+
+    def __init__(self, manifest: Manifest) -> None:
+        self.entries = {t.name: t for t in manifest.tensors}
+        self.held: dict[str, np.ndarray] = {}
+
+    def bits(self, name: str) -> np.ndarray:
+        if name not in self.held:
+            t = self.entries[name]
+            self.held[name] = np.empty(t.numel, BY_NAME[t.dtype].uint)
+        return self.held[name]
+
+    def release(self, name: str) -> None:
+        self.held.pop(name, None)
+
+    def prefault(self, name: str) -> None:
+        return None
+
+
+class _Decode(Fill):
+    """Fill's record reading and decoding, but nothing written: each tensor ends as a
+    TensorPatch checked against its manifest digest."""
+
+    def __init__(self, m: Manifest, base: TensorFiles, digests: dict[str, str],
+                 overlay: dict[str, list[TensorPatch]]) -> None:
+        super().__init__(_Buffers(m), m.tensors, m.artifact, base, digests)  # type: ignore
+        self.overlay = overlay
+        self.olds: dict[str, np.ndarray] = {}
+        self.out_patches: list[TensorPatch] = []
+
+    def _base_of(self, t):
+        arr = self.olds.get(t.name)
+        if arr is None:
+            arr = super()._base_of(t)
+            layers = self.overlay.get(t.name)
+            if layers:
+                arr = arr.copy()
+                for p in layers:
+                    arr[p.indices] = p.values
+            self.olds[t.name] = arr
+        return arr
+
+    def _batch(self, batch: list[_Item]) -> None:
+        self._decode(batch)
+        for it in batch:
+            t = it.t
+            if it.op == "full":
+                new = self.out.bits(t.name)
+                old = self._base_of(t)
+                pos = np.flatnonzero(old != new).astype(np.int64)
+                ch = codec.Changes(pos, new[pos])
+            elif it.changes is not None:
+                ch = it.changes
+            else:
+                ch = None
+            parent = self.base_digests[t.name]
+            if ch is None or not ch.pos.size:
+                digest = parent
+            else:
+                digest = lanehash.add(parent, lanehash.moved_by_changes(self._base_of(t),
+                                                                        ch.pos, ch.val))
+            if digest != t.digest:
+                raise DigestMismatch(f"tensor {t.name} of {self.what} does not match its digest "
+                                     "after decoding; the artifact is bad and was not applied")
+            if ch is not None and ch.pos.size:
+                self.out_patches.append(TensorPatch(
+                    t.name, t.dtype, list(t.shape), np.ascontiguousarray(ch.pos, np.int64),
+                    np.ascontiguousarray(ch.val), parent, digest))
+            self.out.release(t.name)
+            self.olds.pop(t.name, None)
+            if t.name in self.base.slots:
+                self.base.release(t.name)
+
+
+def decode_patch(m: Manifest, base: TensorFiles, base_version: int, base_digests: dict[str, str],
+                 overlay: Sequence[Patch], get_block: GetBlock) -> Patch:
+    """The verified Patch that delta `m` makes over version `base_version` (in `base`, whose
+    tensor digests are `base_digests`) followed by the `overlay` patches, in order.
+    NotPatchable if `m` is no such delta; BadDelta/DigestMismatch if it does not verify."""
+    parent = overlay[-1].version if overlay else base_version
+    if m.kind != "delta" or m.version != parent + 1:
+        raise NotPatchable(f"{m.artifact} is not a delta over v{parent}")
+    if {n: (s.dtype, list(s.shape)) for n, s in base.slots.items()} != \
+            {t.name: (t.dtype, list(t.shape)) for t in m.tensors}:
+        raise NotPatchable(f"{m.artifact} adds, drops or reshapes tensors")
+    digests = dict(base_digests)
+    layers: dict[str, list[TensorPatch]] = {}
+    for p in overlay:
+        for t in p.tensors:
+            if digests.get(t.name) != t.parent_digest:
+                raise ChainError(f"patch v{p.version} does not follow the version before it "
+                                 f"at {t.name}")
+            digests[t.name] = t.digest
+            layers.setdefault(t.name, []).append(t)
+    parent_state = state_digest(digests)
+    if parent_state != m.parent.state_digest:
+        raise DigestMismatch(f"{m.artifact}'s parent digest differs from v{parent}'s")
+    dec = _Decode(m, base, digests, layers)
+    dec.run([BlockReader.of_blocks(b, get_block) for b in m.substreams])
+    if state_digest({t.name: t.digest for t in m.tensors}) != m.state_digest:
+        raise BadDelta(f"{m.artifact}: state digest mismatch")
+    return Patch(m.version, parent, parent_state, m.state_digest, dec.out_patches)
+
+
+def merge(patches: Sequence[Patch]) -> dict[str, codec.Changes]:
+    """The changes of several consecutive patches as one set per tensor (the later wins)."""
+    by: dict[str, list[TensorPatch]] = {}
+    for p in patches:
+        for t in p.tensors:
+            by.setdefault(t.name, []).append(t)
+    out = {}
+    for name, ts in by.items():
+        if len(ts) == 1:
+            out[name] = codec.Changes(ts[0].indices, ts[0].values)
+            continue
+        pos = np.concatenate([t.indices for t in ts])
+        val = np.concatenate([t.values for t in ts])
+        # the last write of each position wins: unique over the reversed order
+        rpos = pos[::-1]
+        keep, first = np.unique(rpos, return_index=True)
+        out[name] = codec.Changes(keep.astype(np.int64), val[::-1][first])
+    return out
