@@ -178,6 +178,13 @@ def rules(t: Thresholds) -> dict:
               f"{who} refused manifests",
               f"{who} refused manifests in the last {ev} (unsigned, bad "
               "signature, replay, another run): a misconfigured or hostile peer."),
+        alert("DeltaswarmIdentityClaimsRefused",
+              per_node(f"increase(deltaswarm_identity_refused_claims_total[{ev}])") + " > 0",
+              "0m", "warning",
+              f"{who} refused a claim to a node name",
+              f"{who} refused a node name claimed with another key than the one pinned for "
+              f"it, in the last {ev}: a node whose state_dir was lost, or someone speaking for "
+              "a node it is not."),
         alert("DeltaswarmFleetReportsRefused",
               f"increase(deltaswarm_fleet_refused_entries_total[{ev}]) > 0", "0m", "warning",
               "{{ $labels.instance }} refused fleet report entries",
