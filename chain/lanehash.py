@@ -237,6 +237,7 @@ _sum_words = bind(sum_words, "sum_words")
 _diff_pairs = bind(diff_pairs, "diff_pairs")
 _pull_put = bind(pull_put, "pull_put")
 _put = bind(put, "put")
+_put_unwritten = bind(put_unwritten, "put_unwritten")
 _pull = bind(pull, "pull")
 fast_gather = bind(gather, "gather")
 
@@ -263,7 +264,7 @@ def moved_by_put_wide(target: np.ndarray, pos: np.ndarray, val: np.ndarray,
 
 def moved_by_changes(old: np.ndarray, pos: np.ndarray, val: np.ndarray) -> tuple[int, int]:
     """How writing `val` at sorted `pos` would move `old`'s digest; `old` is only read."""
-    return put_unwritten(old, words(old), pos, val, *word_layout(old))
+    return _put_unwritten(old, words(old), pos, val, *word_layout(old))
 
 
 def moved_between(old: np.ndarray, new: np.ndarray, pos: np.ndarray) -> tuple[int, int]:
