@@ -104,10 +104,6 @@ class VllmBackendHook:
     """pause → start → update_weights(version) → finish → read the verdict → (on a mismatch:
     another round in mode full) → reset prefix cache → resume."""
 
-    takes_patches = True
-    """Engine first: each verified version arrives as the region's patch file (daemon/hooks.py);
-    a version on disk only when the backend has not served it from its patch."""
-
     def __init__(self, cfg: VllmHook, session: aiohttp.ClientSession, state_dir: Path) -> None:
         self.cfg = cfg
         self.session = session

@@ -144,6 +144,7 @@ def test_a_paused_writer_keeps_its_blocks_past_the_ttl_and_a_killed_one_loses_th
     finally:
         p.kill()
         p.wait()
+        p.stdout.close()
     wait_until(lambda: not store.gc(Retention(versions=1)) and not leases(store.root), 10,
                "the dead writer's lease to be swept")
     assert not store.blocks.has(bid)

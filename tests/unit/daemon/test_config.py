@@ -39,7 +39,7 @@ def test_minimal_config_gets_documented_defaults(tmp_path: Path) -> None:
     assert cfg.engine.type == "none"
     assert cfg.trajectories.upstream is None
     assert cfg.bearer() == "secret-token"
-    assert cfg.http.url() == "http://127.0.0.1:8700"
+    assert cfg.http.url() == "http://127.0.0.1:7600"
 
 
 def test_unknown_field_is_named(tmp_path: Path) -> None:
