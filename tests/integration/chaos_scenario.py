@@ -152,7 +152,9 @@ def _drive(c: Cluster, p: Params, run: ChaosRun, sampler: Sampler,
     for v in range(1, p.final + 1):
         state = step(state, v, p.density)
         if v == p.trainer_kill_after:
-            _wait_regions_at(c, run.regions, v - 1, 5.0)  # only v's delta meets the throttle
+            # only v's delta meets the throttle: every region holds v-1 first (a loaded host
+            # took more than 5 s; then v-1 met the throttle too and no region was fetching v)
+            _wait_regions_at(c, run.regions, v - 1, 30.0)
             _set_uplink(trainer, p.throttle_rate)
         time.sleep(max(0.0, last + p.interval_s - time.monotonic()))
         out = pub.publish(v, state)
@@ -263,11 +265,11 @@ def _set_uplink(trainer: Daemon, rate: int) -> None:
 
 def _kill_trainer(c: Cluster, trainer: Daemon, v: int, run: ChaosRun,
                   note: Callable[[str], None]) -> None:
-    """kill -9 the trainer daemon once a region is fetching v's delta (or after 3 s), so the
+    """kill -9 the trainer daemon once a region is fetching v's delta (or after 10 s), so the
     delta exists only on the trainer; its config goes back to an open uplink for the restart."""
     art = artifact_name(v, "delta")
     fetching: dict[str, int] = {}
-    deadline = time.monotonic() + 3.0
+    deadline = time.monotonic() + 10.0
     while not fetching and time.monotonic() < deadline:
         for n in run.regions:
             with contextlib.suppress(OSError, ValueError):
