@@ -161,7 +161,7 @@ def test_a_named_pipe_config_neither_hangs_watch_nor_keeps_it_from_sigterm(tmp_p
     watcher = _start(["watch", str(ckpts), "--config", str(_config(tmp_path))], log)
     try:
         try:
-            wait_until(lambda: "step 1 refused" in log.read_text(), 60, "step 1 to be refused")
+            wait_until(lambda: "step 1 refused" in log.read_text(), 180, "step 1 to be refused")
         finally:  # refused or not (the old watcher hung in open()), SIGTERM must stop it
             watcher.send_signal(signal.SIGTERM)
             rc = watcher.wait(30)
