@@ -161,7 +161,9 @@ def test_a_named_pipe_config_neither_hangs_watch_nor_keeps_it_from_sigterm(tmp_p
     watcher = _start(["watch", str(ckpts), "--config", str(_config(tmp_path))], log)
     try:
         try:
-            wait_until(lambda: "step 1 refused" in log.read_text(), 180, "step 1 to be refused")
+            # the ledger, not the log line: the refusal is logged a moment before it is recorded
+            wait_until(lambda: _ledger(tmp_path).get("refused"), 60,
+                       "step 1 to be recorded refused")
         finally:  # refused or not (the old watcher hung in open()), SIGTERM must stop it
             watcher.send_signal(signal.SIGTERM)
             rc = watcher.wait(30)
