@@ -11,7 +11,7 @@ from rich.text import Text
 from demo.heldout import Score
 
 # The realistic case, measured by `make bench` (bench/codec.py: an 18.9 M-parameter Qwen2
-# trained like an RL policy at lr 1e-6, bf16 published per step; see README "Measured").
+# trained like an RL policy at lr 1e-6, bf16 published per step; see docs/MEASURED.md).
 BENCH_CASE = "codec bench, realistic RL (lr 1e-6): 1.2-1.6 % changed, 150-195x smaller"
 BENCH_RATIO = 170  # middle of the bench's 150-195x, drawn as a reference line in the PNG
 
