@@ -11,7 +11,7 @@ from this process (they stay in the page cache), so memory stays near one batch.
 """
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -71,15 +71,11 @@ class Fill:
     def run(self, reader: BlockReader | Sequence[BlockReader], resumed: bool = False) -> None:
         """Fill every tensor from `reader`: the artifact's record stream, or (format 3) its
         sub-streams, each in name order, whose records for one tensor may each cover a part."""
-        self.resumed = resumed
         readers = [reader] if isinstance(reader, BlockReader) else list(reader)
-        jpath = self.journal_path
-        done = set(jpath.read_text().split("\n")) if jpath and jpath.exists() else set()
         what = self.what
-        with open(jpath or os.devnull, "a") as self.journal:
-            batch: list[_Item] = []
-            size = 0
-            pending = [r.next_header() for r in readers]
+        pending = [r.next_header() for r in readers]
+
+        def items(done: set[str]) -> Iterator[_Item]:
             for i, t in enumerate(self.tensors):
                 item = _Item(i, t, t.name in done)
                 for s, r in enumerate(readers):
@@ -90,14 +86,41 @@ class Fill:
                         raise BadDelta(f"record for {pending[s].name!r} is not a tensor of "
                                        f"{what} or is out of order")
                 self._check_parts(item)
+                yield item
+
+        self._pass(items, resumed)
+        if any(p is not None for p in pending) or not all(r.at_end() for r in readers):
+            raise BadDelta(f"{what} has records after its last tensor")
+
+    def run_changes(self, changes: dict[str, codec.Changes], resumed: bool = False) -> None:
+        """Fill every tensor from changes already decoded and verified (the region's patches,
+        chain/decode.py) instead of a record stream: the same journaled, digest-checked pass."""
+
+        def items(done: set[str]) -> Iterator[_Item]:
+            for i, t in enumerate(self.tensors):
+                ch = changes.get(t.name)
+                if ch is not None:
+                    self._base_of(t)
+                yield _Item(i, t, t.name in done, None if ch is None else "delta", changes=ch)
+
+        self._pass(items, resumed)
+
+    def _pass(self, items: Callable[[set[str]], Iterator[_Item]], resumed: bool) -> None:
+        """The journaled pass both sources share: tensors the journal lists are done; the rest
+        go in batches of about BATCH elements."""
+        self.resumed = resumed
+        jpath = self.journal_path
+        done = set(jpath.read_text().split("\n")) if jpath and jpath.exists() else set()
+        with open(jpath or os.devnull, "a") as self.journal:
+            batch: list[_Item] = []
+            size = 0
+            for item in items(done):
                 batch.append(item)
-                size += t.numel
+                size += item.t.numel
                 if size >= BATCH:
                     self._batch(batch)
                     batch, size = [], 0
             self._batch(batch)
-        if any(p is not None for p in pending) or not all(r.at_end() for r in readers):
-            raise BadDelta(f"{what} has records after its last tensor")
 
     def _read(self, item: _Item, rec: RecordHeader, reader: BlockReader) -> None:
         t = item.t
@@ -146,27 +169,6 @@ class Fill:
             raise BadDelta(f"{self.what}: tensor {t.name} needs a full record (no parent "
                            "tensor)")
         return b.bits(t.name)
-
-    def run_changes(self, changes: dict[str, codec.Changes], resumed: bool = False) -> None:
-        """Fill every tensor from changes already decoded and verified (the region's patches,
-        chain/decode.py) instead of a record stream: the same journaled, digest-checked pass."""
-        self.resumed = resumed
-        jpath = self.journal_path
-        done = set(jpath.read_text().split("\n")) if jpath and jpath.exists() else set()
-        with open(jpath or os.devnull, "a") as self.journal:
-            batch: list[_Item] = []
-            size = 0
-            for i, t in enumerate(self.tensors):
-                ch = changes.get(t.name)
-                item = _Item(i, t, t.name in done, None if ch is None else "delta", changes=ch)
-                if ch is not None:
-                    self._base_of(t)
-                batch.append(item)
-                size += t.numel
-                if size >= BATCH:
-                    self._batch(batch)
-                    batch, size = [], 0
-            self._batch(batch)
 
     def _decode(self, batch: list[_Item]) -> None:
         """Decode the batch's delta payloads against the base into each item's changes."""
