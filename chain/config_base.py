@@ -55,7 +55,10 @@ def read_token(path: Path, field: str = "token_file") -> str:
     try:
         tok = path.read_text().strip().splitlines()[0].strip()
     except (OSError, IndexError) as e:
-        raise ConfigError(f"{field} {path}: cannot read a token ({e})") from None
+        raise ConfigError(f"{field} {path}: cannot read a token ({e}); write one line of at "
+                          "least 8 characters there, the same on every node and publisher "
+                          "(e.g. python -c 'import secrets; print(secrets.token_urlsafe(24))')"
+                          ) from None
     if len(tok) < 8:
         raise ConfigError(f"{field} {path}: token shorter than 8 characters")
     return tok
