@@ -204,12 +204,12 @@ class FleetBoard:
         if checks[mine[0]] is not None or own.sig is None:
             raise BadReport(f"{reporter}'s own entry: {checks[mine[0]] or 'unsigned'}")
         self.prune(now)
-        room = self._room(reports, now)
+        self._room(reports, checks, own, reporter, now)
         stored, refused = 0, []
         for r, why in zip(reports, checks, strict=True):
             if why is None:
                 why = self._store(r, None if r is own else reporter, now, identities,
-                                  source or reporter_url, room)
+                                  source or reporter_url)
             if why is None:
                 stored += 1
             else:
@@ -219,22 +219,32 @@ class FleetBoard:
             self.last_refusal = f"{refused[0]['node']}: {refused[0]['error']}"[:300]
         return Accepted(stored, refused)
 
-    def _room(self, reports: list[NodeReport], now: float) -> set[str]:
+    def _room(self, reports: list[NodeReport], checks: list[str | None], own: NodeReport,
+              reporter: str, now: float) -> None:
         """Make room for the report's new names by evicting the stalest entries (only those
-        older than the newcomers); returns the names the stalest-first eviction freed."""
-        new = [r for r in reports if r.node not in self.entries and r.node != self.self_node]
+        older than the newcomers). Only entries that could be stored count: signed, with a
+        good origin signature, fresh, and within the reporter's remaining quota, so one
+        reporter's forged or excess entries never evict anyone."""
+        quota = self.max_per_reporter - self.per_via.get(reporter, 0)
+        new = []
+        for r, why in zip(reports, checks, strict=True):
+            if (why is not None or r.sig is None or r.node in self.entries
+                    or r.node == self.self_node or r.age_s >= self.forget_s):
+                continue
+            if r is not own:
+                if quota <= 0:
+                    continue
+                quota -= 1
+            new.append(r)
         over = len(self.entries) + len(new) - self.max_nodes
         if over <= 0:
-            return set()
-        newest = max((now - r.age_s for r in new), default=now)
-        gone = set()
+            return
+        newest = max(now - r.age_s for r in new)
         for e in heapq.nsmallest(over, self.entries.values(), key=lambda e: e.seen):
             if e.seen >= newest:
                 break
             self._drop(e.report.node)
-            gone.add(e.report.node)
             self.evicted += 1
-        return gone
 
     def _drop(self, name: str) -> None:
         e = self.entries.pop(name)
@@ -244,7 +254,7 @@ class FleetBoard:
                 del self.per_via[e.via]
 
     def _store(self, r: NodeReport, via: str | None, now: float,
-               identities: Identities | None, source: str, room: set[str]) -> str | None:
+               identities: Identities | None, source: str) -> str | None:
         if r.node == self.self_node:
             return "an entry about this node itself is not taken from others"
         if r.age_s >= self.forget_s:

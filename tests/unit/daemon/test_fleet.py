@@ -136,6 +136,21 @@ def test_a_reporter_may_forward_at_most_its_quota_of_entries() -> None:
     assert board.entries == {} and board.per_via == {}
 
 
+def test_entries_that_cannot_be_stored_never_evict_anyone_from_a_full_board() -> None:
+    """Eviction makes room only for entries that will be stored: forged ones (a failed origin
+    check) and those over the reporter's quota evicted real nodes and were then refused."""
+    board = FleetBoard("trainer", max_nodes=3, max_per_reporter=1, forget_s=60.0)
+    for i, name in enumerate(("a", "b")):
+        board.accept(name, rep(name).url, [rep(name, ts=T0 + i)], T0 + i)
+    forged = [rep(f"fake{i}", hops=1, ts=T0 + 5) for i in range(4)]
+    report = [rep("m", ts=T0 + 5), *forged]
+    checks = [None, "bad signature", "bad signature", None, None]
+    got = board.accept("m", rep("m").url, report, T0 + 5, checks=checks)
+    # m and one forwarded entry (its quota) fit only by evicting the stalest one, "a"
+    assert got.stored == 2 and board.evicted == 1, got
+    assert set(board.entries) == {"b", "m", "fake2"}
+
+
 def test_live_versions_lists_the_versions_of_nodes_heard_from_within_the_window() -> None:
     board = FleetBoard("trainer")
     board.accept("a", rep("a").url, [rep("a", version=7), rep("b", version=None, age_s=3, hops=1),
