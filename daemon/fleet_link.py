@@ -131,9 +131,11 @@ class Verifier:
         if hit is not None and hit[2] > now:
             if hit[0] != node:
                 return f"{url} proved it is node {hit[0]}, not {node}"
+            if key is not None and hit[1] is None:
+                return (f"{url} proved no identity key (an older daemon?), so it cannot speak "
+                        f"for key {fingerprint(key)}: upgrade that node")
             if key is not None and hit[1] != key:
-                return f"{url} proved it holds key {fingerprint(hit[1] or '00' * 32)}, not " \
-                       f"{fingerprint(key)}"
+                return f"{url} proved it holds key {fingerprint(hit[1])}, not {fingerprint(key)}"
             return None
         last = self.tried.get(url)
         if last is not None and now - last[0] < PROOF_RETRY_S:

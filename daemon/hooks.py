@@ -11,8 +11,8 @@ Engine first (daemon/engine_first.py): a hook whose `takes_patches` is true is t
 verified version as soon as its patch file (chain/patchfile.py) is written, before the
 directory `path` exists, and patches its live weights from it (the patch names its parent
 version; an engine elsewhere waits for `path`); it is told a version on disk only if it has not
-served it. Other hooks are told versions on disk, as before; http and command hooks also get
-the patch path when there is one ("patch" in the body, DELTASWARM_PATCH).
+served it. Other hooks (http, command and, for now, the vLLM backend hook) are told versions
+on disk, as before.
 """
 
 import asyncio

@@ -249,15 +249,23 @@ class Identities:
             log.warning("%s is unreadable (%s); starting with no pinned nodes", self.path, e)
             self.pins.clear()
 
-    def save(self, force: bool = False) -> None:
+    def dump(self, force: bool = False) -> bytes | None:
+        """The pins file's new content if it is due (changed, and SAVE_EVERY_S since the last
+        save, or `force`), else None; built where the pins change (the event loop), so the
+        write can run in a thread."""
         now = time.monotonic()
         if self.path is None or not self._dirty or (not force and now - self._saved
                                                     < SAVE_EVERY_S):
-            return
+            return None
         doc = {n: {"key": p.key, "first": p.first, "seen": round(p.seen, 1)}
                for n, p in self.pins.items()}
-        write_atomic(self.path, json.dumps(doc, separators=(",", ":")).encode())
         self._dirty, self._saved = False, now
+        return json.dumps(doc, separators=(",", ":")).encode()
+
+    def save(self, force: bool = False) -> None:
+        data = self.dump(force)
+        if data is not None:
+            write_atomic(self.path, data)
 
     def pinned(self, node: str) -> str | None:
         pin = self.pins.get(node)
@@ -289,7 +297,6 @@ class Identities:
         self._dirty = True
         log.info("pinned node %s to key %s (first seen from %s)", node, fingerprint(key),
                  source)
-        self.save()
         return True
 
     def _refuse(self, node: str, key: str, source: str, now: float, why: str) -> None:
@@ -333,12 +340,6 @@ class Identities:
             if until > now and len(self.nonces) <= MAX_NONCES:
                 break
             del self.nonces[first]
-
-    # --- fleet entries ----------------------------------------------------------------------
-    def verify_entry(self, entry: dict, now: float, max_age_s: float) -> str | None:
-        """Check an entry's origin signature (not its pin); None when good, else why not. Pure:
-        safe in a worker thread."""
-        return check_entry(entry, now, max_age_s)
 
     # --- status -----------------------------------------------------------------------------
     def status(self) -> dict:

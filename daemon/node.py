@@ -32,6 +32,7 @@ import aiohttp
 from aiohttp import web
 
 from chain import keys
+from chain.atomic import write_atomic
 from chain.errors import ChainError
 from chain.store import ChainStore
 from chain.weights import WeightsDir
@@ -344,19 +345,19 @@ class Node:
                        weights_problem=lambda: self.weights_problem,
                        self_check=self.selfcheck.status, warmup=lambda: dict(self.warmup))
 
-    def status_model(self):
-        return build_status(self.sources())
+    def status_model(self, swarm: dict | None = None):
+        return build_status(self.sources(), swarm)
 
     def status(self) -> dict:
         sections = self.role.sections()
         sections["retention"]["nodes"] = self.live.snapshot()
-        return (self.status_model().model_dump(mode="json") | sections
+        swarm = self.artifacts.status()  # one walk over every torrent's peers, used thrice
+        return (self.status_model(swarm).model_dump(mode="json") | sections
                 | {"identity": self.identity_status(),
-                   "detail": self.detail(),
+                   "detail": self.detail(swarm),
                    "fleet": self.fleet.board.summary(self.fleet.view()),
                    "region_peering": {**self.peering.status(),
-                                      "bytes": link_bytes(self.book,
-                                                        self.artifacts.status())}})
+                                      "bytes": link_bytes(self.book, swarm)}})
 
     def identity_status(self) -> dict:
         """This node's key fingerprint and the claims to other names it refused."""
@@ -365,8 +366,7 @@ class Node:
             "last_refused_header": self.book.last_refused_header or None,
             "unsigned_polls": self.live.unsigned}
 
-    def detail(self) -> dict:
-        swarm = self.artifacts.status()
+    def detail(self, swarm: dict) -> dict:
         return {"url": self.url, "peer_book": self.book.snapshot(),
                 "spool_duplicates": self.intake.duplicates,
                 "rate_limits": {k: swarm.get(k) for k in ("upload_rate_limit",
@@ -532,9 +532,13 @@ async def _fleet(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _save_pins(node: Node) -> None:
+    """Pins made since the last save reach disk within 5 s (and at stop); the durable write
+    runs off the event loop."""
     while True:
         await asyncio.sleep(5.0)
-        node.identity.save()
+        data = node.identity.dump()
+        if data is not None:
+            await asyncio.to_thread(write_atomic, node.identity.path, data)
 
 
 async def _systemd(app: web.Application) -> AsyncIterator[None]:

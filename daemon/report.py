@@ -58,10 +58,11 @@ class Sources:
     """The codec warm-up's state (daemon/node.py)."""
 
 
-def build_status(node: Sources) -> NodeStatus:
+def build_status(node: Sources, swarm: dict | None = None) -> NodeStatus:
     """The head reported is the newest manifest this node verified: a head a peer only claims
-    (maybe 10**12) is a hint for sync, never shown as this node's head."""
-    sw = node.artifacts.status()
+    (maybe 10**12) is a hint for sync, never shown as this node's head. `swarm`: the
+    Artifacts.status() the caller already read (it walks every torrent's peers), else read."""
+    sw = node.artifacts.status() if swarm is None else swarm
     cur = node.current()
     syncer = node.syncer
     heads = [h for h in (node.store.head(),) if h is not None]

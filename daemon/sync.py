@@ -422,18 +422,19 @@ class Syncer:
             loop = asyncio.get_running_loop()
             self._finished = {}
 
-            def done(name: str) -> None:
-                loop.call_soon_threadsafe(lambda: self._finished.setdefault(
-                    name, asyncio.Event()).set())
+            def wake(name: str) -> None:
+                ev = self._finished.get(name)  # only a waiting download: no entry is left
+                if ev is not None:
+                    ev.set()
 
-            swarm.add_listener(done)
-        ev = self._finished.setdefault(artifact, asyncio.Event())
+            swarm.add_listener(lambda name: loop.call_soon_threadsafe(wake, name))
+        ev = self._finished[artifact] = asyncio.Event()
         try:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(ev.wait(), timeout)
         finally:
-            if ev.is_set():
-                self._finished.pop(artifact, None)
+            if self._finished.get(artifact) is ev:
+                del self._finished[artifact]
 
     def _dial_for(self, artifact: str) -> set:
         """What the swarm dials for `artifact`: the region peering's choice, plus, once a
