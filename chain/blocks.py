@@ -64,8 +64,8 @@ class BlockStore:
                     os.utime(self.path(bid))
                 except FileNotFoundError:
                     missing.append(bid)
-                except PermissionError:  # another user's file: it is there, just not ours
-                    pass
+                except PermissionError:  # another user's file: rewritten as ours (put), so
+                    missing.append(bid)  # its mtime, which the write lease counts, is now
         return missing
 
     def mtime(self, bid: str) -> float | None:

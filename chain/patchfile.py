@@ -104,12 +104,16 @@ def read_patch(path: Path) -> Patch:
         tensors = []
         for name in sorted(shapes):
             arrays = []
-            for key, want in ((name + INDICES, np.dtype(np.int64)),
-                              (name + VALUES, lookup(dtypes[name]).uint)):
+            for key, chain_dtype, want in (
+                    (name + INDICES, "int64", np.dtype(np.int64)),
+                    (name + VALUES, dtypes[name], lookup(dtypes[name]).uint)):
                 e = header[key]
-                if FROM_SAFETENSORS.get(e["dtype"], e["dtype"]) not in (dtypes[name], "int64"):
-                    raise BadPatch(f"{path}: {key} has dtype {e['dtype']}")
+                if FROM_SAFETENSORS.get(e["dtype"]) != chain_dtype:
+                    raise BadPatch(f"{path}: {key} has dtype {e['dtype']}, not {chain_dtype}")
                 a, b = e["data_offsets"]
+                if not 0 <= a <= b <= data.size or (b - a) != want.itemsize * e["shape"][0]:
+                    raise BadPatch(f"{path}: {key}'s data offsets {a}..{b} do not fit its "
+                                   f"shape {e['shape']} in a body of {data.size} bytes")
                 arrays.append(data[a:b].view(want))
             idx, val = arrays
             numel = int(np.prod(shapes[name], dtype=np.int64))

@@ -6,6 +6,7 @@ model streams with memory bounded by about one tensor. Files written here load i
 transformers and vLLM like any other.
 """
 
+import errno
 import json
 import mmap
 import os
@@ -52,7 +53,7 @@ def open_regular(path: Path, follow: bool = True) -> BinaryIO:
     try:
         fd = os.open(path, flags)
     except OSError as e:
-        if not follow and e.errno == 40:  # ELOOP: the last component is a symbolic link
+        if not follow and e.errno == errno.ELOOP:  # the last component is a symbolic link
             raise NotRegular(f"{path} is a symbolic link; only regular files are read") from None
         raise
     mode = os.fstat(fd).st_mode

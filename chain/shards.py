@@ -116,7 +116,7 @@ def interior_sum(arr: np.ndarray, lo: int) -> tuple[int, int]:
     per = 1 << sh
     inner = arr[w0 * per - lo: w1 * per - lo]
     if inner.__array_interface__["data"][0] % 8 == 0 and inner.flags.c_contiguous:
-        a, b = lanehash.sum_words(inner.view(np.uint8).view(np.uint64), w0)
+        a, b = lanehash._sum_words(inner.view(np.uint8).view(np.uint64), w0)
     else:
         a, b = _interior_sum(arr, lo, sh, 8 * arr.itemsize, w0, w1)
     return int(a), int(b)
@@ -235,7 +235,7 @@ def combine_digest(dtype: str, shape: Sequence[int], parts: Sequence[SlicePart])
             g = p.lo + lp
             shared[g >> sh] = shared.get(g >> sh, 0) | (v << (d.bits * (g & ((1 << sh) - 1))))
     for w, x in shared.items():
-        pa, pb = lanehash.sum_words(np.array([x], np.uint64), w)
+        pa, pb = lanehash._sum_words(np.array([x], np.uint64), w)
         a, b = a + int(pa), b + int(pb)
     return lanehash.to_hex(a, b)
 

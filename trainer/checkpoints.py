@@ -51,7 +51,7 @@ from typing import Any
 
 from chain import keys, refusals
 from chain.atomic import write_atomic
-from chain.blocks import DEFAULT_BLOCK
+from chain.blocks import DEFAULT_BLOCK, MAX_BLOCK
 from chain.errors import ChainError
 from chain.follow import publisher_retain
 from chain.manifest import Manifest, file_problem, tensor_problem
@@ -71,11 +71,11 @@ from chain.writer import write_artifact
 
 log = logging.getLogger("deltaswarm.checkpoints")
 
-MAX_FILE = 64 * 1024 * 1024
+MAX_FILE = MAX_BLOCK  # a carried file travels as one block
 """Largest non-weight file carried with a version (config, tokenizer); bigger ones are refused."""
 MAX_REFUSED = 100
 """Refused directories published.json remembers (the newest)."""
-MAX_JSON = 64 * 1024 * 1024
+MAX_JSON = MAX_BLOCK
 """Largest config.json or weight index read."""
 CARRIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
            "tokenizer.model", "special_tokens_map.json", "added_tokens.json", "vocab.json",
@@ -415,7 +415,7 @@ class CheckpointPublisher:
         try:
             files = {name: _read(ckpt.path / name, MAX_FILE) for name in ckpt.files}
             new = FileSource(ckpt.path, only=ckpt.weights)
-        except NotRegular as e:  # swapped for a link or a pipe since it was inspected
+        except (NotRegular, Refused) as e:  # became a link, a pipe or too big since inspected
             raise Refused(str(e)) from None
         except (ChainError, OSError) as e:  # inspected whole a moment ago: rewritten since
             raise Changed(f"{changed} ({e})") from None

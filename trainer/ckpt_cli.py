@@ -176,8 +176,7 @@ class Watcher:
         """How long nothing in `path` has changed: what this watcher saw, or the files' mtimes
         (so a torn directory from before a restart counts as stale at once)."""
         mtimes = [path.stat().st_mtime] if path.exists() else []
-        mtimes += [st.st_mtime for p in path.iterdir() if (st := p.lstat())] \
-            if path.is_dir() else []
+        mtimes += [p.lstat().st_mtime for p in path.iterdir()] if path.is_dir() else []
         return max(now - self.seen[path][1], time.time() - max(mtimes, default=time.time()))
 
     def scan(self, stop: threading.Event | None = None) -> list[int]:

@@ -35,7 +35,7 @@ from chain.blocks import DEFAULT_BLOCK, BlockStore
 from chain.digest import pieces_root
 from chain.errors import ChainError
 from chain.follow import publisher_retain
-from chain.lease import chain_lock
+from chain.lease import Lease, chain_lock
 from chain.manifest import BlockEntry, FileEntry, Manifest, Parent
 from chain.policy import Retention, SnapshotPolicy
 from chain.store import ChainStore
@@ -227,7 +227,7 @@ class ShardedPublisher:
 
         try:
             out = self._round(plan, work,
-                              lambda plan, parts: self._finish(plan, parts, files, t0))
+                              lambda plan, parts: self._finish(plan, parts, files, t0, lease))
         finally:
             if lease is not None:
                 lease.release()
@@ -246,7 +246,8 @@ class ShardedPublisher:
         return plan
 
     def _finish(self, plan: dict, parts: list[shards.RankPart],
-                files: Mapping[str, bytes] | None, t0: float) -> ShardedPublished:
+                files: Mapping[str, bytes] | None, t0: float,
+                lease: Lease | None = None) -> ShardedPublished:
         version = plan["version"]
         tensors = shards.tensor_entries(parts)
         file_entries = []
@@ -273,6 +274,8 @@ class ShardedPublisher:
         for m in (delta, snapshot):  # both signed before either is stored
             if m is not None:
                 self.store.add(m)
+        if lease is not None:  # stored: retention below (and the daemon's) need not spare it
+            lease.release()
         notified = notify_daemon(self.daemon_url, self.token, version)
         try:  # the version is published now: housekeeping must not make the ranks think not
             publisher_retain(self.store, self.retention, daemon=self.daemon_url is not None,

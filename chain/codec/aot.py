@@ -1,5 +1,6 @@
-"""The codec and digest kernels compiled ahead of time, at install, so no process ever waits on
-numba's JIT before its first delta or its first publish (issue 19, item 3).
+"""The codec and digest kernels compiled ahead of time, at install, so neither a region applying
+its first delta nor a publisher encoding its first version waits on numba's JIT (the engines'
+small helpers, lanehash.put_wide and sum_at, still compile on first use).
 
 `make install` runs `python -m chain.codec.build_aot`: numba's AOT compiler (`numba.pycc`)
 builds the same kernel functions (chain/codec/kernels.py, chain/lanehash.py) into extension

@@ -13,7 +13,6 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from chain.codec.aot import (
     ELEMS,
@@ -28,8 +27,8 @@ from chain.codec.aot import (
 from chain.codec.aot import status as aot_status
 
 
-def build_width(width: str, out_dir: Path = HERE) -> int:
-    """Compile one element width's variants into `out_dir/_aot_<width><abi>` (one process per
+def build_width(width: str) -> int:
+    """Compile one element width's variants into `chain/codec/_aot_<width><abi>` (one process per
     width: numba 0.68's AOT mis-types a kernel compiled for a second width in one process)."""
     import warnings
 
@@ -48,7 +47,7 @@ def build_width(width: str, out_dir: Path = HERE) -> int:
 
     pcc.Flags = Flags
     cc = CC(f"{MODULE}_{width}")
-    cc.output_dir = str(out_dir)
+    cc.output_dir = str(HERE)
     cc.target_cpu = "host"
     cc.verbose = False
     n = 0
@@ -61,7 +60,7 @@ def build_width(width: str, out_dir: Path = HERE) -> int:
     return n
 
 
-def build(out_dir: Path = HERE) -> dict:
+def build() -> dict:
     """Compile every width (a process each, two at a time) and write the stamp last."""
     t0 = time.perf_counter()
     STAMP.unlink(missing_ok=True)
@@ -77,7 +76,7 @@ def build(out_dir: Path = HERE) -> dict:
     modules = [f"{MODULE}_{w}" for w in ELEMS]
     STAMP.write_text(json.dumps({"built": fingerprint(), "modules": modules}, indent=1) + "\n")
     return {"modules": modules, "seconds": round(time.perf_counter() - t0, 1),
-            "dir": str(out_dir)}
+            "dir": str(HERE)}
 
 
 def _finish(p: subprocess.Popen) -> None:
