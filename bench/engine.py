@@ -35,15 +35,17 @@ GOALS = {"serve_over_scan": 1.5, "first_apply_cold_s": 10.0, "small_delta_serve_
 
 
 def vllm_figures(params: float, density: float, work: Path) -> dict:
-    """bench/engine_vllm.py's measure (the vLLM engineer's), or nulls where it is absent."""
+    """bench/engine_vllm.py's measure, or nulls and the reason where vLLM cannot run here
+    (no .venv-vllm: `make vllm-env`), so the other figures are still printed."""
+    from bench.engine_vllm import measure
+    from rollout.vllm_launch import VllmLaunchError
+
     try:
-        from bench.engine_vllm import measure
-    except ImportError:
-        return {"vllm_params": None, "vllm_reload_over_update": None}
-    got = measure(params, density, work)
-    return {"vllm_params": got.get("vllm_params", got.get("params")),
-            "vllm_reload_over_update": got.get("vllm_reload_over_update",
-                                               got.get("reload_over_update")), "vllm": got}
+        got = measure(params, density, work)
+    except VllmLaunchError as e:
+        return {"vllm_params": None, "vllm_reload_over_update": None, "vllm_error": str(e)}
+    return {"vllm_params": got["vllm_params"],
+            "vllm_reload_over_update": got["vllm_reload_over_update"], "vllm": got}
 
 
 def run(args: argparse.Namespace, work: Path) -> dict:

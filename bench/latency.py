@@ -12,13 +12,12 @@ version signed, written and seeded by the trainer's daemon), read from the daemo
               and torrent fetched, torrent added to libtorrent);
 - `transfer`: download started -> all blocks on disk (libtorrent: connect, pieces, flush);
 - `apply`:    blocks on disk -> current (adopt, verify, apply, journal);
-- `current`:  t0 -> current; `total`: t0 -> the last region current (small_delta_serve_s is
-              this up to the engine; bench/engine.py adds the engine's part).
+- `current`:  t0 -> current; `total`: t0 -> the last region current (up to "current";
+              bench/engine.py's small_delta_serve_s measures on to the engine serving).
 
     python bench/latency.py [--versions 12] [--hops 3] [--params 7e6] [--density 0.01]
                             [--interval 2] [--json]
 
-`latency(...)` returns the same figures for other benches (bench/engine.py).
 """
 
 import argparse

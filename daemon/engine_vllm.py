@@ -215,6 +215,9 @@ class VllmBackendHook:
             await self._notify(version, Path(path), patch)
 
     async def _notify(self, version: int, path: Path, patch: Path | None) -> None:
+        if version < 1:  # the backend refuses v0 (it serves the model it was started with):
+            log.info("v%d: not sent to vLLM (start it from %s)", version, path)  # no pause
+            return
         t0 = time.monotonic()
         self.check.phases = {}
         self.updates += 1

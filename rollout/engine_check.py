@@ -88,18 +88,6 @@ def live_tensor(params: Mapping[str, torch.Tensor], loc: Location, dtype: torch.
 
 
 @njit(nogil=True, cache=True)
-def sum_at(words, widx):
-    """Lane sums of chain.lanehash's digest over scattered words: words[i] at word index
-    widx[i] (both uint64). A digest moves by sum_at(new, w) - sum_at(old, w)."""
-    a = np.uint64(0)
-    b = np.uint64(0)
-    for i in range(words.size):
-        a += _mix0(widx[i], words[i])
-        b += _mix1(widx[i], words[i])
-    return a, b
-
-
-@njit(nogil=True, cache=True)
 def put_moved(target, tw, pos, val, sh, width, base):
     """target[pos] = val (pos ascending) in place, in one walk over the touched words: each
     word is read before its elements are written and read again after; returns the digest

@@ -29,7 +29,7 @@ import torch
 from chain import dtypes as chain_dtypes
 from chain import lanehash
 from chain.patchfile import TensorPatch
-from rollout.engine_check import put_moved, sum_at
+from rollout.engine_check import put_moved
 from rollout.vllm_patchmap import Box, probe, to_live
 
 
@@ -216,9 +216,7 @@ class Patcher:
             return TensorResult(tp.name, int(pos.size), 0, None, True)
         new = self._word_bits(m, widx, per)
         if m.whole:
-            a1, b1 = sum_at(new, widx.astype(np.uint64))
-            a0, b0 = sum_at(old, widx.astype(np.uint64))
-            moved = lanehash.add(tp.parent_digest, (int(a1) - int(a0), int(b1) - int(b0)))
+            moved = lanehash.add(tp.parent_digest, lanehash.moved_by_words(widx, old, new))
             return TensorResult(tp.name, int(pos.size), int(widx.size), moved,
                                 moved == tp.digest)
         # TP: this rank's touched words must read back as the old words with the values put in

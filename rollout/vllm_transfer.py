@@ -471,7 +471,7 @@ class DeltaswarmWeightTransferEngine(WeightTransferEngine[DeltaswarmInitInfo,
         if all(d is not None for d in known.values()) and set(known) >= set(want):
             state_ok = state_digest({n: d for n, d in known.items() if d is not None}) \
                 == patch.state_digest
-        checked = len(s.results) - len([r for r in s.results if not r.ok])
+        checked = sum(r.ok for r in s.results)
         report["check"] = {
             "kind": "incremental", "ok": (not bad and state_ok is not False) if info.check
             else None, "checked": checked, "mismatched": bad[:20],

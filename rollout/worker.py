@@ -91,6 +91,8 @@ class RolloutWorker:
         self.serving: dict | None = None
         """Engine first: the versions verified past the disk, as patch files (daemon side)."""
         self.seen = -1
+        self.refused_patch: tuple[int, str] | None = None
+        """The last patch the engine refused: not read again (a directory follows)."""
         self._new_version = asyncio.Event()
         self._stop_at: float | None = None
         self.stats = {"batches": 0, "posted": 0, "retries": 0, "pushbacks": 0, "loads": 0,
@@ -172,13 +174,14 @@ class RolloutWorker:
             have = self.engine.version
             if have is None or p["version"] <= have:
                 continue
-            if p["parent"] != have:
+            if p["parent"] != have or (p["version"], p["path"]) == self.refused_patch:
                 return
             t0 = time.monotonic()
             try:
                 await asyncio.to_thread(apply, p["path"])
             except (OSError, ValueError) as e:  # refused or mismatched: a directory follows
                 self.stats["patch_failures"] += 1
+                self.refused_patch = (p["version"], p["path"])
                 log.warning("patch v%s not applied (%s); waiting for its directory",
                             p["version"], e)
                 return
@@ -258,9 +261,12 @@ class RolloutWorker:
             version = body.get("version") if isinstance(body, dict) else None
             serving = body.get("serving") if isinstance(body, dict) else None
             serving = serving if isinstance(serving, dict) else None
+            # an engine that cannot patch follows versions on disk only (it would otherwise
+            # be "behind" the serving head for a whole disk batch, polling every 0.5 s)
+            patches = getattr(self.engine, "apply_patch", None) is not None
             top = max(version if isinstance(version, int) else -1,
-                      serving["version"] if serving and isinstance(serving.get("version"), int)
-                      else -1)
+                      serving["version"] if patches and serving
+                      and isinstance(serving.get("version"), int) else -1)
             if isinstance(version, int) and (self.latest is None or version > self.latest[0]):
                 self.latest = (version, str(body["path"]))
                 self._new_version.set()

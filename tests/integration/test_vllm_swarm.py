@@ -121,7 +121,7 @@ def test_stock_vllm_serve_with_the_backend_follows_the_swarm_checks_each_version
             weights = region.state_dir / "weights"
             v0_dir = (weights / "current").resolve()
             assert v0_dir.name == "v00000000"
-            # v0's hook ran before vLLM listened (it failed and was counted); serve v0 directly.
+            # v0 is not sent to vLLM (the backend serves the model it starts with): start from v0.
             # Checkpoint layout keeps CPU linear weights readable, as a GPU does, for the check.
             server = start(VllmLaunchConfig(model=v0_dir, port=port, dtype="float32",
                                             max_model_len=64, startup_timeout_s=300,
