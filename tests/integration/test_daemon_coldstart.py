@@ -38,7 +38,10 @@ def test_region_with_empty_numba_cache_applies_first_delta_compiling_nothing(
         answered = []
 
         def current_while_answering() -> bool:
-            code = http(f"{r1.url}/healthz", token=None, timeout=5)[0]
+            try:  # a stalled API times out (OSError), which wait_until would otherwise swallow
+                code = http(f"{r1.url}/healthz", token=None, timeout=5)[0]
+            except OSError as e:
+                code = f"{type(e).__name__}: {e}"
             answered.append(code)
             return code == 200 and r1.current() == 1
 

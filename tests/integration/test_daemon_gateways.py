@@ -20,7 +20,6 @@ import threading
 import urllib.request
 
 from daemon.peers import HEADER, REGION_HEADER
-from daemon.regions import rank
 from tests.integration.harness import (
     TOKEN,
     Cluster,
@@ -29,6 +28,7 @@ from tests.integration.harness import (
     tiny_model,
 )
 from tests.support import wait_until
+from tests.unit.daemon.test_regions import fake_first
 
 REGION = {"sync": {"progress_timeout_s": 120},
           "region_peering": {"gateway_deadline_s": 2.0}}
@@ -40,11 +40,6 @@ def announce(url: str, header: str, region: str) -> None:
         "Authorization": f"Bearer {TOKEN}", HEADER: header, REGION_HEADER: region})
     with urllib.request.urlopen(req, timeout=10) as r:
         r.read()
-
-
-def first_ranking_name(region: str, others: list[str]) -> str:
-    best = min(rank(region, n) for n in others)
-    return next(f"aaa-{i}" for i in range(100_000) if rank(region, f"aaa-{i}") < best)
 
 
 def knows(d, node: str, region: str) -> bool:
@@ -67,7 +62,7 @@ def start_eu(c: Cluster) -> list[str]:
 def test_a_silent_first_ranking_gateway_is_passed_over_and_versions_keep_coming(tmp_path):
     with Cluster(tmp_path) as c:
         eu = start_eu(c)
-        fake = first_ranking_name("eu", eu)
+        fake = fake_first("eu", eu)
         # The token holder runs a real daemon (its own identity key, so its claims are
         # believed) under a first-ranking name, whose BitTorrent uplink is held to 1 byte/s:
         # it never delivers what a gateway must.

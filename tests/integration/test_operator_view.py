@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.integration.browser import CHROMIUM, Browser
 from tests.integration.harness import ROOT, TOKEN, Cluster, http, step, tiny_model
+from tests.support import async_wait_until
 
 RULES = ROOT / "ops" / "prometheus" / "deltaswarm-rules.yml"
 DASHBOARD = ROOT / "ops" / "grafana" / "deltaswarm-dashboard.json"
@@ -182,7 +183,11 @@ async def test_the_browser_driver_sees_console_errors_exceptions_and_csp_violati
 
     async with Browser(tmp_path) as b:
         await b.open("data:text/html;base64," + base64.b64encode(page.encode()).decode())
-        await asyncio.sleep(0.5)
+        def seen() -> bool:
+            text = " | ".join(e["text"] for e in b.errors())
+            return all(w in text for w in ("boom", "undefined_fn", "Content Security Policy"))
+
+        await async_wait_until(seen, 20, "the console error, the exception and the CSP report")
         errors = " | ".join(e["text"] for e in b.errors())
     assert "boom" in errors and "undefined_fn" in errors, errors
     assert "Content Security Policy" in errors, errors

@@ -57,8 +57,18 @@ def _cli(*argv: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def _finished(proc: subprocess.Popen, timeout: float = 180) -> str:
+    """Its output once it exited; killed (by pid) if it did not within `timeout`."""
+    try:
+        return proc.communicate(timeout=timeout)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
 def _published(proc: subprocess.Popen, version: int) -> None:
-    out = proc.communicate(timeout=180)[0]
+    out = _finished(proc)
     assert proc.returncode == 0, out
     assert f"as v{version}" in out and "daemon not told" not in out, out
 
@@ -145,8 +155,13 @@ def test_a_publish_paused_mid_write_survives_the_daemons_retention(tmp_path: Pat
             assert code == 200, body
             ret = t.status()["retention"]
             print(f"paused {'after' if signed else 'before'} signing; retention {ret}")
+        except BaseException:
+            pub.kill()  # stopped or not, it must not outlive the test
+            _finished(pub)
+            raise
         finally:
-            os.kill(pub.pid, signal.SIGCONT)
+            if pub.poll() is None:
+                os.kill(pub.pid, signal.SIGCONT)
         _published(pub, 2)
         _whole(chain)
         state = step(state, 3)
@@ -179,7 +194,7 @@ def test_deltas_kept_for_a_node_behind_survive_publish_and_watch(tmp_path: Path)
                             "--config", str(cfg), "--step", str(v)), v)
         _checkpoint(ckpts / "step_6", states[6])
         watch = _cli("watch", str(ckpts), "--config", str(cfg), "--once")
-        out = watch.communicate(timeout=180)[0]
+        out = _finished(watch)
         assert watch.returncode == 0 and "step 6 -> v6" in out, out
         chain = t.state_dir / "chain"
         for v in range(2, 7):

@@ -41,7 +41,7 @@ def test_swarm_in_namespaces_reaches_every_node_with_trainer_sending_about_once(
             proc.wait()
     assert proc.returncode == 0, f"{out}\n{err}"
     summary = json.loads(out.strip().splitlines()[-1])
-    size, ideal, swarm = summary["size"], summary["ideal"], summary["results"]["swarm"]
+    size, swarm = summary["size"], summary["results"]["swarm"]
     assert swarm["verified"]
     assert len(swarm["per_node"]) == 3
     # the trainer's rotating unchokes (daemon.swarm SEED_SETTINGS) sent 1.01-1.32x F in 8 runs of
@@ -51,6 +51,5 @@ def test_swarm_in_namespaces_reaches_every_node_with_trainer_sending_about_once(
     assert swarm["peer_upload"] > 0.5 * size
     # the time over the shaped ideal is bench/swarm.py's figure, not a test's: a loaded host
     # moves it; the bench's own --timeout bounds the run
-    assert swarm["time"] > 0 and ideal > 0
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert f"dsb{proc.pid}" not in left

@@ -44,6 +44,7 @@ def _digest_parts(arr: np.ndarray) -> list[tuple[int, int]]:
 def _jit_only(monkeypatch: pytest.MonkeyPatch) -> None:
     for k in (api.encode_segment, api.decode_segment, api.scatter, lanehash._put,
               lanehash._pull, lanehash._pull_put, lanehash._diff_pairs, lanehash._sum_words,
+              lanehash._put_unwritten,
               lanehash.fast_gather):
         monkeypatch.setattr(k, "_table", {})
 
@@ -60,6 +61,8 @@ def test_compiled_kernels_round_trip_every_width_without_the_jit(dtype: str) -> 
     assert np.array_equal(decoded.pos, changes.pos) and np.array_equal(decoded.val, changes.val)
     moved = lanehash.moved_by_put(old.copy(), decoded.pos, decoded.val)
     assert (moved[0] & lanehash.M64, moved[1] & lanehash.M64) == changes.digest
+    assert lanehash.moved_by_changes(old, decoded.pos, decoded.val) == \
+        (moved[0] & lanehash.M64, moved[1] & lanehash.M64)  # what a region's decode uses
     assert _digest_parts(new)
     assert aot.status()["jit_fallbacks"] == before, "a codec call missed its compiled variant"
 

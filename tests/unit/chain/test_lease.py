@@ -127,7 +127,13 @@ def _holder(chain: Path, ttl: float) -> subprocess.Popen:
     p = subprocess.Popen([sys.executable, "-c", HOLDER, str(chain), str(ttl)], cwd=REPO,
                          stdout=subprocess.PIPE, text=True,
                          env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert p.stdout.readline().strip() == "held"
+    try:
+        assert p.stdout.readline().strip() == "held"
+    except BaseException:
+        p.kill()
+        p.wait()
+        p.stdout.close()
+        raise
     return p
 
 
