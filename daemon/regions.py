@@ -26,7 +26,9 @@ not known yet is dialled (blind), so an old daemon or a half-learned book costs 
 liveness.
 
 Cost: a transient double import when two nodes of a region briefly disagree on who is gateway
-(views differ for a poll interval), and BitTorrent's end-game duplicates at the gateway.
+(views differ for a poll interval), and BitTorrent's end-game duplicates at the gateway. Choices
+are settled (`_settle`): a gateway that is still electable keeps its place until another member
+has ranked best for `deadline_s`, so a view that flips for a second moves nobody.
 
 Gateways earn their role (issue 20, finding 4: a token holder announcing a node of region eu
 under a name that ranked first, with a BitTorrent endpoint that never sends, was elected by
@@ -186,6 +188,10 @@ class RegionPeering:
     _gateway_set: frozenset = frozenset()
     _gateway_since: float = 0.0
     _want_since: float | None = None
+    _held: dict = field(default_factory=dict)
+    """region → node names of its gateways as last chosen (`_settle`)."""
+    _challenger: dict = field(default_factory=dict)
+    """region → (node names that rank best now, since when: monotonic)."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -232,16 +238,46 @@ class RegionPeering:
         return out
 
     def elect(self, book: "PeerBook", now: float | None = None) -> dict[str, list[Member]]:
-        """region → its elected gateways (at most `gateways`), best first."""
+        """region → its elected gateways (at most `gateways`), best first, settled: a region's
+        gateways change at once when one of them is no longer electable (dead, demoted, gone,
+        or a trainer once another member is live), else only after the new choice has been
+        best for `deadline_s` (`_settle`)."""
+        now = time.monotonic() if now is None else now
         by_region: dict[str, list[Member]] = {}
         for m in self.members(book, now):
             by_region.setdefault(m.region, []).append(m)
         out = {}
         for region, ms in by_region.items():
             ms.sort(key=Member.key)
-            others = [m for m in ms if not m.trainer]
-            out[region] = (others or ms)[:self.gateways]
+            pool = [m for m in ms if not m.trainer] or ms
+            out[region] = self._settle(region, pool, now)
         return out
+
+    def _settle(self, region: str, pool: list[Member], now: float) -> list[Member]:
+        """Hold a region's gateways against a better-ranked challenger for `deadline_s`.
+
+        Why: "served" is first-hand, so in the first second of a version the members of the
+        trainer's region each see themselves as served (they passed the trainer's pieces on)
+        before the gateway has served them; each then briefly elected itself, dialled the other
+        regions' gateways and pulled pieces back in that its region already had (measured:
+        0.03-0.13x the artifact imported into the trainer's region, where 0 is right). Holding
+        the choice absorbs the flip; a name-chooser that never serves still loses its place
+        within one deadline (it is demoted, or the member that served takes over)."""
+        best = [m.node for m in pool[:self.gateways]]
+        by_node = {m.node: m for m in pool}
+        held = self._held.get(region)
+        if held is None or held == best or any(n not in by_node for n in held):
+            self._held[region] = best
+            self._challenger.pop(region, None)
+            return pool[:self.gateways]
+        challenger = self._challenger.get(region)
+        if challenger is None or challenger[0] != best:
+            challenger = self._challenger[region] = (best, now)
+        if now - challenger[1] >= self.deadline_s:
+            self._held[region] = best
+            self._challenger.pop(region, None)
+            return pool[:self.gateways]
+        return [by_node[n] for n in held]
 
     def endpoints(self, book: "PeerBook") -> list[Endpoint]:
         self.book = book

@@ -73,6 +73,11 @@ def test_a_silent_first_ranking_gateway_is_passed_over_and_versions_keep_coming(
         for n in eu:
             wait_until(lambda n=n: knows(c.daemons[n], fake, "eu"), 60,
                        f"{n} to take the fake {fake} as a proven eu node")
+        # nobody has served yet, so the first-ranking name wins the election once it has
+        # ranked best for a deadline (daemon/regions.py _settle): the attack's premise
+        for n in eu:
+            wait_until(lambda n=n: c.daemons[n].status()["region_peering"]["gateways"]["eu"]
+                       == [fake], 30, f"{n} to elect the fake {fake}")
         state = tiny_model(tensors=8)
         c.publish(0, state)
         c.wait_all_at(0, 240, eu)  # the first apply waits for the codec warm-up

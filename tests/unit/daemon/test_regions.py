@@ -2,6 +2,8 @@
 the same gateways, only gateways dial across regions, a trainer is a gateway only when alone, a
 dead gateway is replaced, and blind mode dials everyone."""
 
+import time
+
 import pytest
 
 from daemon.peers import REGION_HEADER, BadPeer, PeerBook, parse_region
@@ -178,11 +180,16 @@ def test_a_first_ranking_name_that_never_served_is_outranked_by_a_member_that_di
     b = book_for(me, "b")
     bts = fleet(b, MEMBERS)
     fake, _ = with_fake(b, "b")
-    assert b.peering.elect(b)["b"][0].node == fake  # nobody served yet: rank alone decides
+    t0 = time.monotonic() - 60
+    assert b.peering.elect(b, t0)["b"][0].node == fake  # nobody served yet: rank alone decides
     server = next(n for n in MEMBERS["b"] if n != me)
     b.peering.tick(b, [("v00000000.snapshot", f"{bts[server][0]}:{bts[server][1]}",
-                        64 * 1024, 0)], wanting=False)
-    assert b.peering.elect(b)["b"][0].node == server
+                        64 * 1024, 0)], wanting=False, now=t0 + 0.5)
+    # settled: a better-ranked member takes over only after being best for deadline_s, so a
+    # view that flips for a second (first-hand service arrives unevenly) moves nobody
+    assert b.peering.elect(b, t0 + 1)["b"][0].node == fake
+    assert b.peering.elect(b, t0 + 0.5 + b.peering.deadline_s - 0.1)["b"][0].node == fake
+    assert b.peering.elect(b, t0 + 0.5 + b.peering.deadline_s)["b"][0].node == server
     assert not b.peering.last.get("gateway")
     b.swarm_endpoints()
     assert b.peering.last["gateways"]["b"] == [server]
