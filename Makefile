@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install aot test lint demo bench bench-swarm bench-topo bench-chaos clean vllm-env
+.PHONY: install aot test lint configs demo bench bench-swarm bench-topo bench-chaos clean vllm-env
 
 # The last step compiles the codec kernels ahead of time (chain/codec/aot.py), so no process
 # waits on numba's JIT for its first delta; without a C compiler it warns and the JIT is used.
@@ -24,11 +24,15 @@ aot: $(STAMP)
 	$(PY) -m chain.codec.build_aot
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check chain daemon trainer rollout demo tests bench ops
+	$(VENV)/bin/ruff check chain daemon trainer rollout demo deploy tests bench ops
 
 test: $(STAMP)
-	$(VENV)/bin/ruff check chain daemon trainer rollout demo tests bench ops
+	$(VENV)/bin/ruff check chain daemon trainer rollout demo deploy tests bench ops
 	$(PY) -m pytest -q
+
+# Rewrite configs/ from the config models (deploy/examples.py); a test fails when they differ.
+configs: $(STAMP)
+	$(PY) -m deploy.examples write-configs
 
 demo: $(STAMP)
 	$(VENV)/bin/deltaswarm demo --config configs/demo.yaml

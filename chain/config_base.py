@@ -133,14 +133,14 @@ def replace(cfg: M, **changes: Any) -> M:
     """A copy of `cfg` with `changes` applied and re-validated (unlike `model_copy`). A mapping
     given for a section is merged into it (`http={"port": 1}` keeps `http.host`); a model
     replaces it whole. Bad values raise `ConfigError` naming every field."""
-    return validate(type(cfg), _merge(cfg.model_dump(), changes))
+    return validate(type(cfg), merge(cfg.model_dump(), changes))
 
 
-def _merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+def merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in changes.items():
         if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
+            out[key] = merge(out[key], value)
         else:
             out[key] = value
     return out

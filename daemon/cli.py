@@ -7,7 +7,8 @@
     deltaswarm keygen FILE                      deltaswarm demo [--config configs/demo.yaml]
     deltaswarm train --config …                 deltaswarm rollout …
     deltaswarm publish CKPT_DIR --config …      deltaswarm watch DIR --config …
-    deltaswarm ingest --config …
+    deltaswarm ingest --config …                deltaswarm init DIR [--regions eu,us]
+    deltaswarm config example daemon|publish|ingest|worker|train|demo
 """
 
 import importlib
@@ -25,6 +26,8 @@ COMMANDS = {
     "publish": ("trainer.ckpt_cli", "publish one HF checkpoint directory as the next version"),
     "watch": ("trainer.ckpt_cli", "publish each checkpoint a trainer writes, in order"),
     "ingest": ("trainer.ingest_service", "hold trajectories for a trainer you bring"),
+    "init": ("deploy.init", "write a working swarm's key, token and configs into a directory"),
+    "config": ("deploy.examples", "print a complete commented config of any process"),
 }
 
 

@@ -2,14 +2,18 @@
 process is documented; every loader names the file and all bad fields at once; and the demo's
 per-process configs are built as objects that load back unchanged."""
 
+import io
 from pathlib import Path
 
 import pytest
+import yaml
 from pydantic import BaseModel
 
-from chain.config_base import ConfigError, to_yaml, undocumented
+from chain.config_base import ConfigError, read_yaml, to_yaml, undocumented, validate
 from daemon.config import Config, load_config
 from demo.config import DemoConfig, build_layout, load_demo_config, with_overrides, write_layout
+from deploy.examples import KINDS, PRESETS, example, preset_text
+from deploy.examples import main as examples_main
 from rollout.config import WorkerConfig, parse_args
 from trainer.ckpt_cli import PublishConfig, load_publish_config
 from trainer.config import TrainerConfig, load_trainer_config
@@ -135,3 +139,39 @@ def test_demo_workers_share_the_trainer_batch_when_paced():
     unpaced = build_layout(with_overrides(cfg, pace_ahead=None), Path("/tmp/x"), KEY,
                            token="demo-token-1234").workers.values()
     assert {w.pace_per_version for w in unpaced} == {None}
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_shipped_config_is_what_the_models_generate(name):
+    """configs/ is generated (make configs): a default, field or description changed in code
+    and not in the shipped file fails here, naming the command that fixes it."""
+    assert (CONFIGS / name).read_text() == preset_text(name), (
+        f"configs/{name} differs from what deploy/examples.py generates: run `make configs`")
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_config_example_prints_every_field_with_its_description_and_loads_back(kind, tmp_path):
+    text = io.StringIO()
+    assert examples_main(["example", kind], out=text.write) == 0
+    path = tmp_path / f"{kind}.yaml"
+    path.write_text(text.getvalue())
+    model = KINDS[kind].model
+    loaded = validate(model, read_yaml(path), path, tagged=KINDS[kind].tagged)
+    assert loaded == example(kind)
+    for name, field in model.model_fields.items():  # every top-level field, documented
+        assert f"\n{name}:" in text.getvalue(), name
+        first = " ".join(field.description.split())[:40].rsplit(" ", 1)[0]
+        assert first in " ".join(line.lstrip("# ") for line in text.getvalue().splitlines()), (
+            name, first)
+
+
+def test_config_example_set_overrides_a_field_and_bad_values_are_named(capsys):
+    text = io.StringIO()
+    assert examples_main(["example", "daemon", "--set", "http.port=7601", "--set",
+                          "bootstrap=[http://10.0.0.1:7600]"], out=text.write) == 0
+    doc = yaml.safe_load(text.getvalue())
+    assert doc["http"]["port"] == 7601 and doc["bootstrap"] == ["http://10.0.0.1:7600"]
+    assert examples_main(["example", "daemon", "--set", "http.port=99999", "--set",
+                          "surprise=1"], out=text.write) == 2
+    err = capsys.readouterr().err
+    assert "http.port" in err and "surprise" in err
