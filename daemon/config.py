@@ -285,7 +285,9 @@ class Config(_Section):
     token: str | None = Field(None, min_length=8, max_length=4096)
     """Bearer token of the swarm (required on data and state-changing routes)."""
     token_file: Path | None = None
-    """File holding the token (first line); use instead of `token`."""
+    """File holding the swarm's bearer token on its first line (at least 8 characters): one
+    secret shared by every daemon, publisher, ingest and worker of the swarm. `deltaswarm init`
+    writes one; or `python -c 'import secrets; print(secrets.token_urlsafe(24))' > FILE`."""
     limits: Limits = Limits()
     """Swarm bandwidth caps."""
     retention: RetentionConfig = RetentionConfig()

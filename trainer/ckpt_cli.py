@@ -58,7 +58,10 @@ class DaemonSection(Section):
     """The trainer node's daemon control plane; null writes the chain dir only (the daemon
     picks the versions up when it starts)."""
     token_file: Path | None = None
-    """File holding the swarm's bearer token (first line), for POST /v1/publish."""
+    """File holding the swarm's bearer token on its first line (at least 8 characters): one
+    secret shared by every daemon, publisher, ingest and worker of the swarm. `deltaswarm init`
+    writes one; or `python -c 'import secrets; print(secrets.token_urlsafe(24))' > FILE`.
+    Sent with POST /v1/publish."""
 
     def bearer(self) -> str | None:
         if self.token_file is None:

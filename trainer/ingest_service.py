@@ -33,7 +33,10 @@ class IngestServiceConfig(Section):
     token: str | None = Field(None, min_length=8, max_length=4096)
     """The swarm's bearer token the forwarders present; prefer `token_file`."""
     token_file: Path | None = None
-    """File holding that token (first line); use instead of `token`."""
+    """File holding the swarm's bearer token on its first line (at least 8 characters): one
+    secret shared by every daemon, publisher, ingest and worker of the swarm. `deltaswarm init`
+    writes one; or `python -c 'import secrets; print(secrets.token_urlsafe(24))' > FILE`.
+    Use instead of `token`."""
     max_body_mb: int = Field(64, ge=1, le=4096)
     """Largest POST body accepted, in MiB."""
 
