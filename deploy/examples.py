@@ -12,6 +12,7 @@ none of them imports it.
 """
 
 import argparse
+import importlib
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,12 +24,6 @@ from pydantic import BaseModel
 
 from chain.config_base import ConfigError, merge, validate
 from chain.config_yaml import render
-from daemon.config import Config
-from demo.config import DemoConfig
-from rollout.config import WorkerConfig
-from trainer.ckpt_cli import PublishConfig
-from trainer.config import TrainerConfig
-from trainer.ingest_service import IngestServiceConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_KEY = "3d4017c3e843895a92b70aa74d1b7ebc9c982ccf2ec4968cc0cd55f12af4660c"
@@ -39,34 +34,43 @@ TOKEN_FILE = "/etc/deltaswarm/token"
 
 @dataclass(frozen=True)
 class Kind:
-    model: type[BaseModel]
+    where: str
+    """module:Model, imported when used: `config example daemon` needs only the daemon's
+    install (a region host has no torch)."""
     run: str
     """How the process is started with such a file."""
     required: dict[str, Any]
     """Values for the fields without a default, so the example loads as it is."""
     tagged: tuple[str, ...] = ()
 
+    @property
+    def model(self) -> type[BaseModel]:
+        module, _, name = self.where.partition(":")
+        return getattr(importlib.import_module(module), name)
+
 
 KINDS: dict[str, Kind] = {
-    "daemon": Kind(Config, "deltaswarm daemon --config FILE", {
+    "daemon": Kind("daemon.config:Config", "deltaswarm daemon --config FILE", {
         "node": "eu-west-0", "region": "eu-west", "role": "region",
         "state_dir": "/var/lib/deltaswarm/eu-west", "trainer_public_key": EXAMPLE_KEY,
         "token_file": TOKEN_FILE}, tagged=("engine",)),
-    "publish": Kind(PublishConfig, "deltaswarm publish CKPT_DIR --config FILE  (or: deltaswarm "
-                    "watch --config FILE)", {
+    "publish": Kind("trainer.ckpt_cli:PublishConfig",
+                    "deltaswarm publish CKPT_DIR --config FILE  (or: deltaswarm watch --config "
+                    "FILE)", {
         "run": "my-run", "chain_dir": "/var/lib/deltaswarm/trainer/chain",
         "key": "/etc/deltaswarm/trainer.key", "state_dir": "/var/lib/deltaswarm/publish",
         "daemon": {"token_file": TOKEN_FILE}}),
-    "ingest": Kind(IngestServiceConfig, "deltaswarm ingest --config FILE", {
+    "ingest": Kind("trainer.ingest_service:IngestServiceConfig",
+                   "deltaswarm ingest --config FILE", {
         "store_dir": "/var/lib/deltaswarm/ingest", "token_file": TOKEN_FILE}),
-    "worker": Kind(WorkerConfig, "deltaswarm rollout --config FILE", {
+    "worker": Kind("rollout.config:WorkerConfig", "deltaswarm rollout --config FILE", {
         "daemon": "http://127.0.0.1:7600", "token": "change-me-to-the-swarm-token",
         "worker": "rollout-0"}),  # its default is host-pid: a name of the machine it runs on
-    "train": Kind(TrainerConfig, "deltaswarm train --config FILE", {
+    "train": Kind("trainer.config:TrainerConfig", "deltaswarm train --config FILE", {
         "run": "grpo-arith-1", "state_dir": "/var/lib/deltaswarm/train",
         "chain_dir": "/var/lib/deltaswarm/trainer/chain", "key": "/etc/deltaswarm/trainer.key",
         "ingest": {"token": "change-me-to-the-swarm-token"}}),
-    "demo": Kind(DemoConfig, "deltaswarm demo --config FILE", {}),
+    "demo": Kind("demo.config:DemoConfig", "deltaswarm demo --config FILE", {}),
 }
 
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-FIRST_PARTY = {"chain", "daemon", "trainer", "rollout", "demo"}
+FIRST_PARTY = {"chain", "daemon", "trainer", "rollout", "demo", "deploy"}
 EXTRAS = {"chain": [], "daemon": ["daemon"], "trainer": ["trainer"],
-          "rollout": ["rollout", "vllm"], "demo": ["demo"]}
+          "rollout": ["rollout", "vllm"], "demo": ["demo"], "deploy": ["daemon"]}
 # Imported inside a function only to handle the caller's own tensors (StateDictSource, bits_view):
 # whoever passes torch tensors to chain has torch.
 BRING_YOUR_OWN = {"chain": {"torch"}}
