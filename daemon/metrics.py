@@ -71,6 +71,10 @@ class StatusCollector(Collector):
         )
         done = GaugeMetricFamily("deltaswarm_transfer_done_bytes", "Bytes held", labels=lab)
         size = GaugeMetricFamily("deltaswarm_transfer_size_bytes", "Artifact size", labels=lab)
+        tensors = GaugeMetricFamily("deltaswarm_transfer_tensor_bytes",
+                                    "Of the artifact's size, the tensor payload", labels=lab)
+        files = GaugeMetricFamily("deltaswarm_transfer_carried_file_bytes",
+                                  "Of the artifact's size, the carried files", labels=lab)
         down = GaugeMetricFamily(
             "deltaswarm_transfer_download_bytes_per_second", "Download rate", labels=lab
         )
@@ -86,11 +90,13 @@ class StatusCollector(Collector):
                 state.add_metric([t.artifact, st], 1.0 if t.state == st else 0.0)
             done.add_metric([t.artifact], t.done_bytes)
             size.add_metric([t.artifact], t.total_bytes)
+            tensors.add_metric([t.artifact], t.tensor_bytes)
+            files.add_metric([t.artifact], t.file_bytes)
             down.add_metric([t.artifact], t.download_rate)
             up.add_metric([t.artifact], t.upload_rate)
             sent.add_metric([t.artifact], t.bytes_up)
             peers.add_metric([t.artifact], t.peers)
-        yield from (state, done, size, down, up, sent, peers)
+        yield from (state, done, size, tensors, files, down, up, sent, peers)
 
     def _peers(self, s: NodeStatus) -> Iterator[Metric]:
         yield from _gauge("peers", "Peers this node knows", len(s.peers))
@@ -116,9 +122,20 @@ class StatusCollector(Collector):
         t = s.totals
         yield _counter("sent_bytes", "Bytes uploaded to peers", t.bytes_up)
         yield _counter("received_bytes", "Bytes downloaded from peers", t.bytes_down)
-        yield _counter("payload_bytes", "Artifact bytes behind applied versions", t.payload_bytes)
-        yield _counter("full_checkpoint_bytes", "Full-checkpoint bytes of the same", t.full_bytes)
-        yield from _gauge("saved_bytes", "full_checkpoint_bytes - payload_bytes", t.bytes_saved)
+        yield _counter("tensor_bytes", "Tensor payload bytes of the applied versions",
+                       t.tensor_bytes)
+        yield _counter("full_tensor_bytes", "The same versions' tensors uncompressed (what full "
+                       "checkpoints' tensors weigh)", t.full_tensor_bytes)
+        yield _counter("carried_file_bytes", "Carried files (config, tokenizer, ...) the applied "
+                       "versions list, once per version", t.file_bytes)
+        yield _counter("new_carried_file_bytes", "Of carried_file_bytes, those not in the version "
+                       "applied before (the rest: blocks held, not fetched again)",
+                       t.new_file_bytes)
+        yield _counter("payload_bytes", "tensor_bytes + carried_file_bytes", t.payload_bytes)
+        yield _counter("full_checkpoint_bytes", "full_tensor_bytes + carried_file_bytes",
+                       t.full_bytes)
+        yield from _gauge("saved_bytes", "full_tensor_bytes - tensor_bytes (on tensors)",
+                          t.bytes_saved)
         yield _counter("versions_applied", "Versions applied and verified", t.versions_applied)
 
     def _health(self, s: NodeStatus) -> Iterator[Metric]:

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from chain.manifest import parse_artifact
+from chain.sizes import Sizes
 from chain.store import ChainStore
 from daemon.artifacts import Artifacts
 from daemon.hooks import Notifier
@@ -84,7 +85,8 @@ def build_status(node: Sources, swarm: dict | None = None) -> NodeStatus:
             state = "seeding"
         versions.append(Transfer(
             artifact=artifact, version=version, state=state, done_bytes=t["done"],
-            total_bytes=t["total"], download_rate=t["download_rate"],
+            total_bytes=t["total"], **_split(node.store, artifact),
+            download_rate=t["download_rate"],
             upload_rate=t["upload_rate"], bytes_up=t["uploaded"], peers=t["peers"],
             error=t["error"] or None))
         rate_dn += t["download_rate"]
@@ -96,7 +98,8 @@ def build_status(node: Sources, swarm: dict | None = None) -> NodeStatus:
     for artifact, info in transfers.items():
         if artifact not in sw["torrents"]:
             versions.append(Transfer(artifact=artifact, version=parse_artifact(artifact)[0],
-                                     state="fetching", total_bytes=info.get("total") or 0))
+                                     state="fetching", total_bytes=info.get("total") or 0,
+                                     **_split(node.store, artifact)))
 
     peers = []
     for p in node.book.peers.values():
@@ -107,14 +110,10 @@ def build_status(node: Sources, swarm: dict | None = None) -> NodeStatus:
     for ip, (up, down) in by_ip.items():
         peers.append(Peer(bt_endpoint=ip, bytes_up=up, bytes_down=down))
 
-    payload = full = applied = 0
+    sizes = syncer.totals if syncer is not None else {}
     failures: dict[str, int] = {}
     refused, refused_by = [], {}
     if syncer is not None:
-        for a in syncer.applied:
-            payload += a["bytes"]
-            full += a["full_bytes"]
-            applied += 1
         failures = dict(syncer.failures)
         for r in syncer.refused:
             refused.append(RefusedManifest(artifact=r["artifact"], source=r["source"],
@@ -150,7 +149,11 @@ def build_status(node: Sources, swarm: dict | None = None) -> NodeStatus:
         current_version=cur["version"] if cur else None, head_version=max(heads, default=None),
         state_digest=cur["state_digest"] if cur else None, versions=versions, peers=peers,
         totals=Totals(bytes_up=sw["uploaded"], bytes_down=sw["downloaded"],
-                      payload_bytes=payload, full_bytes=full, versions_applied=applied),
+                      tensor_bytes=sizes.get("tensor_bytes", 0),
+                      full_tensor_bytes=sizes.get("dense_bytes", 0),
+                      file_bytes=sizes.get("file_bytes", 0),
+                      new_file_bytes=sizes.get("new_file_bytes", 0),
+                      versions_applied=sizes.get("versions", 0)),
         rates=Rates(download=rate_dn, upload=rate_up),
         verification=Verification(failures_by_kind=failures),
         bans=[Ban(endpoint=b.endpoint, artifact=b.artifact, reason=b.reason, since=b.since,
@@ -162,6 +165,15 @@ def build_status(node: Sources, swarm: dict | None = None) -> NodeStatus:
         engine_check=engine_check,
         weights_problem=node.weights_problem(),
         last_apply_s=syncer.applied[-1]["apply_seconds"] if syncer and syncer.applied else None)
+
+
+def _split(store: ChainStore, artifact: str) -> dict[str, int]:
+    """An artifact's tensor and carried-file bytes, from its manifest (none yet: nothing)."""
+    m = store.get(*parse_artifact(artifact))
+    if m is None:
+        return {}
+    size = Sizes.of(m)
+    return {"tensor_bytes": size.tensor_bytes, "file_bytes": size.file_bytes}
 
 
 def _node_of(book: PeerBook, endpoint: str) -> str | None:

@@ -25,6 +25,9 @@ class Transfer(_Model):
     state: TransferState = "fetching"
     done_bytes: int = Field(0, ge=0, description="bytes of the artifact held and verified")
     total_bytes: int = Field(0, ge=0, description="size of the artifact (all its blocks)")
+    tensor_bytes: int = Field(0, ge=0, description="of total_bytes, the tensor payload")
+    file_bytes: int = Field(0, ge=0, description="of total_bytes, the carried files (config, "
+                            "tokenizer, ...); unchanged ones are the previous version's blocks")
     download_rate: float = Field(0.0, ge=0, description="bytes/s, now")
     upload_rate: float = Field(0.0, ge=0, description="bytes/s, now")
     bytes_up: int = Field(0, ge=0, description="bytes of this artifact uploaded to peers")
@@ -55,18 +58,46 @@ class Peer(_Model):
 
 
 class Totals(_Model):
-    """Bytes moved since start, and what shipping full checkpoints would have cost instead."""
+    """Bytes moved since start, and what shipping full checkpoints would have cost instead.
+
+    Sizes are the tensor payload and the carried files (config, tokenizer, ...) apart: every
+    version lists its carried files, but unchanged ones are the same content-addressed blocks,
+    held once and not fetched again, so adding them to each version's size overstated it (1 MB
+    deltas whose tensors were 0.22-0.29 MB, issue 22). `bytes_saved` and `smaller_on_tensors`
+    are on tensors only.
+    """
 
     bytes_up: int = Field(0, ge=0)
     bytes_down: int = Field(0, ge=0)
-    payload_bytes: int = Field(0, ge=0, description="artifact bytes behind the applied versions")
-    full_bytes: int = Field(0, ge=0, description="full-checkpoint bytes of the same versions")
+    tensor_bytes: int = Field(0, ge=0, description="tensor payload of the applied versions")
+    full_tensor_bytes: int = Field(0, ge=0, description="the same versions' tensors "
+                                   "uncompressed: what full checkpoints' tensors weigh")
+    file_bytes: int = Field(0, ge=0, description="carried files (config, tokenizer, ...) the "
+                            "applied versions list, counted once per version")
+    new_file_bytes: int = Field(0, ge=0, description="of file_bytes, those not in the version "
+                                "applied before (the rest: the same blocks, not fetched again)")
     versions_applied: int = Field(0, ge=0)
 
-    @computed_field
+    @computed_field(description="tensor_bytes + file_bytes: every applied version's artifact "
+                    "bytes, carried files counted once per version")
+    @property
+    def payload_bytes(self) -> int:
+        return self.tensor_bytes + self.file_bytes
+
+    @computed_field(description="full_tensor_bytes + file_bytes")
+    @property
+    def full_bytes(self) -> int:
+        return self.full_tensor_bytes + self.file_bytes
+
+    @computed_field(description="full_tensor_bytes - tensor_bytes: saved on tensors")
     @property
     def bytes_saved(self) -> int:
-        return max(0, self.full_bytes - self.payload_bytes)
+        return max(0, self.full_tensor_bytes - self.tensor_bytes)
+
+    @computed_field(description="full_tensor_bytes / tensor_bytes (None before any payload)")
+    @property
+    def smaller_on_tensors(self) -> float | None:
+        return self.full_tensor_bytes / self.tensor_bytes if self.tensor_bytes else None
 
 
 class Rates(_Model):

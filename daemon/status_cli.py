@@ -24,6 +24,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from chain.textout import console as wide_console
 from daemon.status import NodeStatus
 from daemon.status_fleet import fleet_render
 
@@ -75,9 +76,14 @@ def summary(s: NodeStatus) -> Table:
     t = s.totals
     lag = "no version yet" if s.lag is None else str(s.lag)
     lag_style = "green" if s.lag == 0 else "yellow" if s.lag is not None and s.lag < 3 else "red"
-    saved = _human(t.bytes_saved)
-    if t.full_bytes:
-        saved += f" ({100 * t.bytes_saved / t.full_bytes:.1f}% of full checkpoints)"
+    applied = (f"{_human(t.tensor_bytes)} tensors + {_human(t.file_bytes)} carried files "
+               f"({_human(t.new_file_bytes)} of them changed) in {t.versions_applied} "
+               f"version{'' if t.versions_applied == 1 else 's'}")
+    saved = f"{_human(t.bytes_saved)} on tensors"
+    if t.full_tensor_bytes:
+        saved += (f" ({100 * t.bytes_saved / t.full_tensor_bytes:.1f}% of full checkpoints' "
+                  f"tensors")
+        saved += f", {t.smaller_on_tensors:.1f}x smaller)" if t.smaller_on_tensors else ")"
     v = s.verification
     fails = str(v.failures) + (f" (last: {v.last_error})" if v.last_error else "")
     refused = str(s.refused_total)
@@ -104,6 +110,7 @@ def summary(s: NodeStatus) -> Table:
     table.add_row("uptime", _duration(s.uptime_s))
     table.add_row("rates", f"↓ {_rate(s.rates.download)}  ↑ {_rate(s.rates.upload)}")
     table.add_row("transferred", f"↓ {_human(t.bytes_down)}  ↑ {_human(t.bytes_up)}")
+    table.add_row("applied", applied)
     table.add_row("saved", saved)
     table.add_row("peers", str(len(s.peers)))
     table.add_row("verify failures", _plain(fails, style="red" if v.failures else ""))
@@ -174,7 +181,8 @@ def peers_table(s: NodeStatus) -> Table:
 
 def versions_table(s: NodeStatus) -> Table:
     table = Table(title="versions", title_justify="left")
-    for col in ("artifact", "state", "progress", "size", "↓ rate", "↑ rate", "↑ bytes", "peers"):
+    for col in ("artifact", "state", "progress", "tensors", "files", "↓ rate", "↑ rate",
+                "↑ bytes", "peers"):
         table.add_column(col, justify="left" if col in ("artifact", "state") else "right")
     styles = {"fetching": "cyan", "applying": "yellow", "current": "green", "seeding": "green",
               "failed": "red"}
@@ -182,12 +190,13 @@ def versions_table(s: NodeStatus) -> Table:
         state = t.state + (f": {t.error}" if t.error else "")
         table.add_row(_plain(t.artifact), _plain(state, style=styles[t.state]),
                       f"{100 * t.progress:.1f}%",
-                      _human(t.total_bytes), _rate(t.download_rate), _rate(t.upload_rate),
+                      _human(t.tensor_bytes), _human(t.file_bytes),
+                      _rate(t.download_rate), _rate(t.upload_rate),
                       _human(t.bytes_up), str(t.peers))
     for r in s.refused_manifests:
         table.add_row(_plain(r.artifact or "?"),
                       _plain(f"refused {r.kind}: {r.reason}", style="red"),
-                      "", "", "", "", "", "")
+                      "", "", "", "", "", "", "")
     if not table.row_count:
         table.caption = "no transfers"
     return table
@@ -326,7 +335,7 @@ def watch(args: argparse.Namespace, url: str, token: str | None, console: Consol
 
 def main(argv: list[str] | None = None, console: Console | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    console = console or Console()
+    console = console or wide_console()
     try:
         url, token = from_config(args.config) if args.config else (DEFAULT_URL, None)
     except StatusError as e:

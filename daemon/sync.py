@@ -40,6 +40,7 @@ from chain.errors import (
     WrongParent,
 )
 from chain.manifest import BlockEntry, Manifest, parse_artifact
+from chain.sizes import Sizes, new_file_bytes
 from chain.store import ChainStore
 from chain.weights import Current, WeightsDir
 from daemon import torrents
@@ -101,6 +102,10 @@ class Syncer:
         self.failures: Counter[str] = Counter()
         self.applied: deque[dict] = deque(maxlen=50)
         self.bytes_saved = 0
+        """Dense minus payload tensor bytes of the deltas applied since start."""
+        self.totals: Counter[str] = Counter()
+        """Sizes of the versions applied since start (see _applied)."""
+        self._last_applied: Manifest | None = None
         self.applying: dict | None = None
         self.last_error = ""
         self._notify_pending: tuple[int, Path, str, Path | None] | None = None
@@ -368,8 +373,8 @@ class Syncer:
             resume = swarm.load_resume_data(arts.resume_dir, m.artifact)
             swarm.download(m.artifact, tb, save, peers=self.book.swarm_endpoints(),
                            resume_data=resume)
-            log.info("downloading %s (%d bytes, resume data: %s)", m.artifact, m.payload_bytes,
-                     resume is not None)
+            log.info("downloading %s", download_line(m, {bid for bid, _ in held},
+                                                      resume is not None))
         known: set = set()
         t0 = moved_at = time.monotonic()
         moved = -1
@@ -520,11 +525,19 @@ class Syncer:
         await self.on_disk(current)
 
     def _applied(self, m: Manifest, seconds: float) -> None:
-        full = sum(t.nbytes for t in m.tensors) + sum(f.size for f in m.files)
+        """Count an applied version's sizes: tensors and carried files apart, and "saved" on
+        tensors (chain/sizes.py). Running totals, not sums over `applied` (its last 50)."""
+        size = Sizes.of(m)
+        new_files = new_file_bytes(m, [self._last_applied] if self._last_applied else [])
+        self._last_applied = m
         if m.kind == "delta":
-            self.bytes_saved += max(0, full - m.payload_bytes)
+            self.bytes_saved += max(0, size.dense_bytes - size.tensor_bytes)
+        self.totals.update(tensor_bytes=size.tensor_bytes, file_bytes=size.file_bytes,
+                           new_file_bytes=new_files, dense_bytes=size.dense_bytes, versions=1)
         self.applied.append({"artifact": m.artifact, "version": m.version,
-                             "bytes": m.payload_bytes, "full_bytes": full,
+                             "bytes": size.total, "tensor_bytes": size.tensor_bytes,
+                             "file_bytes": size.file_bytes, "new_file_bytes": new_files,
+                             "dense_bytes": size.dense_bytes,
                              "apply_seconds": round(seconds, 3), "time": round(time.time(), 3)})
 
     async def on_disk(self, current: Current) -> None:
@@ -598,6 +611,15 @@ class Syncer:
                 "applying": self.applying, "transfers": dict(self.transfers),
                 "last_error": self.last_error,
                 "engine_first": self.engine_first.status() if self.engine_first else None}
+
+
+def download_line(m: Manifest, held: set[str], resumed: bool) -> str:
+    """What the "downloading" log line says of `m`: its tensors and carried files apart, and
+    how much of it this node already holds (linked in, not fetched again: unchanged carried
+    files are the same blocks as the version before)."""
+    have = sum(b.size for b in m.blocks if b.id in held)
+    return (f"{m.artifact}: {Sizes.of(m).describe()}, {have:,} B of it already held here; "
+            f"resume data: {'yes' if resumed else 'no'}")
 
 
 def refusal_kind(err: BadManifest) -> str:

@@ -28,11 +28,11 @@ class Node:
         self.status = NodeStatus(
             node=node, region="eu", current_version=6, head_version=8, state_digest="ab" * 16,
             versions=[Transfer(artifact="v00000007.delta", version=7, total_bytes=4000,
-                               done_bytes=1000, peers=3)],
+                               tensor_bytes=1000, file_bytes=3000, done_bytes=1000, peers=3)],
             peers=[Peer(bt_endpoint="10.0.0.2:6881", node="us-1", bytes_down=700,
                         bytes_up=300)],
-            totals=Totals(bytes_up=300, bytes_down=700, payload_bytes=3000, full_bytes=100_000,
-                          versions_applied=1),
+            totals=Totals(bytes_up=300, bytes_down=700, tensor_bytes=1000, file_bytes=2000,
+                          new_file_bytes=500, full_tensor_bytes=98_000, versions_applied=1),
             verification=Verification(failures_by_kind={"piece": 2, "block": 1}),
             bans=[Ban(endpoint="10.0.0.9:6881", artifact="v00000001.delta",
                  reason="bad piece", since=1.0, expires=2.0)],
@@ -70,6 +70,13 @@ def test_exposes_versions_lag_and_totals():
     assert value(fams, "deltaswarm_head_version") == 8
     assert value(fams, "deltaswarm_lag_versions") == 2
     assert value(fams, "deltaswarm_saved_bytes") == 97_000
+    # tensors and carried files apart; the old sums stay, files in both
+    assert value(fams, "deltaswarm_tensor_bytes_total") == 1000
+    assert value(fams, "deltaswarm_full_tensor_bytes_total") == 98_000
+    assert value(fams, "deltaswarm_carried_file_bytes_total") == 2000
+    assert value(fams, "deltaswarm_new_carried_file_bytes_total") == 500
+    assert value(fams, "deltaswarm_payload_bytes_total") == 3000
+    assert value(fams, "deltaswarm_full_checkpoint_bytes_total") == 100_000
     assert value(fams, "deltaswarm_received_bytes_total") == 700
     assert value(fams, "deltaswarm_node_info", node="eu-1", region="eu", role="region") == 1
 
@@ -95,6 +102,8 @@ def test_labels_per_artifact_peer_and_kind():
     art = "v00000007.delta"
     assert value(fams, "deltaswarm_transfer_done_bytes", artifact=art) == 1000
     assert value(fams, "deltaswarm_transfer_size_bytes", artifact=art) == 4000
+    assert value(fams, "deltaswarm_transfer_tensor_bytes", artifact=art) == 1000
+    assert value(fams, "deltaswarm_transfer_carried_file_bytes", artifact=art) == 3000
     assert value(fams, "deltaswarm_transfer_state", artifact=art, state="fetching") == 1
     assert value(fams, "deltaswarm_transfer_state", artifact=art, state="current") == 0
     assert value(fams, "deltaswarm_peer_received_bytes_total", peer="10.0.0.2:6881",

@@ -39,15 +39,15 @@ def busy_status() -> NodeStatus:
         time=1042.0, uptime_s=42.0, current_version=6, head_version=7, state_digest="ab" * 16,
         versions=[
             Transfer(artifact="v00000006.delta", version=6, state="seeding", total_bytes=3000,
-                     done_bytes=3000, bytes_up=9000),
+                     tensor_bytes=1000, file_bytes=2000, done_bytes=3000, bytes_up=9000),
             Transfer(artifact="v00000007.delta", version=7, total_bytes=4000, done_bytes=1000,
-                     peers=3, download_rate=512.0),
+                     tensor_bytes=1536, file_bytes=2464, peers=3, download_rate=512.0),
         ],
         peers=[Peer(bt_endpoint="10.0.0.2:6881", node="us-1", bytes_down=700,
                     http_url="http://10.0.0.2:8700", last_seen=1000.0),
                Peer(http_url="http://10.0.0.3:8700", last_seen=1000.0)],
-        totals=Totals(bytes_up=9000, bytes_down=7000, payload_bytes=3000, full_bytes=100_000,
-                      versions_applied=1),
+        totals=Totals(bytes_up=9000, bytes_down=7000, tensor_bytes=1000, file_bytes=2000,
+                      new_file_bytes=0, full_tensor_bytes=98_000, versions_applied=1),
         verification=Verification(failures_by_kind={"piece": 1},
                                   last_error="piece: hash mismatch from 10.0.0.9", last_at=1000),
         bans=[Ban(endpoint="10.0.0.9:6881", artifact="v00000001.delta",
@@ -84,9 +84,15 @@ def test_transfer_rejects_an_unknown_state_and_negative_bytes():
         t.state = "downloading"  # assignments are validated too
 
 
-def test_bytes_saved_is_full_minus_payload_and_never_negative():
-    assert busy_status().totals.bytes_saved == 97_000
-    assert Totals(payload_bytes=10, full_bytes=4).bytes_saved == 0
+def test_bytes_saved_and_the_ratio_are_on_tensors_and_never_negative():
+    t = busy_status().totals
+    assert (t.bytes_saved, t.smaller_on_tensors) == (97_000, 98.0)
+    assert (t.payload_bytes, t.full_bytes) == (3000, 100_000)  # carried files in both
+    # carried files change neither: an unchanged tokenizer is not a saving nor a cost
+    files = Totals(tensor_bytes=10, full_tensor_bytes=1000, file_bytes=10**6)
+    assert (files.bytes_saved, files.smaller_on_tensors) == (990, 100.0)
+    assert Totals(tensor_bytes=10, full_tensor_bytes=4).bytes_saved == 0
+    assert Totals().smaller_on_tensors is None
 
 
 def test_failure_and_refusal_totals_add_up_the_kinds():
@@ -165,11 +171,29 @@ def test_cli_renders_summary_peers_and_versions(server):
     out = console.export_text()
     assert rc == 0
     assert "eu-1" in out and "6 / head 7" in out
-    assert "94.7 KiB (97.0% of full checkpoints)" in out
+    assert "94.7 KiB on tensors (99.0% of full checkpoints' tensors, 98.0x smaller)" in out
+    assert "1000 B tensors + 2.0 KiB carried files (0 B of them changed) in 1 version" in out
     assert "us-1" in out and "10.0.0.2:6881" in out
     assert "banned on v00000001.delta: sent a piece failing its v2 hash" in out
     assert "v00000007.delta" in out and "25.0%" in out
+    row = next(line for line in out.splitlines() if "v00000007.delta" in line)
+    assert "1.5 KiB" in row and "2.4 KiB" in row  # tensors and carried files, apart
     assert "refused unsigned: no signature" in out
+
+
+def test_cli_piped_prints_every_cell_whole_however_narrow_columns_says(server):
+    """Captured or piped (not a terminal), with $COLUMNS=40: no cell cut to an ellipsis, and
+    the sizes (tensors and carried files apart) all there (issue 22)."""
+    url, _ = server
+    r = subprocess.run([sys.executable, "-m", "daemon.status_cli", "--url", url, "--token",
+                        "secret-token", "--peers", "--versions"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60, env={**os.environ, "COLUMNS": "40"})
+    assert r.returncode == 0, r.stderr
+    assert "…" not in r.stdout, r.stdout
+    assert "banned on v00000001.delta: sent a piece failing its v2 hash" in r.stdout
+    line = next(x for x in r.stdout.splitlines() if "v00000007.delta" in x)
+    assert "1.5 KiB" in line and "2.4 KiB" in line, r.stdout
+    assert "98.0x smaller" in r.stdout
 
 
 def test_cli_json_prints_the_status_document(server, capsys):
