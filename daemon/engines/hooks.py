@@ -11,8 +11,8 @@ Engine first (daemon/engines/first.py): a hook whose `takes_patches` is true is 
 verified version as soon as its patch file (chain/patchfile.py) is written, before the
 directory `path` exists, and patches its live weights from it (the patch names its parent
 version; an engine elsewhere waits for `path`); it is told a version on disk only if it has not
-served it. Other hooks (http, command and, for now, the vLLM backend hook) are told versions
-on disk, as before.
+served it. The none and vLLM backend hooks take patches; http and command hooks are told versions
+on disk (the built-in rollout worker fetches patches itself: rollout/worker.py).
 """
 
 import asyncio

@@ -15,8 +15,9 @@ Given the region's patch file (`notify(..., patch=P)`, issue 19), the round name
 the backend patches in place and checks only the words it touched (O(changes)); every
 `full_check_every`-th update, and on request (`POST /v1/engine/check`), every tensor is read
 back too, and `engine_check.full_check` in the status says when that last ran and what it found.
-If the backend refuses the patch (it does not hold the parent, e.g. after a restart), the round
-is run again from the version directory when the region has it.
+If the backend refuses the patch (it does not hold the parent and cannot check it, e.g. after a
+restart), or the check after it fails, the round is run again from the version directory, which
+the region writes right after the patch (vLLM stays paused meanwhile).
 """
 
 import asyncio
@@ -103,6 +104,10 @@ def verdict(reports: list[dict]) -> tuple[bool, str]:
 class VllmBackendHook:
     """pause → start → update_weights(version) → finish → read the verdict → (on a mismatch:
     another round in mode full) → reset prefix cache → resume."""
+
+    takes_patches = True
+    """The region hands it each version's patch file as soon as it is written (engine first,
+    daemon/engine_first.py), before the version's directory is on disk."""
 
     def __init__(self, cfg: VllmHook, session: aiohttp.ClientSession, state_dir: Path) -> None:
         self.cfg = cfg
@@ -233,11 +238,10 @@ class VllmBackendHook:
                     reports = await self._round(version, path if on_disk else None,
                                                 self.cfg.mode, patch, full)
                 except EngineRoundFailed as e:
-                    if not on_disk:
-                        raise
                     log.info("v%d: the backend refused the patch (%s); loading %s", version,
                              e, path)
             if reports is None:
+                await self._on_disk(version, path)
                 reports = await self._round(version, path, self.cfg.mode)
             self._record(version, reports)
             if patch is None:
@@ -277,6 +281,7 @@ class VllmBackendHook:
         c.mismatched = sorted({n for r in reports for n in (r.get("check") or {})
                                .get("mismatched", [])})[:20]
         log.warning("engine check failed for v%d (%s): full reload from %s", version, why, path)
+        await self._on_disk(version, path)
         full = await self._round(version, path, "full")
         self._record(version, full)
         c.mode = "full"
@@ -285,6 +290,18 @@ class VllmBackendHook:
             c.repair_failures += 1
             raise EngineRoundFailed(f"weights still differ after a full reload: {why}")
         c.repairs += 1
+
+    async def _on_disk(self, version: int, path: Path) -> None:
+        """Wait (vLLM paused: it never serves weights that are not a verified version) until
+        the region has written v{version}'s directory, which it does right after the patch;
+        for a patch the backend refused or a check that failed. EngineRoundFailed after the
+        hook's timeout."""
+        deadline = time.monotonic() + self.cfg.timeout_s
+        while not (path / "VERSION.json").exists():
+            if time.monotonic() > deadline:
+                raise EngineRoundFailed(f"v{version}'s directory {path} did not appear within "
+                                        f"{self.cfg.timeout_s:g}s")
+            await asyncio.sleep(0.05)
 
     async def close(self) -> None:
         return None
