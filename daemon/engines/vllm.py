@@ -241,14 +241,15 @@ class VllmBackendHook:
                     log.info("v%d: the backend refused the patch (%s); loading %s", version,
                              e, path)
             if reports is None:
-                await self._on_disk(version, path)
+                if patch is not None:  # engine first: the directory follows the patch
+                    await self._on_disk(version, path)
                 reports = await self._round(version, path, self.cfg.mode)
             self._record(version, reports)
             if patch is None:
                 self.check.reason = self.check.reason or "no patch file given"
             passed, why = verdict(reports)
             if self.cfg.check and not passed:
-                await self._repair(version, path, reports, why)
+                await self._repair(version, path, reports, why, wait=patch is not None)
             await self._post("/reset_prefix_cache", params={"reset_running_requests": "true"})
         except (EngineRoundFailed, aiohttp.ClientError, TimeoutError) as e:
             self.check.last_error = f"v{version}: {e}"[:400]
@@ -274,14 +275,16 @@ class VllmBackendHook:
             self._record_full(version, checks, "requested")
             return self.check.full_check
 
-    async def _repair(self, version: int, path: Path, reports: list[dict], why: str) -> None:
+    async def _repair(self, version: int, path: Path, reports: list[dict], why: str,
+                      wait: bool = False) -> None:
         c = self.check
         c.mismatches += 1
         c.last_mismatch_version, c.last_mismatch_at = version, time.time()
         c.mismatched = sorted({n for r in reports for n in (r.get("check") or {})
                                .get("mismatched", [])})[:20]
         log.warning("engine check failed for v%d (%s): full reload from %s", version, why, path)
-        await self._on_disk(version, path)
+        if wait:
+            await self._on_disk(version, path)
         full = await self._round(version, path, "full")
         self._record(version, full)
         c.mode = "full"
