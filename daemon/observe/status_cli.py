@@ -11,7 +11,9 @@ read. The token may also come from $DELTASWARM_TOKEN.
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -320,17 +322,28 @@ def watch(args: argparse.Namespace, url: str, token: str | None, console: Consol
             return Panel(Text(str(e), style="red"),
                          title=f"{time.strftime('%H:%M:%S')} retrying every {args.interval:g}s")
 
+    # Ctrl-C sets a flag the loop checks between frames instead of raising KeyboardInterrupt
+    # wherever the main thread happens to be (inside rich's locks or a socket read it could
+    # leave the process hung: seen twice in CI, the CLI alive 30 s after SIGINT).
+    stop = threading.Event()
+    main = threading.current_thread() is threading.main_thread()  # only it may set handlers
+    previous = signal.signal(signal.SIGINT, lambda *_: stop.set()) if main else None
     n = 0
     try:
         with Live(frame(), console=console, auto_refresh=False) as live:
-            while True:
+            while not stop.is_set():
                 n += 1
                 if args.count and n >= args.count:
                     return 0
-                time.sleep(args.interval)
+                if stop.wait(args.interval):
+                    break
                 live.update(frame(), refresh=True)
-    except KeyboardInterrupt:
         return 0
+    except KeyboardInterrupt:  # a SIGINT before the handler was set
+        return 0
+    finally:
+        if main:
+            signal.signal(signal.SIGINT, previous)
 
 
 def main(argv: list[str] | None = None, console: Console | None = None) -> int:
