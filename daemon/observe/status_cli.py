@@ -326,8 +326,8 @@ def watch(args: argparse.Namespace, url: str, token: str | None, console: Consol
     # wherever the main thread happens to be (inside rich's locks or a socket read it could
     # leave the process hung: seen twice in CI, the CLI alive 30 s after SIGINT).
     stop = threading.Event()
-    main = threading.current_thread() is threading.main_thread()  # only it may set handlers
-    previous = signal.signal(signal.SIGINT, lambda *_: stop.set()) if main else None
+    on_main = threading.current_thread() is threading.main_thread()  # only it sets handlers
+    previous = signal.signal(signal.SIGINT, lambda *_: stop.set()) if on_main else None
     n = 0
     try:
         with Live(frame(), console=console, auto_refresh=False) as live:
@@ -342,7 +342,7 @@ def watch(args: argparse.Namespace, url: str, token: str | None, console: Consol
     except KeyboardInterrupt:  # a SIGINT before the handler was set
         return 0
     finally:
-        if main:
+        if on_main:
             signal.signal(signal.SIGINT, previous)
 
 
