@@ -39,12 +39,13 @@ class RolloutSection(Section):
 
 
 class HeldOutSection(Section):
-    prompts: int = Field(128, ge=1, le=100_000)
-    """Prompts in the fixed held-out set (drawn once from the task with `seed`)."""
-    samples: int = Field(8, ge=1, le=256)
-    """Completions per prompt for the score at the sampling temperature."""
+    prompts: int = Field(400, ge=1, le=100_000)
+    """Problems scored, drawn once with `seed` from the task's held-out split (problems the
+    warm-up and the workers never sample); all of them if the split has fewer."""
+    samples: int = Field(4, ge=1, le=256)
+    """Completions per prompt for the score at the sampling temperature (shown, not checked)."""
     seed: int = Field(1234, ge=0, le=2**63 - 1)
-    """Seed of the prompt draw and of the sampling generator: the same set every run."""
+    """Seed of the problem draw and of the sampling generator: the same set every run."""
     every: int = Field(5, ge=1, le=100_000)
     """Score every this many versions during RL (v0 and the last version always)."""
 
@@ -61,8 +62,9 @@ class DemoConfig(Section):
     """Trainer daemon http = base, bt = base+1, ingest = base+2; region i uses base+10*(i+1)."""
     trainer_upload_bytes_per_s: int = Field(0, ge=0, le=1 << 40)
     """Upload cap of the trainer's daemon (0 = none); a thin uplink makes regions share."""
-    task: str = Field("rollout.tasks.arithmetic", min_length=1, max_length=1024)
-    """Task plug-in spec for trainer and workers."""
+    task: str = Field("rollout.tasks.arithmetic_digits", min_length=1, max_length=1024)
+    """Task plug-in spec for trainer and workers; it needs a held-out split
+    (`heldout_prompts()`), which the demo's success check is scored on."""
     model: ModelConfig = ModelConfig()
     """The trainer's model section."""
     warmup: WarmupConfig = WarmupConfig()
@@ -77,14 +79,14 @@ class DemoConfig(Section):
     """Workers generate their share of each version's batch (batch / regions) plus this many
     versions ahead, then wait for a newer version (null: unpaced, they outrun the trainer)."""
     heldout: HeldOutSection = HeldOutSection()
-    """The fixed prompt set the run is judged on."""
+    """The held-out problems the run is judged on (the task's split, never trained on)."""
     snapshot_every: int = Field(8, ge=1, le=1_000_000)
     """A full snapshot every this many versions."""
     timeout_s: float = Field(900, gt=0, le=86400)
     """The whole demo fails if it takes longer."""
     min_reward_gain: float = Field(0.03, ge=-1, le=1)
-    """The run passes only if the held-out reward (sampling temperature, fixed seed) of the
-    last version beats v0's by this much (-1 turns the check off)."""
+    """The run passes only if the greedy reward on the held-out problems of the last version
+    beats v0's by this much (-1 turns the check off)."""
 
     @model_validator(mode="after")
     def _ports_fit(self) -> "DemoConfig":
@@ -146,7 +148,8 @@ def build_layout(cfg: DemoConfig, out: Path, public_key_hex: str, token: str | N
             "pace_per_version": -(-cfg.batch // len(cfg.regions)), "pace_ahead": cfg.pace_ahead}
         workers[region] = WorkerConfig(
             daemon=daemons[region].http.url(), token=token, task=cfg.task, region=region,
-            worker=f"{region}-worker", seed=i, **cfg.rollout.model_dump(), **pace)
+            worker=f"{region}-worker", seed=i, temperature=cfg.grpo.temperature,
+            **cfg.rollout.model_dump(), **pace)
         prev = daemons[region].http.url()
     trainer = TrainerConfig(
         run=f"demo-{out.name}", state_dir=out / "trainer",

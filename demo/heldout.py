@@ -1,10 +1,14 @@
-"""The demo's success measure: a fixed held-out prompt set scored on the weights a region runs.
+"""The demo's success measure: the task's held-out problems scored on the weights a region runs.
 
-Sampled training rewards swing by ±0.1 from step to step (each batch draws other prompts), so
-the demo judges learning on the same prompts before, during and after RL, drawn once with a
-fixed seed, scored twice per version: greedily (one completion per prompt, temperature 0) and
-at the sampling temperature with a fixed generator seed (`samples` completions per prompt).
-Both are deterministic functions of the weights. The weights are the ones a region's daemon
+The prompts come from the task's held-out split (`heldout_prompts()`, e.g.
+rollout/tasks/arithmetic_digits.py): problems that neither the trainer's warm-up nor the
+workers ever sample, so a rise is learning that carries over to unseen problems, not memory of
+the training prompts. (Before, the set was drawn from the training distribution itself: every
+"held-out" prompt was one of the 155 problems the workers trained on.) A fixed subset of
+`prompts` of them (drawn once with `seed`) is scored twice per version: greedily (one
+completion per prompt, temperature 0: the demo's success check) and at the sampling
+temperature with a fixed generator seed (`samples` completions per prompt). Both are
+deterministic functions of the weights. The weights are the ones a region's daemon
 reconstructed and verified (`GET /v1/weights/current`), so the score is of what was delivered.
 """
 
@@ -33,15 +37,35 @@ class Score:
                 "solved": self.solved}
 
 
+class NoHeldOutSplit(ValueError):
+    """The task cannot say which problems training never sees; the message says what to add."""
+
+
+def heldout_set(task: Any, prompts: int, seed: int) -> list[str]:
+    """`prompts` distinct problems of the task's held-out split (all of them if it has fewer),
+    the same for the same seed."""
+    split = getattr(task, "heldout_prompts", None)
+    if not callable(split):
+        raise NoHeldOutSplit(
+            f"task {getattr(task, 'name', task)!r} has no held-out split: the demo scores only "
+            "problems training never samples, so the task needs heldout_prompts() (see "
+            "rollout/tasks/arithmetic_digits.py)")
+    pool = list(split())
+    if not pool:
+        raise NoHeldOutSplit(f"task {getattr(task, 'name', task)!r} holds out no problems")
+    return pool if prompts >= len(pool) else random.Random(seed).sample(pool, prompts)
+
+
 class HeldOut:
-    """Scores HF weight directories on one fixed prompt set with the built-in torch engine."""
+    """Scores HF weight directories on one fixed set of held-out problems with the built-in
+    torch engine."""
 
     def __init__(self, task_spec: str, prompts: int, samples: int, seed: int, max_tokens: int,
                  temperature: float = 1.0) -> None:
         from rollout.tasks import load_task
 
         self.task = load_task(task_spec)
-        self.prompts = self.task.sample_prompts(random.Random(seed), prompts)
+        self.prompts = heldout_set(self.task, prompts, seed)
         self.samples, self.seed = samples, seed
         self.max_tokens, self.temperature = max_tokens, temperature
         self.engine: Any = None

@@ -6,11 +6,13 @@ A trainer (GRPO + its daemon) and three regions (a daemon and a rollout worker e
 separate processes on loopback, state in a fresh directory. Each region bootstraps from the
 peer before it, so heads and blocks travel peer to peer. Workers pace themselves to the trainer
 (their share of each version's batch, one version ahead), so none of their trajectories go
-stale. A thread scores a fixed held-out prompt set on the first region's weights at v0, during
-RL and at the last version. A live view shows the run; at the end a summary table and a PNG
-(held-out reward, bytes per version against the full checkpoint, publish-to-current time per
-region, bytes the regions served each other). Exit 0 only if every region ends on the final
-version with the trainer's state digest and the held-out reward rose by `min_reward_gain`.
+stale. A thread scores problems of the task's held-out split (never sampled by the warm-up or
+the workers) on the first region's weights at v0, during RL and at the last version. A live
+view shows the run; at the end a summary table and a PNG (held-out reward, bytes per version
+against the full checkpoint, publish-to-current time per region, bytes the regions served each
+other). Exit 0 only if every region ends on the final version with the trainer's state digest,
+no trajectory the trainer received was a held-out problem, and the greedy reward on the
+held-out problems rose by `min_reward_gain` from v0 to the last version (demo/verdict.py).
 Ctrl-C stops every process cleanly.
 """
 
@@ -49,10 +51,17 @@ def run(cfg: DemoConfig, out: Path) -> int:
     from rich.live import Live
 
     from chain import keys
-    from demo.heldout import Evaluator, HeldOut
-    from demo.view import render_live, render_summary, verdict, write_plot
+    from demo.heldout import Evaluator, HeldOut, NoHeldOutSplit, heldout_set
+    from demo.verdict import summary_rows, verdict
+    from demo.view import render_live, render_summary, write_plot
+    from rollout.tasks import TaskSpecError, load_task
 
     console = Console()
+    try:  # before any process starts: the success check needs the task's held-out split
+        split = set(heldout_set(load_task(cfg.task), 1 << 30, 0))
+    except (NoHeldOutSplit, TaskSpecError) as e:
+        console.print(f"[red]deltaswarm demo: {e}[/]")
+        return 2
     out.mkdir(parents=True)
     key = keys.generate(out / "trainer.key")
     layout = build_layout(cfg, out, keys.public_hex(key))
@@ -132,10 +141,13 @@ def run(cfg: DemoConfig, out: Path) -> int:
         scores = list(evaluator.scores)
         wall = time.monotonic() - started
         (out / "heldout.json").write_text(json.dumps(
-            {"prompts": evaluator.prompts, "scores": [x.as_dict() for x in scores],
-             "error": evaluator.error}, indent=1))
-        ok, reasons = verdict(cfg, metrics, statuses, out, scores)
+            {"prompts": evaluator.prompts, "split_size": len(split),
+             "scores": [x.as_dict() for x in scores], "error": evaluator.error}, indent=1))
+        scored = len(evaluator.prompts)
+        ok, reasons = verdict(cfg, metrics, statuses, out, scores, split, scored)
         summary = render_summary(cfg, metrics, statuses, seen, scores, wall)
+        for row in summary_rows(cfg, scores, scored, len(split)):
+            summary.add_row(*row)
         console.print(summary)
         png = write_plot(cfg, metrics, statuses, seen, scores, out / "demo.png")
         console.print(f"plot: {png}")
@@ -159,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, help="override the number of versions")
     p.add_argument("--out", type=Path, help="run directory (default: out_dir/demo-<time>)")
     p.add_argument("--warmup-steps", type=int, help="override warm-up steps")
-    p.add_argument("--min-reward-gain", type=float, help="override the reward check")
+    p.add_argument("--min-reward-gain", type=float, help="override the greedy held-out check")
     a = p.parse_args(argv)
     changes: dict[str, object] = {}
     if a.steps:

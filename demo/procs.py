@@ -1,5 +1,10 @@
 """Starting and stopping the demo's processes: each in its own session, logged to a file, and
-stopped by its own pid (SIGTERM, then SIGKILL after a grace period) — never by name."""
+stopped by its own pid (SIGTERM, then SIGKILL after a grace period) — never by name.
+
+Each runs this checkout's code: PYTHONPATH starts with the repository root the demo itself was
+imported from. Without it `python -m` found the packages through the working directory, and
+from any other directory through the venv's editable install, which may point at another
+checkout than the demo's own (a git worktree sharing one venv)."""
 
 import os
 import signal
@@ -8,6 +13,14 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+"""The repository root this demo was imported from."""
+
+
+def _pythonpath() -> str:
+    rest = os.environ.get("PYTHONPATH")
+    return str(ROOT) + (os.pathsep + rest if rest else "")
 
 
 @dataclass
@@ -38,7 +51,8 @@ class Procs:
             popen = subprocess.Popen(
                 [sys.executable, "-m", module, *args], stdout=out, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, start_new_session=True,
-                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": _pythonpath(),
+                     **(env or {})},
             )
         proc = Proc(name, popen, log)
         self.procs.append(proc)

@@ -141,6 +141,14 @@ def test_demo_workers_share_the_trainer_batch_when_paced():
     assert {w.pace_per_version for w in unpaced} == {None}
 
 
+def test_demo_workers_sample_at_the_trainers_temperature():
+    """The trainer recomputes log-probs at grpo.temperature; workers sampling at another one
+    would make every importance ratio wrong."""
+    cfg = with_overrides(load_demo_config(CONFIGS / "demo.yaml"), grpo={"temperature": 0.7})
+    workers = build_layout(cfg, Path("/tmp/x"), KEY, token="demo-token-1234").workers.values()
+    assert {w.temperature for w in workers} == {0.7}
+
+
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_every_shipped_config_is_what_the_models_generate(name):
     """configs/ is generated (make configs): a default, field or description changed in code
