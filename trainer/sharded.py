@@ -21,6 +21,7 @@ shared filesystem), and the key is loaded and used on the assembling rank only.
 
 import logging
 import math
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -68,16 +69,24 @@ def owner(name: str, world: int) -> int:
     return xxhash.xxh32_intdigest(name.encode()) % world
 
 
+def _dtensor() -> type | None:
+    """DTensor if anything imported it (a value can be one only then), else None: importing
+    it here would cost a trainer that passes plain tensors or Shards about 40 MB of modules
+    (torch.fx, sympy) on its first publish."""
+    return getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+
+
 def local_slices(state: Mapping[str, object], rank: int, world: int) -> list[Slice]:
     """The slices this rank holds of each tensor in `state` (see the module docstring)."""
-    from torch.distributed.tensor import DTensor, Replicate
-    from torch.distributed.tensor import Shard as DShard
-
+    dtensor = _dtensor()
     out = []
     for name, v in state.items():
         if isinstance(v, Shard):
             t, shape, lo = v.tensor, list(v.shape), v.offset
-        elif isinstance(v, DTensor):
+        elif dtensor is not None and isinstance(v, dtensor):
+            from torch.distributed.tensor import Replicate
+            from torch.distributed.tensor import Shard as DShard
+
             pl = v.placements
             shape = list(v.shape)
             if all(isinstance(p, Replicate) for p in pl):

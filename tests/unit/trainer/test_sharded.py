@@ -4,6 +4,10 @@ the single-process Publisher's; change detection copies positions and values onl
 rank reuses its persisted part only for the very same weights, and when it finds its changes
 first (as a rank on a GPU does) it writes what the one-pass encoding of host slices writes."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -124,6 +128,16 @@ def test_plain_tensors_are_owned_whole_and_shards_name_their_range():
     assert {owner(n, 4) for n in ("x", "y", "z", "w", "v")} <= set(range(4))
     with pytest.raises(ValueError, match=r"outside its shape \[2, 4\]"):
         local_slices({"c": Shard(t, (2, 4), 0)}, rank=0, world=2)
+
+
+def test_plain_tensors_do_not_import_dtensor():
+    """A trainer without DTensors does not pay for importing them (~40 MB) when it publishes."""
+    code = ("import sys, torch; from trainer.sharded import local_slices, Shard; "
+            "t = torch.zeros(6); local_slices({'a': t, 'b': Shard(t, (12,), 6)}, 0, 2); "
+            "print('torch.distributed.tensor' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[3], check=True)
+    assert out.stdout.strip() == "False", out.stderr
 
 
 def test_finding_changes_first_writes_what_the_one_pass_writes(tmp_path):
