@@ -331,9 +331,11 @@ def run_ranks(work: Path, world: int) -> dict:
     rank's time, the worst rank's memory beyond its shard, rank 0's phases."""
     port = free_port()
     # fixed mmap threshold: freed tensors go back to the kernel, so RssAnon is what the
-    # publisher holds, not what glibc kept of the previous version's tensors
+    # publisher holds, not what glibc kept of the previous version's tensors; every rank is
+    # on this host, as torchrun would say (LOCAL_WORLD_SIZE: the ranks share its cores)
     kids = [Child(f"rank{r}", work, [str(RANK), str(work), str(r), str(world), str(port)],
-                  {"MALLOC_MMAP_THRESHOLD_": "131072"}) for r in range(world)]
+                  {"MALLOC_MMAP_THRESHOLD_": "131072", "LOCAL_WORLD_SIZE": str(world)})
+            for r in range(world)]
     threads = [threading.Thread(target=k.run) for k in kids]
     for th in threads:
         th.start()

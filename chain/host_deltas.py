@@ -18,7 +18,7 @@ import numpy as np
 from numba import njit
 
 from chain import codec
-from chain.codec.api import LOG2_SEG
+from chain.codec.api import LOG2_SEG, THREADS
 from chain.lanehash import _mix0, _mix1
 from chain.shards import Placed, _interior_move, add_sums, word_span, write_segment
 from chain.stream import BlockWriter
@@ -86,10 +86,12 @@ class _Open:
 
 class HostDeltas:
     """Queues slices (old and new on the host) and writes their records to `writer` in the
-    order they were added, BATCH_ELEMENTS at a time; `flush` before writing anything else."""
+    order they were added, BATCH_ELEMENTS at a time on `threads` codec threads; `flush`
+    before writing anything else."""
 
-    def __init__(self, writer: BlockWriter, batch: int = BATCH_ELEMENTS) -> None:
-        self.writer, self.batch = writer, batch
+    def __init__(self, writer: BlockWriter, batch: int = BATCH_ELEMENTS,
+                 threads: int = THREADS) -> None:
+        self.writer, self.batch, self.threads = writer, batch, threads
         self._queue: list[tuple[_Open, int, int]] = []
         self._queued = 0
 
@@ -126,7 +128,7 @@ class HostDeltas:
             return _interior_move(old, lo, pos, val, sh, 8 * old.itemsize, wa, wb)
 
         out = codec.encode_changes([(sl.old[s0:s1], sl.new[s0:s1], sl.where.dtype)
-                                    for sl, s0, s1 in queue], moved=moved)
+                                    for sl, s0, s1 in queue], self.threads, moved=moved)
         for (sl, s0, s1), (payload, ch) in zip(queue, out, strict=True):
             if ch.pos.size:
                 r = sl.out

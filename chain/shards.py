@@ -19,7 +19,7 @@ from numba import njit
 from pydantic import BaseModel, ConfigDict, Field
 
 from chain import codec, lanehash
-from chain.codec.api import LOG2_SEG
+from chain.codec.api import LOG2_SEG, THREADS
 from chain.digest import state_digest
 from chain.dtypes import lookup
 from chain.errors import ChainError
@@ -216,7 +216,7 @@ def write_segment(writer: BlockWriter, where: Placed, s0: int, s1: int,
 
 
 def write_delta(writer: BlockWriter, where: Placed, old: np.ndarray, pos: np.ndarray,
-                val: np.ndarray) -> int:
+                val: np.ndarray, threads: int = THREADS) -> int:
     """Records turning slice `old` into old-with-old[pos]=val, for changes found elsewhere (on
     the device that holds the new slice): one codec payload per segment that changed, each
     rebuilt from `old` in bounded scratch, so the new slice is never held whole. Returns the
@@ -233,7 +233,8 @@ def write_delta(writer: BlockWriter, where: Placed, old: np.ndarray, pos: np.nda
             new = old[s0:s1].copy()
             new[pos[j0:j1] - s0] = val[j0:j1]
             pairs.append((old[s0:s1], new, where.dtype))
-        for (s0, s1, _, _), payload in zip(batch, codec.encode_many(pairs), strict=True):
+        for (s0, s1, _, _), payload in zip(batch, codec.encode_many(pairs, threads),
+                                           strict=True):
             written += write_segment(writer, where, s0, s1, payload)
     return written
 

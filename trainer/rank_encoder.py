@@ -28,6 +28,7 @@ import torch
 from chain import shards
 from chain.atomic import write_atomic
 from chain.blocks import BlockStore
+from chain.codec.api import THREADS
 from chain.errors import ChainError
 from chain.host_deltas import HostDeltas, SliceDelta
 from chain.stream import BlockWriter
@@ -93,9 +94,10 @@ def _edges(s: Slice) -> np.ndarray:
 
 
 class RankEncoder:
-    def __init__(self, blocks: BlockStore, parts_dir: Path, rank: int, block_size: int) -> None:
+    def __init__(self, blocks: BlockStore, parts_dir: Path, rank: int, block_size: int,
+                 threads: int = THREADS) -> None:
         self.blocks, self.parts_dir, self.rank = blocks, Path(parts_dir), rank
-        self.block_size = block_size
+        self.block_size, self.threads = block_size, threads
         self.held: dict[str, _Held] = {}
         self._pending: dict[str, _Held | _Moved | SliceDelta] | None = None
 
@@ -123,7 +125,7 @@ class RankEncoder:
         prior = self._prior(version, parent_digest, snapshot)
         self._pending = {}
         dw = BlockWriter(self.blocks, self.block_size)
-        one_pass = HostDeltas(dw)
+        one_pass = HostDeltas(dw, threads=self.threads)
         later: list[Callable[[BlockWriter], int]] = []  # records held back while `prior`
         d2h = encoded = 0
         for s in slices:
@@ -139,7 +141,7 @@ class RankEncoder:
                     h.sums, shards.interior_move(h.host, s.lo, f.pos, f.val)),
                     f.pos_dev, f.val_dev)
                 if f.pos.size:
-                    write = _delta_writer(s, h.host, f.pos, f.val)
+                    write = _delta_writer(s, h.host, f.pos, f.val, self.threads)
             else:
                 n = self._pending[s.name] = _held(s, _host_copy(s.bits))
                 if delta:
@@ -233,9 +235,9 @@ class RankEncoder:
                 shutil.rmtree(d, ignore_errors=True)
 
 
-def _delta_writer(where: Slice, old: np.ndarray, pos: np.ndarray, val: np.ndarray
-                  ) -> Callable[[BlockWriter], int]:
-    return lambda w: shards.write_delta(w, where, old, pos, val)
+def _delta_writer(where: Slice, old: np.ndarray, pos: np.ndarray, val: np.ndarray,
+                  threads: int) -> Callable[[BlockWriter], int]:
+    return lambda w: shards.write_delta(w, where, old, pos, val, threads)
 
 
 def _full_writer(where: Slice, bits: np.ndarray) -> Callable[[BlockWriter], int]:

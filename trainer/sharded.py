@@ -21,6 +21,7 @@ shared filesystem), and the key is loaded and used on the assembling rank only.
 
 import logging
 import math
+import os
 import sys
 import time
 from collections.abc import Mapping
@@ -33,6 +34,7 @@ import xxhash
 
 from chain import dtypes, keys, shards
 from chain.blocks import DEFAULT_BLOCK, BlockStore
+from chain.codec.api import THREADS
 from chain.digest import pieces_root
 from chain.errors import ChainError
 from chain.follow import publisher_retain
@@ -117,12 +119,20 @@ def local_slices(state: Mapping[str, object], rank: int, world: int) -> list[Sli
     return out
 
 
+def local_codec_threads() -> int:
+    """Codec threads for one rank: the codec's default, fewer when the ranks on this host
+    (LOCAL_WORLD_SIZE, which torchrun sets) would together ask for more threads than this
+    process may use cores; oversubscribed, N ranks were slower than one on the same host."""
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return max(1, min(THREADS, len(os.sched_getaffinity(0)) // local))
+
+
 class ShardedPublisher:
     def __init__(self, chain_dir: Path | str, run: str, *, key_path: Path | str | None = None,
                  group: dist.ProcessGroup | None = None, assembler: int = 0,
                  daemon_url: str | None = None, token: str | None = None,
                  snapshots: SnapshotPolicy | None = None, retention: Retention | None = None,
-                 block_size: int = DEFAULT_BLOCK) -> None:
+                 block_size: int = DEFAULT_BLOCK, codec_threads: int | None = None) -> None:
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.assembler = assembler
@@ -130,7 +140,8 @@ class ShardedPublisher:
         chain_dir = Path(chain_dir)
         self.run = run
         self.encoder = RankEncoder(BlockStore(chain_dir / "blocks", chain_lock(chain_dir)),
-                                   chain_dir / "parts", self.rank, block_size)
+                                   chain_dir / "parts", self.rank, block_size,
+                                   codec_threads or local_codec_threads())
         self.head: int | None = None
         if self.rank == assembler:
             if key_path is None:
