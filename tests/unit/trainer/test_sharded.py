@@ -173,3 +173,17 @@ def test_finding_changes_first_writes_what_the_one_pass_writes(tmp_path):
     assert sum(s.changed for s in one_pass.slices) > 10_000
     assert found_first.delta_blocks == one_pass.delta_blocks
     assert found_first.encoded_bytes == one_pass.encoded_bytes
+
+
+def test_ranks_sharing_a_host_split_its_cores_between_their_codec_threads(monkeypatch):
+    from trainer.sharded import local_codec_threads
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda _: set(range(2)))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert local_codec_threads() == 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert local_codec_threads() == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # more ranks than cores: still one each
+    assert local_codec_threads() == 1
+    monkeypatch.setattr("os.sched_getaffinity", lambda _: set(range(64)))
+    assert local_codec_threads() == 2  # the codec's most
