@@ -9,6 +9,7 @@ it), printed next to the issue's goal with PASS/MISS.
     python bench/scale.py --ranks 2 [--small | --params 2e8] [--versions 3] [--rounds 2] --json
         # sharded publisher: 1 rank vs N ranks vs the single-process Publisher on the same
         # bytes; JSON keys sharded_1rank_over_publisher, ranks2_over_ranks1, mem_over_shard
+        # (and *_cpu: the same ratios of CPU seconds, which other work inflates far less)
 
 Each side runs in its own process (bench/scale_work.py) while this one samples its
 /proc/<pid>/status and /proc/<pid>/io, so memory and disk writes are that side's alone.
@@ -76,6 +77,9 @@ def proc_values(pid: int) -> dict[str, int]:
             key, value = line.split(":")
             if key in ("write_bytes", "wchar", "cancelled_write_bytes"):
                 out[key] = int(value)
+    with open(f"/proc/{pid}/stat") as f:  # utime, stime: fields 14, 15 (after the "(comm)")
+        fields = f.read().rsplit(")", 1)[1].split()
+    out["cpu_ticks"] = int(fields[11]) + int(fields[12])
     return out
 
 
@@ -149,7 +153,10 @@ class Child:
                     "base_rss": self.base.get("VmRSS", start["VmRSS"]),
                     "write_bytes": (end["write_bytes"] - start["write_bytes"])
                     - (end["cancelled_write_bytes"] - start["cancelled_write_bytes"]),
-                    "wchar": end["wchar"] - start["wchar"]})
+                    "wchar": end["wchar"] - start["wchar"],
+                    # CPU seconds of all its threads: what other work on the host inflates
+                    # far less than wall time
+                    "cpu_s": (end["cpu_ticks"] - start["cpu_ticks"]) / os.sysconf("SC_CLK_TCK")})
             elif "result" in doc:
                 self.results.append(doc["result"])
             if "mark" in doc:
@@ -276,17 +283,22 @@ def measure_ranks(args: argparse.Namespace, work: Path) -> dict:
         return statistics.median(p["seconds"] for p in phases if p["kind"] == "delta")
 
     pub_s = [median_s(r) for r in runs["publisher"]]
+    pub_cpu = [statistics.median(p["cpu_s"] for p in r if p["kind"] == "delta")
+               for r in runs["publisher"]]
     out: dict = {"params": params, "versions": args.versions, "rounds": args.rounds,
                  "code": code_rev(), "worlds": {}, "load_average": loads,
-                 "publisher_s": min(pub_s), "publisher_s_rounds": pub_s}
+                 "publisher_s": min(pub_s), "publisher_s_rounds": pub_s,
+                 "publisher_cpu_s": min(pub_cpu), "publisher_cpu_s_rounds": pub_cpu}
     t = Table(title="sharded publish (delta versions: median time in the fastest round, "
                     "worst memory)")
-    for col in ("ranks", "publish s", "rounds", "per-rank mem beyond shard / shard (worst)",
+    for col in ("ranks", "publish s", "rounds", "of which encoding (slowest rank)",
+                "CPU s (all ranks)",
+                "per-rank mem beyond shard / shard (worst)",
                 "fixed MB a rank", "density", "d2h / sparse delta (int32 pos + value)",
                 "d2h / encoded delta"):
         t.add_column(col, justify="right")
     t.add_row("Publisher", f"{min(pub_s):.2f}", ", ".join(f"{x:.2f}" for x in pub_s),
-              "", "", "", "", "")
+              "", f"{min(pub_cpu):.2f}", "", "", "", "", "")
     for world in worlds:
         rounds = runs[world]
         secs = [statistics.median(r["secs"]) for r in rounds]
@@ -295,7 +307,11 @@ def measure_ranks(args: argparse.Namespace, work: Path) -> dict:
         sparse = sum(p["changed"] * (4 + 2) for p in first)  # int32 position + bf16 value
         d2h = sum(p["d2h"] for p in first)
         encoded = sum(p["artifact_bytes"] for p in first)
+        best = secs.index(min(secs))
+        cpu = [statistics.median(r["cpu_secs"]) for r in rounds]
         row = {"publish_s": min(secs), "publish_s_rounds": secs,
+               "cpu_s": min(cpu), "cpu_s_rounds": cpu,
+               "encode_s": statistics.median(rounds[best]["encode_secs"]),
                "publish_s_all": [r["secs"] for r in rounds],
                "mem_over_shard": max(r["mem"] for r in rounds),
                "shard_bytes": rounds[0]["shard"],
@@ -304,7 +320,8 @@ def measure_ranks(args: argparse.Namespace, work: Path) -> dict:
                "d2h_over_sparse": d2h / max(1, sparse), "d2h_over_encoded": d2h / max(1, encoded)}
         out["worlds"][world] = row
         t.add_row(str(world), f"{row['publish_s']:.2f}", ", ".join(f"{x:.2f}" for x in secs),
-                  f"{row['mem_over_shard']:.2f}x", f"{row['fixed_bytes'] / 2**20:.0f}",
+                  f"{row['encode_s']:.2f}", f"{row['cpu_s']:.2f}", f"{row['mem_over_shard']:.2f}x",
+                  f"{row['fixed_bytes'] / 2**20:.0f}",
                   f"{row['density']:.4f}", f"{row['d2h_over_sparse']:.2f}x",
                   f"{row['d2h_over_encoded']:.2f}x")
     console.print(t)
@@ -312,9 +329,14 @@ def measure_ranks(args: argparse.Namespace, work: Path) -> dict:
     out["sharded_1rank_over_publisher"] = one["publish_s"] / out["publisher_s"]
     out[f"ranks{args.ranks}_over_ranks1"] = many["publish_s"] / one["publish_s"]
     out["speedup"] = one["publish_s"] / many["publish_s"]
+    out["sharded_1rank_over_publisher_cpu"] = one["cpu_s"] / out["publisher_cpu_s"]
+    out[f"ranks{args.ranks}_over_ranks1_cpu"] = many["cpu_s"] / one["cpu_s"]
     out["mem_over_shard"] = max(w["mem_over_shard"] for w in out["worlds"].values())
     console.print(f"1 rank vs the single-process Publisher on the same bytes: "
-                  f"{out['sharded_1rank_over_publisher']:.2f}x its time (goal <= 1.2x)")
+                  f"{out['sharded_1rank_over_publisher']:.2f}x its time (goal <= 1.2x), "
+                  f"{out['sharded_1rank_over_publisher_cpu']:.2f}x its CPU seconds; "
+                  f"{args.ranks} ranks together {out[f'ranks{args.ranks}_over_ranks1_cpu']:.2f}x "
+                  "the CPU seconds of 1")
     console.print(f"{args.ranks} ranks vs 1: {out[f'ranks{args.ranks}_over_ranks1']:.2f}x the "
                   f"time (goal <= 1x on this 2-core machine); per-rank memory beyond its shard "
                   f"{many['mem_over_shard']:.2f}x the shard (goal <= 1.1x) plus a fixed "
@@ -343,6 +365,8 @@ def run_ranks(work: Path, world: int) -> dict:
         th.join()
     deltas = [[p for p in k.phases if p["kind"] == "delta"] for k in kids]
     return {"secs": [max(k[i]["seconds"] for k in deltas) for i in range(len(deltas[0]))],
+            "encode_secs": [deltas[0][i]["encode_s"] for i in range(len(deltas[0]))],
+            "cpu_secs": [sum(k[i]["cpu_s"] for k in deltas) for i in range(len(deltas[0]))],
             "mem": max((p["anon_peak"] - p["base_anon"] - p["caller_bytes"]) / p["caller_bytes"]
                        for k in deltas for p in k),
             "shard": max(p["caller_bytes"] for k in deltas for p in k),

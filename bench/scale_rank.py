@@ -100,6 +100,7 @@ def main() -> None:
         m = out.delta or out.snapshot
         mark(mark="end", label=f"rank {rank}/{world} publish v{v}", hwm=hwm_bytes(),
              result={"version": v, "seconds": seconds, "caller_bytes": caller,
+                     "encode_s": m.stats["seconds"],  # the slowest rank's own part
                      "changed": out.changed_elements, "elements": out.elements,
                      "d2h": out.d2h_bytes, "artifact_bytes": m.payload_bytes, "kind": m.kind,
                      "streams": m.streams})
