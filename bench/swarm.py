@@ -2,7 +2,8 @@
 
 Builds network namespaces (a bridge plus one namespace per node, `tc tbf` shaping, no delay): a
 trainer with a thin uplink seeding one artifact, nodes in three regions fetching it, each node a
-separate process (bench/swarm_node.py). Runs the BitTorrent swarm (daemon.swarm, seed-side
+separate process (bench/swarm_node.py). Runs the BitTorrent swarm (daemon.bittorrent.swarm,
+seed-side
 settings on the trainer) and a star baseline (every node GETs the same blocks from an aiohttp
 server on the trainer) in the same run, and prints both against the ideal
 max(F/u_seed, F/d_min, N·F/(u_seed + Σu)). Needs root.
@@ -28,8 +29,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import netns  # noqa: E402
 from chain.digest import block_id  # noqa: E402
-from daemon import netns, torrents  # noqa: E402
+from daemon.bittorrent import torrents  # noqa: E402
 
 ARTIFACT = "v00000001.delta"
 REGIONS = ("eu", "us", "ap")

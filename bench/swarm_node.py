@@ -2,7 +2,8 @@
 
 Talks JSON lines: prints {"ready": ...} once listening, waits for "go" on stdin, fetches (or
 serves), prints {"done": unix time, "verified": bool} when it holds every block, keeps serving until
-"stop", then prints {"final": {...}} and exits. Roles: swarm-seed, swarm-peer (daemon.swarm),
+"stop", then prints {"final": {...}} and exits. Roles: swarm-seed, swarm-peer
+(daemon.bittorrent.swarm),
 http-seed (aiohttp static server), http-peer (aiohttp client). Not meant to be run by hand.
 """
 
@@ -18,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from chain.digest import block_id
-from daemon import torrents
+from daemon.bittorrent import torrents
 
 
 def say(**msg: object) -> None:
@@ -43,7 +44,7 @@ def verify(save_path: Path, artifact: str, blocks: list[str]) -> bool:
 
 
 def run_swarm(args: argparse.Namespace, commands: "queue.Queue[str]") -> None:
-    from daemon.swarm import Swarm, SwarmConfig
+    from daemon.bittorrent.swarm import Swarm, SwarmConfig
 
     tb = Path(args.torrent).read_bytes()
     artifact, blocks = torrents.torrent_blocks(tb)

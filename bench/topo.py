@@ -16,7 +16,7 @@ Ideal time for this topology (fluid bound, no latency): every byte starts at the
 leave the trainer's region once and enter every other region once, so
     T* = max(F/u_seed, F/wan_out(trainer region), max over other regions r of F/wan_in(r),
              F/lan, N*F/(u_seed + N*lan))
-Modes: `blind` (every node dials every peer, peer exchange on), `aware` (daemon/regions.py:
+Modes: `blind` (every node dials every peer, peer exchange on), `aware` (daemon/peering/regions.py:
 one gateway per region dials across), `+churn` suffix: at 40 % of T* kill -9 a third of the
 nodes (at least one gateway outside the trainer's region) and start as many new ones.
 
@@ -39,8 +39,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import netns  # noqa: E402
 from bench.topo_fleet import Fleet  # noqa: E402
-from daemon import netns  # noqa: E402
 
 REGION_NAMES = ("eu", "us", "ap", "sa", "af", "oc")
 

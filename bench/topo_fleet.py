@@ -18,8 +18,8 @@ from pathlib import Path
 
 import yaml
 
+from bench import netns
 from chain import keys
-from daemon import netns
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "topology-bench-token"

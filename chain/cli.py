@@ -3,7 +3,8 @@
     deltaswarm delta encode OLD.safetensors NEW.safetensors -o FILE
     deltaswarm delta apply OLD.safetensors FILE -o OUT.safetensors
     deltaswarm delta stats FILE [--tensors]
-    deltaswarm chain ls|show|verify DIR [ARTIFACT] [--key HEX] [--require-all]
+    deltaswarm chain ls DIR [--json]
+    deltaswarm chain show|verify DIR [ARTIFACT] [--key HEX] [--require-all]
 """
 
 import argparse
@@ -11,16 +12,18 @@ import json
 import sys
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
 from chain import codec
 from chain.errors import ChainError
 from chain.keys import parse_public
+from chain.sizes import Sizes, new_file_bytes
 from chain.sources import FileSource
 from chain.store import ChainStore
+from chain.textout import console as make_console
+from chain.textout import print_table
 
-console = Console()
+console = make_console()
 
 
 def _bits_per_change(nbytes: int, changed: int) -> str:
@@ -105,22 +108,67 @@ def _itemsize(dtype: str) -> int:
     return lookup(dtype).itemsize
 
 
+LS_COLUMNS = ("artifact", "kind", "parent", "tensor-bytes", "file-bytes", "new-file-bytes",
+              "smaller", "changed%", "tensors", "blocks", "signed-by")
+LS_RIGHT = frozenset(LS_COLUMNS[3:10])
+LS_NOTE = ("tensor-bytes: the tensor payload. file-bytes: the files carried besides tensors "
+           "(config, tokenizer and the like), listed by every version; new-file-bytes: those not "
+           "in the version before (the rest are the same blocks, stored and fetched once per "
+           "node). smaller: dense tensor bytes / tensor-bytes.")
+
+
+def ls_rows(store: ChainStore) -> list[dict]:
+    """One record per artifact: what `chain ls` shows, whole (and what --json prints)."""
+    out = []
+    for name in store.artifacts():
+        m = store.manifest(name)
+        size = Sizes.of(m)
+        before = [p for p in (store.get(m.version - 1, "delta"),
+                              store.get(m.version - 1, "snapshot")) if p is not None]
+        out.append({
+            "artifact": name, "kind": m.kind, "version": m.version,
+            "parent": m.parent.version if m.parent else None,
+            "tensor_bytes": size.tensor_bytes, "file_bytes": size.file_bytes,
+            "new_file_bytes": new_file_bytes(m, before), "dense_bytes": size.dense_bytes,
+            "smaller_on_tensors": round(size.smaller, 2) if size.smaller else None,
+            "files": [f.name for f in m.files],
+            "changed_elements": m.stats.get("changed_elements"),
+            "elements": m.stats.get("elements"), "tensors": len(m.tensors),
+            "blocks": len(m.blocks), "signed_by": m.signature.key if m.signature else None})
+    return out
+
+
+def _ls_cells(r: dict, short_key: bool) -> list[str]:
+    dens = 100 * (r["changed_elements"] or 0) / max(1, r["elements"] or 1)
+    key = r["signed_by"]
+    return [r["artifact"], r["kind"], "-" if r["parent"] is None else f"v{r['parent']}",
+            f"{r['tensor_bytes']:,}", f"{r['file_bytes']:,}", f"{r['new_file_bytes']:,}",
+            f"{r['dense_bytes'] / r['tensor_bytes']:.1f}x" if r["tensor_bytes"] else "-",
+            f"{dens:.3f}", str(r["tensors"]), str(r["blocks"]),
+            "UNSIGNED" if key is None else key[:12] + "…" if short_key else key]
+
+
+def chain_ls(store: ChainStore, as_json: bool) -> int:
+    """`chain ls`: sizes as tensors and carried files apart (chain/sizes.py). Off a terminal
+    the rows are plain and whole (the signer's full key too); --json gives every number."""
+    rows = ls_rows(store)
+    head = store.head()
+    if as_json:
+        sys.stdout.write(json.dumps({"head": head, "artifacts": rows}, indent=1) + "\n")
+        return 0
+    print_table(console, LS_COLUMNS, [_ls_cells(r, console.is_terminal) for r in rows],
+                right=LS_RIGHT)
+    console.print(f"head: v{head}" if head is not None else "empty chain")
+    if rows:
+        console.print(LS_NOTE, style="dim", highlight=False)
+    return 0
+
+
 def chain_cmd(a: argparse.Namespace) -> int:
     store = ChainStore(Path(a.dir))
     key = parse_public(a.key) if a.key else None
     if a.action == "ls":
-        t = Table("artifact", "kind", "parent", "tensors", "blocks", "bytes", "changed %",
-                  "signed by")
-        for name in store.artifacts():
-            m = store.manifest(name)
-            st = m.stats
-            dens = 100 * st.get("changed_elements", 0) / max(1, st.get("elements", 1))
-            t.add_row(name, m.kind, f"v{m.parent.version}" if m.parent else "-",
-                      str(len(m.tensors)), str(len(m.blocks)), f"{m.payload_bytes:,}",
-                      f"{dens:.3f}", m.signature.key[:12] + "…" if m.signature else "UNSIGNED")
-        console.print(t)
-        console.print(f"head: v{store.head()}" if store.head() is not None else "empty chain")
-        return 0
+        return chain_ls(store, a.json)
     if a.action == "show":
         name = a.artifact or store.artifacts()[-1]
         sys.stdout.write(json.dumps(json.loads(store.manifest_bytes(name)), indent=1) + "\n")
@@ -207,6 +255,8 @@ def main(argv: list[str]) -> int:
     c.add_argument("dir")
     c.add_argument("artifact", nargs="?")
     c.add_argument("--key", help="trainer public key (hex) to check signatures against")
+    c.add_argument("--json", action="store_true",
+                   help="ls: one JSON document with every artifact's numbers, keys whole")
     c.add_argument("--require-all", action="store_true",
                    help="verify: exit 3 when some artifact's blocks are not all held")
     c.set_defaults(fn=chain_cmd)

@@ -1,7 +1,7 @@
 """The daemon's control plane (aiohttp): chain head long-poll, manifests, torrents, index, weights,
 trajectories, publish, peers, status, metrics, health.
 
-Every route but /healthz, /metrics and /ui (the static fleet page, daemon/ui.py) needs
+Every route but /healthz, /metrics and /ui (the static fleet page, daemon/observe/ui.py) needs
 `Authorization: Bearer <token>` (see THREAT_MODEL.md).
 Requests from other daemons carry `X-Deltaswarm-Peer`, which is how the mesh learns about them.
 All inputs are validated here; errors are JSON `{"error": "..."}` with a 4xx status.
@@ -22,16 +22,14 @@ from chain.auth import bearer_matches
 from chain.errors import BadManifest
 from chain.manifest import parse_artifact
 from chain.store import ChainStore
-from daemon.artifacts import Artifacts
-from daemon.board import Board
-from daemon.fleet import REPORT_MAX_BYTES, BadReport, Report, parse_report
-from daemon.fleet_link import FleetParts
-from daemon.identity import SIG_HEADER, BadIdentity, Identities, Signed, check_entry
-from daemon.intake import Intake
-from daemon.live import LiveNodes
-from daemon.metrics import render_fleet
-from daemon.peer_client import hello_proof
-from daemon.peers import (
+from daemon.bittorrent.artifacts import Artifacts
+from daemon.fleet.board import REPORT_MAX_BYTES, BadReport, Report, parse_report
+from daemon.fleet.link import FleetParts
+from daemon.observe.metrics import render_fleet
+from daemon.observe.ui import fleet_page
+from daemon.peering.identity import SIG_HEADER, BadIdentity, Identities, Signed, check_entry
+from daemon.peering.peer_client import hello_proof
+from daemon.peering.peers import (
     HEADER,
     REGION_HEADER,
     BadPeer,
@@ -42,9 +40,11 @@ from daemon.peers import (
     parse_endpoint,
     parse_header,
 )
-from daemon.publish import PublishError
-from daemon.spool import BadTrajectory, Spool, SpoolFull, SpoolWriteError, parse_batch
-from daemon.ui import fleet_page
+from daemon.trajectories.intake import Intake
+from daemon.trajectories.spool import BadTrajectory, Spool, SpoolFull, SpoolWriteError, parse_batch
+from daemon.versions.live import LiveNodes
+from daemon.versions.longpoll import Board
+from daemon.versions.publish import PublishError
 
 log = logging.getLogger("deltaswarm.http")
 _CHALLENGE = re.compile(r"^[0-9a-f]{32}$")
@@ -84,7 +84,7 @@ class Parts:
     live: LiveNodes | None = None
     """Where the `node`/`region`/`have` of head long-polls are recorded (retention's input)."""
     identity: Identities | None = None
-    """This node's key and pins: who signed a request (daemon/identity.py)."""
+    """This node's key and pins: who signed a request (daemon/peering/identity.py)."""
     engine_check: Callable[[], Awaitable[dict]] | None = None
     """POST /v1/engine/check: read the engine's live weights back in full now."""
 
@@ -166,7 +166,8 @@ IDENTITY_ERROR: web.RequestKey[str] = web.RequestKey("identity_error", str)
 
 
 def signer(request: web.Request, node: Parts) -> None:
-    """Who signed this request (daemon/identity.py): request[IDENTITY] is the verified signer,
+    """Who signed this request (daemon/peering/identity.py): request[IDENTITY] is the verified
+    signer,
     else None with request[IDENTITY_ERROR] saying why. An unsigned or refused request still
     gets what the token admits; only what it says about its sender is not believed."""
     request[IDENTITY], request[IDENTITY_ERROR] = None, "the request is not signed"
@@ -204,7 +205,8 @@ def signed_by(request: web.Request, what: str) -> Signed:
 
 async def healthz(request: web.Request) -> web.Response:
     """Liveness; with `?challenge=<32 hex>` also this daemon's proof that it holds the swarm
-    token (HMAC of the challenge and its own URL, see daemon/peer_client.py), so peers can trust
+    token (HMAC of the challenge and its own URL, see daemon/peering/peer_client.py), so peers can
+    trust
     it without sending it the token first."""
     node = request.app[NODE]
     doc: dict[str, Any] = {"ok": True, "node": node.node, "role": node.role.name}
@@ -327,13 +329,13 @@ async def weights_current(request: web.Request) -> web.Response:
     if after is not None:
         await node.board.wait(newer, timeout)
     doc = node.role.current() or {"version": None, "state_digest": None, "path": None}
-    # engine first: versions verified and patched but not yet on disk (daemon/engine_first.py)
+    # engine first: versions verified and patched but not yet on disk (daemon/engines/first.py)
     return web.json_response({**doc, "serving": first.serving_doc() if first else None})
 
 
 async def engine_served(request: web.Request) -> web.Response:
     """An engine that follows this daemon says it now generates with a version (and how:
-    "patch" or "load"); the status shows it per version (daemon/engine_first.py)."""
+    "patch" or "load"); the status shows it per version (daemon/engines/first.py)."""
     node = request.app[NODE]
     try:
         body = await request.json()
@@ -419,7 +421,7 @@ async def peers_announce(request: web.Request) -> web.Response:
 
 
 async def fleet_report(request: web.Request) -> web.Response:
-    """A node's fleet report (its own entry and those it forwards, daemon/fleet.py). Checked
+    """A node's fleet report (its own entry and those it forwards, daemon/fleet/board.py). Checked
     before the body is parsed: the request must be signed by the reporting node's pinned key
     and its URL (X-Deltaswarm-Peer) must answer the hello challenge as that node with that key
     (fleet_link.Verifier); the body must be the one signed. Then every entry must carry its
@@ -503,7 +505,7 @@ async def fleet_sent(request: web.Request) -> web.Response:
 
 
 async def fleet_view(request: web.Request) -> web.Response:
-    """The whole fleet as this daemon knows it, by region (daemon/fleet.py `FleetBoard.view`),
+    """The whole fleet as this daemon knows it, by region (daemon/fleet/board.py `FleetBoard.view`),
     built and encoded in a worker thread and cached (fleet_link.FleetParts.view_json);
     `?nodes=0` leaves out the node lists (what `deltaswarm status --fleet` shows by default)."""
     fleet = request.app[NODE].fleet
@@ -519,7 +521,8 @@ async def fleet_view(request: web.Request) -> web.Response:
 async def swarm_complaint(request: web.Request) -> web.Response:
     """A peer that banned us says we sent it data failing the hash check for an artifact. It
     proves nothing (the peer may lie or be wrong), so it only schedules our own check of that
-    artifact, at most once per artifact every few seconds (daemon/selfcheck.py). It must be
+    artifact, at most once per artifact every few seconds (daemon/bittorrent/selfcheck.py). It must
+    be
     signed by the complaining node's identity key (403 otherwise)."""
     node = request.app[NODE]
     ident = signed_by(request, "a complaint")

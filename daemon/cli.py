@@ -16,7 +16,7 @@ import sys
 
 COMMANDS = {
     "daemon": ("daemon.main", "run a swarm daemon (trainer node or region)"),
-    "status": ("daemon.status_cli", "show a daemon's status (--watch for live)"),
+    "status": ("daemon.observe.status_cli", "show a daemon's status (--watch for live)"),
     "delta": ("chain.cli", "encode, apply and inspect delta files"),
     "chain": ("chain.cli", "list, show and verify a chain directory"),
     "keygen": ("chain.keygen", "create the trainer's Ed25519 signing key"),

@@ -15,7 +15,7 @@ from pydantic import Field, field_validator, model_validator
 from chain.config_base import ConfigError, bearer_token, load_yaml, one_token
 from chain.config_base import Section as _Section
 from chain.policy import Retention
-from daemon.names import NODE_NAME, BadName, check_url
+from daemon.peering.names import NODE_NAME, BadName, check_url
 
 __all__ = ["Config", "ConfigError", "check_state_dir", "load_config"]
 
@@ -25,7 +25,7 @@ Url = Annotated[str, Field(pattern=_URL, max_length=2048)]
 
 
 def _daemon_url(url: str) -> str:
-    """Another daemon's control URL: the API root (daemon/names.py), no path or query."""
+    """Another daemon's control URL: the API root (daemon/peering/names.py), no path or query."""
     try:
         return check_url(url)
     except BadName as e:
@@ -81,7 +81,7 @@ class Limits(_Section):
 class RegionPeeringConfig(_Section):
     mode: Literal["aware", "blind"] = "aware"
     """`aware`: dial peers of this region, and only each region's gateways across regions, with
-    peer exchange off (daemon/regions.py); `blind`: dial every known peer (pre-issue-14)."""
+    peer exchange off (daemon/peering/regions.py); `blind`: dial every known peer (pre-issue-14)."""
     gateways: int = Field(1, ge=1, le=64)
     """Nodes per region that fetch across regions (more: faster failover, more cross-region
     bytes)."""
@@ -125,7 +125,7 @@ class SyncConfig(_Section):
     """Longest wait for `head_quorum` after the first head reply."""
     engine_first: bool = True
     """A verified delta goes to the engines as one patch file (their live weights patched in
-    place) before the directory on disk is brought forward (daemon/engine_first.py)."""
+    place) before the directory on disk is brought forward (daemon/engines/first.py)."""
     disk_batch_versions: int = Field(4, ge=1, le=1000)
     """Engine first: bring the disk forward once this many versions wait (one pass for all)."""
     disk_idle_s: float = Field(1.0, ge=0, le=3600)
@@ -249,7 +249,7 @@ class FleetConfig(_Section):
     """Most nodes the fleet board holds (past it a newer report evicts the stalest entry)."""
     max_per_reporter: int = Field(2_000, ge=1, le=100_000)
     """Most entries one reporter may have forwarded onto this board (a region gateway's
-    region, with room); its entries past it are refused (daemon/fleet.py)."""
+    region, with room); its entries past it are refused (daemon/fleet/board.py)."""
 
     @field_validator("report_to")
     @classmethod
@@ -314,7 +314,7 @@ class Config(_Section):
     shutdown_timeout_s: float = Field(20.0, gt=0, le=600)
     """Bound on a graceful stop (drain, save resume data, abandon an apply)."""
     fleet: FleetConfig = FleetConfig()
-    """Fleet reports: where this daemon sends them and how often (daemon/fleet.py)."""
+    """Fleet reports: where this daemon sends them and how often (daemon/fleet/board.py)."""
 
     @field_validator("bootstrap")
     @classmethod

@@ -36,39 +36,40 @@ from chain.atomic import write_atomic
 from chain.errors import ChainError
 from chain.store import ChainStore
 from chain.weights import WeightsDir
-from daemon import metrics, sdnotify
+from daemon import sdnotify
 from daemon.app import Parts, build_app
-from daemon.artifacts import Artifacts
-from daemon.asking import HeadWatcher, prove_loop
-from daemon.bans import BanList, BanRecord
-from daemon.board import Board
+from daemon.bittorrent.artifacts import Artifacts
+from daemon.bittorrent.bans import BanList, BanRecord
+from daemon.bittorrent.selfcheck import SelfCheck
+from daemon.bittorrent.swarm import SwarmConfig
 from daemon.config import Config, ConfigError, load_config
-from daemon.engine_first import EngineFirst
-from daemon.fleet import FleetBoard
-from daemon.fleet_link import FleetParts, Reporter, Verifier
-from daemon.hooks import Notifier, build_hook, takes_patches
-from daemon.identity import Identities
-from daemon.intake import Intake
-from daemon.live import LiveNodes
-from daemon.peer_client import PeerClient, PeerError
-from daemon.peers import BadPeer, Peer, PeerBook, check_url
-from daemon.publish import Seeder
-from daemon.regions import (
+from daemon.engines.first import EngineFirst
+from daemon.engines.hooks import Notifier, build_hook, takes_patches
+from daemon.fleet.board import FleetBoard
+from daemon.fleet.link import FleetParts, Reporter, Verifier
+from daemon.observe import metrics
+from daemon.observe.report import Sources, build_status
+from daemon.peering.asking import HeadWatcher, prove_loop
+from daemon.peering.identity import Identities
+from daemon.peering.peer_client import PeerClient, PeerError
+from daemon.peering.peers import BadPeer, Peer, PeerBook, check_url
+from daemon.peering.regions import (
     GatewayMetrics,
     RegionPeering,
     discover_loop,
     link_bytes,
     wanting,
 )
-from daemon.report import Sources, build_status
-from daemon.retain import Keeper
 from daemon.roles import RegionRole, TrainerRole
-from daemon.selfcheck import SelfCheck
-from daemon.spool import Forwarder, Spool
-from daemon.swarm import SwarmConfig
-from daemon.sync import Syncer
 from daemon.tasks import stop as stop_task
 from daemon.tasks import watched, within
+from daemon.trajectories.intake import Intake
+from daemon.trajectories.spool import Forwarder, Spool
+from daemon.versions.live import LiveNodes
+from daemon.versions.longpoll import Board
+from daemon.versions.publish import Seeder
+from daemon.versions.retain import Keeper
+from daemon.versions.sync import Syncer
 
 log = logging.getLogger("deltaswarm.node")
 RELOADABLE = frozenset({"bootstrap", "limits", "retention", "sync", "trajectories",
@@ -183,7 +184,7 @@ class Node:
             complaint=lambda artifact: self.selfcheck.request(artifact, "complaint"),
             engine_check=self._engine_full_check)
         self._registry = metrics.build_registry(self.status_model)
-        self._registry.register(GatewayMetrics(self.peering))  # daemon/regions.py
+        self._registry.register(GatewayMetrics(self.peering))  # daemon/peering/regions.py
         self._forwarding: asyncio.Task | None = None
 
     def _live_versions(self) -> list[int | None]:
@@ -226,7 +227,7 @@ class Node:
                           self.cfg.node)
 
     def _fleet(self) -> FleetParts:
-        """The fleet board and the reports this daemon sends upstream (daemon/fleet.py)."""
+        """The fleet board and the reports this daemon sends upstream (daemon/fleet/board.py)."""
         f = self.cfg.fleet
         book = self.book
 

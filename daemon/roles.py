@@ -11,12 +11,12 @@ from collections.abc import Callable, Coroutine
 from chain import refusals
 from chain.store import ChainStore
 from chain.weights import WeightsDir
-from daemon.artifacts import Artifacts
-from daemon.asking import HeadWatcher
+from daemon.bittorrent.artifacts import Artifacts
 from daemon.config import Config
-from daemon.publish import PublishError, Seeder, current_of_head
-from daemon.sync import Syncer
+from daemon.peering.asking import HeadWatcher
 from daemon.tasks import stop as stop_task
+from daemon.versions.publish import PublishError, Seeder, current_of_head
+from daemon.versions.sync import Syncer
 
 Spawn = Callable[[Coroutine, str], asyncio.Task]
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from chain import keys
 from chain.config_base import ConfigError
-from daemon.names import BadName, check_node
+from daemon.peering.names import BadName, check_node
 from deploy.examples import example_text
 
 DEFAULT_REGIONS = "eu-west,us-east"

@@ -4,7 +4,7 @@ sampling loop, so it records the exact log-probability of each sampled token.
 Weights are loaded from an HF directory (bf16 on disk, run in fp32 by default). A new version
 is copied into the existing module's parameters: no re-initialisation, no new module.
 
-Engine first (daemon/engine_first.py): `apply_patch` takes a version as the region's patch file
+Engine first (daemon/engines/first.py): `apply_patch` takes a version as the region's patch file
 (chain/patchfile.py) and writes only the changed elements into the live parameters (index_put
 on the flat view). The engine keeps each tensor's digest (VERSION.json of the directory it
 loaded, then moved by each patch) and checks every patched tensor from the words it touched,

@@ -7,7 +7,7 @@ VLLM_SERVER_DEV_MODE=1, which vLLM asks for its RL routes) finds it through the
 daemon on the same host has already received and verified the version into its weights
 directory, so `update_weights` only names it, and each worker reads what changed from there.
 
-One round, as the daemon's vllm hook drives it (daemon/engine_vllm.py):
+One round, as the daemon's vllm hook drives it (daemon/engines/vllm.py):
   /init_weight_transfer_engine {"init_info": {"weights_dir": W, "report_dir": R}}
   /pause?mode=keep, /start_weight_update,
   /update_weights {"update_info": {"version": N, "path": P, "mode": "auto", "ticket": T}},

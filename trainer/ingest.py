@@ -227,14 +227,3 @@ def make_ingest_app(store: IngestStore, token: str, max_body: int = MAX_BODY) ->
     app.router.add_get("/v1/ingest/stats", stats)
     app.router.add_get("/healthz", healthz)
     return app
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m trainer.ingest --config FILE`: the same as `deltaswarm ingest`."""
-    from trainer.ingest_service import main as service_main
-
-    return service_main(argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

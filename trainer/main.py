@@ -185,14 +185,17 @@ def run(cfg_path: Path) -> int:
             _prune(cfg.state_dir)
             server.call(store.commit())
             rec = {"event": "step", **m, "delta_bytes": p.delta_bytes,
+                   "delta_tensor_bytes": p.delta_tensor_bytes,
+                   "delta_file_bytes": p.delta_file_bytes,
                    "dense_bytes": p.dense_bytes, "changed_elements": p.changed_elements,
                    "elements": p.elements, "publish_s": p.seconds,
                    "snapshot": p.snapshot is not None, "published_at": time.time()}
             emit(rec)
             log.info("v%d reward %.3f kept %d/%d staleness %s kl %.2e entropy %.3f %.0f tok/s "
-                     "delta %.1f KiB (%.2f %% changed)", trainer.version, m["reward_mean"],
-                     m["kept"], m["received"], m["staleness_hist"], m["kl_behaviour"],
-                     m["entropy"], m["tokens_per_s"], p.delta_bytes / 1024, 100 * p.density)
+                     "delta %.1f KiB tensors + %.1f KiB carried files (%.2f %% changed)",
+                     trainer.version, m["reward_mean"], m["kept"], m["received"],
+                     m["staleness_hist"], m["kl_behaviour"], m["entropy"], m["tokens_per_s"],
+                     p.delta_tensor_bytes / 1024, p.delta_file_bytes / 1024, 100 * p.density)
         emit({"event": "done", "version": trainer.version})
         if cfg.on_exit == "serve":
             threading.Event().wait()

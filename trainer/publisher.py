@@ -40,6 +40,7 @@ from chain.errors import ChainError
 from chain.follow import publisher_retain
 from chain.manifest import Manifest
 from chain.policy import Retention, SnapshotPolicy
+from chain.sizes import Sizes
 from chain.sources import StateDictSource, source_digest
 from chain.store import ChainStore
 from chain.writer import write_artifact
@@ -55,6 +56,7 @@ class Published:
     changed_elements: int
     elements: int
     delta_bytes: int
+    """All the delta's blocks: tensors and carried files (0: no delta, version 0)."""
     dense_bytes: int
     seconds: float
     notified: bool
@@ -62,6 +64,17 @@ class Published:
     @property
     def density(self) -> float:
         return self.changed_elements / max(1, self.elements)
+
+    @property
+    def delta_tensor_bytes(self) -> int:
+        """Of delta_bytes, the tensor payload: what "x smaller than dense" is computed on."""
+        return Sizes.of(self.delta).tensor_bytes if self.delta else 0
+
+    @property
+    def delta_file_bytes(self) -> int:
+        """Of delta_bytes, the carried files (config, tokenizer, ...), which every version
+        lists; unchanged ones are the same blocks as the version before (chain/sizes.py)."""
+        return Sizes.of(self.delta).file_bytes if self.delta else 0
 
 
 class Publisher:

@@ -95,7 +95,7 @@ def ban_problems(run: ChaosRun) -> list[str]:
 
 
 def peer_book_problems(run: ChaosRun) -> list[str]:
-    """A peer-book ban (daemon/peers.py: BAN_FAILURES failures in a row, 600 s) also takes a
+    """A peer-book ban (daemon/peering/peers.py: BAN_FAILURES failures in a row, 600 s) also takes a
     peer out of a node's swarm: only the corrupted seeder may earn one. A daemon that was
     killed and restarted, or a region that does not hold what it was asked for, is innocent."""
     if bad := _unjudgeable(run):

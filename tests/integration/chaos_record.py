@@ -16,7 +16,7 @@ from tests.integration.chaos_faults import block_verifies, snapshots_downloaded
 from tests.integration.harness import Cluster, Daemon
 
 RETRY_S = 15.0
-"""The sync loop's longest backoff after a failed step (daemon/sync.py `Syncer.run`)."""
+"""The sync loop's longest backoff after a failed step (daemon/versions/sync.py `Syncer.run`)."""
 LOG_WORDS = ("plan v", "SyncError", "banned", "sync step failed", "retention dropped", "self",
              "replan", "given up", "gave up", "corrupt", "complain", "refused", "Error",
              "Traceback", "exited", "stopp")

@@ -33,7 +33,8 @@ HUGE = 256 << 20
 
 
 def hello_proof(token: str, nonce: str, url: str) -> str:
-    """The proof a token holder gives (written out here, independently of daemon/peer_client.py,
+    """The proof a token holder gives (written out here, independently of
+    daemon/peering/peer_client.py,
     so the test checks the protocol rather than one function against itself)."""
     msg = b"deltaswarm-hello\0" + nonce.encode() + b"\0" + url.rstrip("/").encode()
     return hmac.new(token.encode(), msg, hashlib.sha256).hexdigest()

@@ -11,7 +11,7 @@ import pytest
 from chain import keys
 from chain.sources import StateDictSource
 from chain.writer import write_artifact
-from daemon.sync import Abandoned
+from daemon.versions.sync import Abandoned
 from tests.integration.harness import tiny_model
 from tests.integration.test_daemon_manifests import region_node
 

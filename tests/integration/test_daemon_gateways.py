@@ -19,7 +19,7 @@ import contextlib
 import threading
 import urllib.request
 
-from daemon.peers import HEADER, REGION_HEADER
+from daemon.peering.peers import HEADER, REGION_HEADER
 from tests.integration.harness import (
     TOKEN,
     Cluster,
@@ -28,7 +28,7 @@ from tests.integration.harness import (
     tiny_model,
 )
 from tests.support import wait_until
-from tests.unit.daemon.test_regions import fake_first
+from tests.unit.daemon.peering.test_regions import fake_first
 
 REGION = {"sync": {"progress_timeout_s": 120},
           "region_peering": {"gateway_deadline_s": 2.0}}
@@ -74,7 +74,7 @@ def test_a_silent_first_ranking_gateway_is_passed_over_and_versions_keep_coming(
             wait_until(lambda n=n: knows(c.daemons[n], fake, "eu"), 60,
                        f"{n} to take the fake {fake} as a proven eu node")
         # nobody has served yet, so the first-ranking name wins the election once it has
-        # ranked best for a deadline (daemon/regions.py _settle): the attack's premise
+        # ranked best for a deadline (daemon/peering/regions.py _settle): the attack's premise
         for n in eu:
             wait_until(lambda n=n: c.daemons[n].status()["region_peering"]["gateways"]["eu"]
                        == [fake], 30, f"{n} to elect the fake {fake}")

@@ -152,7 +152,7 @@ def big_chain(c: Cluster, out: Path, tensors: int = 20_000, blocks: int = 12_000
     from chain import keys
     from chain.digest import block_id, pieces_root, state_digest
     from chain.manifest import FORMAT, BlockEntry, Manifest, TensorEntry
-    from daemon import torrents
+    from daemon.bittorrent import torrents
 
     key = keys.load_private(c.key_path)
     ts = [TensorEntry(name=f"model.layers.{i // 256:03d}.experts.{i % 256:03d}.weight",

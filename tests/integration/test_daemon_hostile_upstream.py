@@ -1,5 +1,6 @@
 """A trajectory upstream answering 429 with `Retry-After: nan` then `-1` (issue 10 item 2)
-neither kills a region's forwarder nor makes it spin (the forwarder in daemon/spool.py reads
+neither kills a region's forwarder nor makes it spin (the forwarder in daemon/trajectories/spool.py
+reads
 the header with `chain.trajectory.retry_after_s`)."""
 
 import time

@@ -24,8 +24,8 @@ import pytest
 from aiohttp import web
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from daemon.identity import NodeKey
-from daemon.peer_client import PeerClient, PeerHttpError, hello_proof
+from daemon.peering.identity import NodeKey
+from daemon.peering.peer_client import PeerClient, PeerHttpError, hello_proof
 from tests.integration.harness import TOKEN, Cluster, http, step, tiny_model
 from tests.support import wait_until
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from daemon.spool import Spool
+from daemon.trajectories.spool import Spool
 from tests.integration.harness import TOKEN, Cluster, free_port, http, wait_until
 from tests.integration.ingest_proc import IngestProcess
 from tests.support import HealthProbe

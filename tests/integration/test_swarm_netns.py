@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon import netns
+from bench import netns
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -44,7 +44,8 @@ def test_swarm_in_namespaces_reaches_every_node_with_trainer_sending_about_once(
     size, swarm = summary["size"], summary["results"]["swarm"]
     assert swarm["verified"]
     assert len(swarm["per_node"]) == 3
-    # the trainer's rotating unchokes (daemon.swarm SEED_SETTINGS) sent 1.01-1.32x F in 8 runs of
+    # the trainer's rotating unchokes (daemon.bittorrent.swarm SEED_SETTINGS) sent 1.01-1.32x F in
+    # 8 runs of
     # this setup on a 2-core VM (earlier builds up to 1.50x); a star, every node fetching from
     # the trainer, sends 3x F.
     assert size <= swarm["seed_payload"] <= 1.6 * size

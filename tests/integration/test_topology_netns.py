@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon import netns
+from bench import netns
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -52,7 +52,8 @@ def test_region_aware_peering_brings_about_one_copy_into_each_region(namespaces_
     # the control plane's long-polls; measured 1.01-1.06x at 3 regions x 2 and x 4.
     assert 0.95 <= into["us"] <= 1.25, out
     assert into["eu"] <= 0.1, out
-    # the trainer's rotating unchokes (daemon.swarm SEED_SETTINGS) re-send some pieces: 1.00-1.06x
+    # the trainer's rotating unchokes (daemon.bittorrent.swarm SEED_SETTINGS) re-send some pieces:
+    # 1.00-1.06x
     # at 46 MB, up to 1.28x at this 12.6 MB (50 pieces); a star would send 6x.
     assert aware["trainer_payload_over_artifact"] <= 1.6, out
     assert set(aware["gateways"]) == {"eu", "us"}

@@ -1,4 +1,4 @@
-"""The daemon's vLLM backend hook (daemon/engine_vllm.py): its call order, how a failed weight
+"""The daemon's vLLM backend hook (daemon/engines/vllm.py): its call order, how a failed weight
 check sets off a full reload, and that weights which never verify leave vLLM paused. Against a
 loopback aiohttp stand-in for vLLM's RL routes that writes worker reports as the deltaswarm
 backend does (runs without .venv-vllm; test_vllm_swarm drives the real backend)."""
@@ -12,10 +12,10 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from daemon.config import VllmHook
-from daemon.engine_vllm import EngineRoundFailed, VllmBackendHook
-from daemon.hooks import VllmNotifyHook, build_hook
-from daemon.metrics import build_registry, render
-from daemon.status import EngineCheckStatus, NodeStatus
+from daemon.engines.hooks import VllmNotifyHook, build_hook
+from daemon.engines.vllm import EngineRoundFailed, VllmBackendHook
+from daemon.observe.metrics import build_registry, render
+from daemon.observe.status import EngineCheckStatus, NodeStatus
 
 
 class FakeBackend:
@@ -180,7 +180,7 @@ async def test_a_patch_round_names_the_patch_and_a_scheduled_full_check(tmp_path
 
 
 def test_status_shows_the_engine_check_and_when_the_full_read_back_last_ran() -> None:
-    from daemon.status_cli import _engine_check_line
+    from daemon.observe.status_cli import _engine_check_line
 
     never = NodeStatus(node="n", engine_check=EngineCheckStatus(ok=True, last_version=3,
                                                                 mode="patch", kind="incremental"))

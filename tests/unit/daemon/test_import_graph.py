@@ -17,13 +17,15 @@ def imports(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module:
             if node.module == "daemon":
                 out |= {f"daemon.{a.name}" for a in node.names}
-            elif node.module.startswith("daemon."):
+            elif node.module.startswith("daemon."):  # a module, or a room and its modules
                 out.add(node.module)
+                out |= {f"{node.module}.{a.name}" for a in node.names}
     return out
 
 
 def graph() -> dict[str, set[str]]:
-    mods = {f"daemon.{p.stem}": p for p in DAEMON.glob("*.py") if p.stem != "__init__"}
+    mods = {"daemon." + ".".join(p.relative_to(DAEMON).with_suffix("").parts): p
+            for p in DAEMON.rglob("*.py") if p.stem != "__init__"}
     return {m: imports(p) & mods.keys() for m, p in mods.items()}
 
 
