@@ -15,35 +15,13 @@ busy through runs of small slices.
 from dataclasses import dataclass, field
 
 import numpy as np
-from numba import njit
 
 from chain import codec
 from chain.codec.api import LOG2_SEG, THREADS
-from chain.lanehash import _mix0, _mix1
+from chain.lanehash import fast_moved_words
 from chain.shards import Placed, _interior_move, add_sums, word_span, write_segment
 from chain.stream import BlockWriter
 from chain.writer import BATCH_ELEMENTS
-
-
-@njit(nogil=True, cache=True)
-def _moved_words(oldw, neww, first, pos, sh, w0, w1):
-    """Lane-sum move of the tensor's words [w0, w1) where `pos` (sorted, local) changed;
-    oldw[i] and neww[i] are the tensor's word first + i, before and after."""
-    a = np.uint64(0)
-    b = np.uint64(0)
-    last = -1
-    for j in range(pos.size):
-        w = first + (pos[j] >> sh)
-        if w == last:
-            continue
-        last = w
-        if w < w0 or w >= w1:
-            continue
-        uw = np.uint64(w)
-        xo, xn = oldw[w - first], neww[w - first]
-        a += _mix0(uw, xn) - _mix0(uw, xo)
-        b += _mix1(uw, xn) - _mix1(uw, xo)
-    return a, b
 
 
 def _index(size: int) -> type:
@@ -124,7 +102,7 @@ class HostDeltas:
             wa, wb = max(w0, -(-lo >> sh)), min(w1, (lo + s1 - s0) >> sh)  # wholly inside
             oldw, neww = _whole_words(old), _whole_words(new)
             if lo % (1 << sh) == 0 and oldw is not None and neww is not None:
-                return _moved_words(oldw, neww, lo >> sh, pos, sh, wa, wb)
+                return fast_moved_words(oldw, neww, lo >> sh, pos, sh, wa, wb)
             return _interior_move(old, lo, pos, val, sh, 8 * old.itemsize, wa, wb)
 
         out = codec.encode_changes([(sl.old[s0:s1], sl.new[s0:s1], sl.where.dtype)
