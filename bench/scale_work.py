@@ -178,6 +178,7 @@ def _warm_up_publisher(tmp: Path) -> None:
 def role_publish(work: Path, cfg: dict) -> None:
     """Publisher.publish of v0 (snapshot) then each delta, one version's tensors held at a time
     by the caller."""
+    mark(mark="boot")
     with tempfile.TemporaryDirectory(dir=work) as tmp:
         _warm_up_publisher(Path(tmp))
     keys.generate(work / "trainer.key")

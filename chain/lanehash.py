@@ -226,6 +226,27 @@ def gather(source, pos, out):
         out[j] = source[pos[j]]
 
 
+@njit(nogil=True, cache=True)
+def moved_words(oldw, neww, first, pos, sh, w0, w1):
+    """Lane-sum move of the tensor's words [w0, w1) where `pos` (sorted, local) changed;
+    oldw[i] and neww[i] are the tensor's word first + i, before and after."""
+    a = np.uint64(0)
+    b = np.uint64(0)
+    last = -1
+    for j in range(pos.size):
+        w = first + (pos[j] >> sh)
+        if w == last:
+            continue
+        last = w
+        if w < w0 or w >= w1:
+            continue
+        uw = np.uint64(w)
+        xo, xn = oldw[w - first], neww[w - first]
+        a += _mix0(uw, xn) - _mix0(uw, xo)
+        b += _mix1(uw, xn) - _mix1(uw, xo)
+    return a, b
+
+
 def words(arr: np.ndarray) -> np.ndarray:
     """The whole 64-bit words of a flat element array, as a uint64 view (no copy)."""
     per = 8 // arr.itemsize
@@ -240,6 +261,7 @@ _put = bind(put, "put")
 _put_unwritten = bind(put_unwritten, "put_unwritten")
 _pull = bind(pull, "pull")
 fast_gather = bind(gather, "gather")
+fast_moved_words = bind(moved_words, "moved_words")
 
 
 def moved_by_put(target: np.ndarray, pos: np.ndarray, val: np.ndarray) -> tuple[int, int]:

@@ -12,14 +12,14 @@ hundred bytes per tensor: that, not the weights, is what crosses between ranks.
 
 import math
 from collections.abc import Sequence
-from typing import Annotated
+from typing import Annotated, Protocol
 
 import numpy as np
 from numba import njit
 from pydantic import BaseModel, ConfigDict, Field
 
 from chain import codec, lanehash
-from chain.codec.api import LOG2_SEG
+from chain.codec.api import LOG2_SEG, THREADS
 from chain.digest import state_digest
 from chain.dtypes import lookup
 from chain.errors import ChainError
@@ -35,8 +35,9 @@ from chain.manifest import (
 from chain.stream import BlockWriter, RecordHeader
 
 SPARSE_BATCH = 1 << 21
-"""Changed segments are rebuilt and encoded this many elements at a time (bounded scratch:
-two segments, one per codec thread)."""
+"""Changed segments found on a device are rebuilt and encoded this many elements at a time
+(bounded scratch: two segments, one per codec thread). Slices on the host are encoded in one
+pass instead (chain/host_deltas.py)."""
 
 
 # ---------------------------------------------------------------- digest parts
@@ -187,19 +188,39 @@ def slice_part(name: str, dtype: str, shape: Sequence[int], lo: int, count: int,
 # ---------------------------------------------------------------- a rank's records
 
 
-def write_full(writer: BlockWriter, part: SlicePart, bits: np.ndarray) -> None:
-    if part.count == 0 and math.prod(part.shape):  # no rows of a non-empty tensor
+class Placed(Protocol):
+    """Where a rank's records go: elements from `lo` of tensor `name` (`dtype`, global
+    `shape`). A SlicePart is one, and so is the trainer's Slice."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+    lo: int
+
+
+def write_full(writer: BlockWriter, where: Placed, bits: np.ndarray) -> None:
+    """The full record of the slice at `where` holding `bits`."""
+    if bits.size == 0 and math.prod(where.shape):  # no rows of a non-empty tensor
         return
-    writer.write_record(RecordHeader(part.name, "full", part.dtype, part.shape, bits.nbytes,
-                                     at=part.lo, count=part.count),
+    writer.write_record(RecordHeader(where.name, "full", where.dtype, where.shape, bits.nbytes,
+                                     at=where.lo, count=bits.size),
                         memoryview(np.ascontiguousarray(bits)).cast("B"))
 
 
-def write_delta(writer: BlockWriter, part: SlicePart, old: np.ndarray, pos: np.ndarray,
-                val: np.ndarray) -> int:
-    """Records turning slice `old` into old-with-old[pos]=val: one codec payload per segment
-    (2^20 elements) that changed, each rebuilt from `old` in bounded scratch, so the new slice
-    is never held whole. Returns the payload bytes written."""
+def write_segment(writer: BlockWriter, where: Placed, s0: int, s1: int,
+                  payload: bytes) -> int:
+    """The delta record of elements [s0, s1) of the slice at `where`; its payload bytes."""
+    writer.write_record(RecordHeader(where.name, "delta", where.dtype, where.shape, len(payload),
+                                     at=where.lo + s0, count=s1 - s0), payload)
+    return len(payload)
+
+
+def write_delta(writer: BlockWriter, where: Placed, old: np.ndarray, pos: np.ndarray,
+                val: np.ndarray, threads: int = THREADS) -> int:
+    """Records turning slice `old` into old-with-old[pos]=val, for changes found elsewhere (on
+    the device that holds the new slice): one codec payload per segment that changed, each
+    rebuilt from `old` in bounded scratch, so the new slice is never held whole. Returns the
+    payload bytes written."""
     seg = 1 << LOG2_SEG
     bounds = np.searchsorted(pos, np.arange(0, old.size + seg, seg, dtype=np.int64))
     todo = [(s * seg, min(old.size, (s + 1) * seg), bounds[s], bounds[s + 1])
@@ -211,12 +232,10 @@ def write_delta(writer: BlockWriter, part: SlicePart, old: np.ndarray, pos: np.n
         for s0, s1, j0, j1 in batch:
             new = old[s0:s1].copy()
             new[pos[j0:j1] - s0] = val[j0:j1]
-            pairs.append((old[s0:s1], new, part.dtype))
-        for (s0, s1, _, _), payload in zip(batch, codec.encode_many(pairs), strict=True):
-            writer.write_record(RecordHeader(part.name, "delta", part.dtype, part.shape,
-                                             len(payload), at=part.lo + s0, count=s1 - s0),
-                                payload)
-            written += len(payload)
+            pairs.append((old[s0:s1], new, where.dtype))
+        for (s0, s1, _, _), payload in zip(batch, codec.encode_many(pairs, threads),
+                                           strict=True):
+            written += write_segment(writer, where, s0, s1, payload)
     return written
 
 

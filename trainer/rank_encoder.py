@@ -2,18 +2,23 @@
 
 The rank keeps what it last published of each slice it holds: a host copy of the bit patterns
 (the codec's base; 1x the shard) and, when the weights live on a GPU, a device copy to compare
-against (on CPU the host copy serves as both). A version is found by comparing on the device,
-copying the changed positions and values to the host, moving the slice's digest part by the
-changed words, and writing records for the changed segments only. Nothing the rank keeps
-changes until `commit`, which the publisher calls once the version is signed; a version that
-fails is dropped with `discard`, leaving the rank at the previous one.
+against (on CPU the host copy serves as both). A slice on the host is encoded in one pass, as
+the single-process Publisher encodes a tensor: the codec compares and encodes each segment at
+once and hands back the changed positions and values. A slice on a GPU is compared there, only
+the changed positions and values are copied to the host, and the changed segments are rebuilt
+from the host copy and encoded (the same records either way). The slice's digest part is moved
+by the changed words alone. Nothing the rank keeps changes until `commit`, which the publisher
+calls once the version is signed; a version that fails is dropped with `discard`, leaving the
+rank at the previous one.
 
 The rank's result is also written to `parts/vNNNNNNNN/rankNNNNN.json` beside its blocks, so a
-rank that restarts with the same weights reuses it instead of encoding again.
+rank that restarts with the same weights reuses it instead of encoding again: such a rank
+compares first (as on a GPU) and writes records only if its weights turn out different.
 """
 
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,9 +28,11 @@ import torch
 from chain import shards
 from chain.atomic import write_atomic
 from chain.blocks import BlockStore
+from chain.codec.api import THREADS
 from chain.errors import ChainError
+from chain.host_deltas import HostDeltas, SliceDelta
 from chain.stream import BlockWriter
-from trainer.changes import Found, device_view, find_changes
+from trainer.changes import device_view, find_changes
 
 
 @dataclass(frozen=True)
@@ -54,6 +61,19 @@ class _Held:
             (s.dtype, s.shape, s.lo, s.bits.numel(), s.bits.device)
 
 
+@dataclass
+class _Moved:
+    """A delta slice's changes (sorted local positions and new values; on the device too when
+    the slice lives there); the held copies are patched with them at `commit`."""
+
+    pos: np.ndarray
+    val: np.ndarray
+    sums: tuple[int, int]
+    """The digest part after the changes."""
+    pos_dev: torch.Tensor | None = None
+    val_dev: torch.Tensor | None = None
+
+
 def _host_view(bits: torch.Tensor) -> np.ndarray:
     """The bit patterns on the host as flat unsigned ints (a view for CPU tensors)."""
     return bits.detach().cpu().numpy().view(np.dtype(f"uint{8 * bits.element_size()}"))
@@ -74,11 +94,12 @@ def _edges(s: Slice) -> np.ndarray:
 
 
 class RankEncoder:
-    def __init__(self, blocks: BlockStore, parts_dir: Path, rank: int, block_size: int) -> None:
+    def __init__(self, blocks: BlockStore, parts_dir: Path, rank: int, block_size: int,
+                 threads: int = THREADS) -> None:
         self.blocks, self.parts_dir, self.rank = blocks, Path(parts_dir), rank
-        self.block_size = block_size
+        self.block_size, self.threads = block_size, threads
         self.held: dict[str, _Held] = {}
-        self._pending: dict[str, _Held | tuple[Found, tuple[int, int]]] | None = None
+        self._pending: dict[str, _Held | _Moved | SliceDelta] | None = None
 
     def part_path(self, version: int) -> Path:
         return self.parts_dir / f"v{version:08d}" / f"rank{self.rank:05d}.json"
@@ -100,44 +121,54 @@ class RankEncoder:
         is set), plus full records when `snapshot`."""
         t0 = time.perf_counter()
         delta = parent_digest is not None
+        slices = sorted(slices, key=lambda s: (s.name, s.lo))
+        prior = self._prior(version, parent_digest, snapshot)
         self._pending = {}
-        parts: list[shards.SlicePart] = []
-        d2h = 0
-        for s in sorted(slices, key=lambda s: (s.name, s.lo)):
-            h = self.held.get(s.name)
-            if delta and h is not None and h.fits(s):
-                f = find_changes(h.dev, s.bits)
-                d2h += f.d2h_bytes
-                sums = shards.add_sums(h.sums, shards.interior_move(h.host, s.lo, f.pos, f.val))
-                self._pending[s.name] = (f, sums)
-                parts.append(shards.slice_part(s.name, s.dtype, s.shape, s.lo, s.bits.numel(),
-                                               sums, "delta", _edges(s), int(f.pos.size)))
-            else:
-                n = _held(s, _host_copy(s.bits))
-                self._pending[s.name] = n
-                parts.append(shards.slice_part(s.name, s.dtype, s.shape, s.lo, s.bits.numel(),
-                                               n.sums, "full", _edges(s), s.bits.numel()))
-        stored = self._stored(version, parent_digest, parts, snapshot)
-        if stored is not None:
-            return stored
-        by_name = {s.name: s for s in slices}
         dw = BlockWriter(self.blocks, self.block_size)
+        one_pass = HostDeltas(dw, threads=self.threads)
+        later: list[Callable[[BlockWriter], int]] = []  # records held back while `prior`
+        d2h = encoded = 0
+        for s in slices:
+            h = self.held.get(s.name)
+            write: Callable[[BlockWriter], int] | None = None
+            if delta and h is not None and h.fits(s):
+                if s.bits.device.type == "cpu" and prior is None:  # found as it is encoded
+                    self._pending[s.name] = one_pass.add(s, h.host, _host_view(s.bits))
+                    continue
+                f = find_changes(h.dev, s.bits)  # found first, written from the changes
+                d2h += f.d2h_bytes
+                self._pending[s.name] = _Moved(f.pos, f.val, shards.add_sums(
+                    h.sums, shards.interior_move(h.host, s.lo, f.pos, f.val)),
+                    f.pos_dev, f.val_dev)
+                if f.pos.size:
+                    write = _delta_writer(s, h.host, f.pos, f.val, self.threads)
+            else:
+                n = self._pending[s.name] = _held(s, _host_copy(s.bits))
+                if delta:
+                    write = _full_writer(s, n.host)
+            if write is not None and prior is None:
+                one_pass.flush()  # the records before this one
+                encoded += write(dw)
+            elif write is not None:
+                later.append(write)
+        one_pass.flush()
+        for name, p in self._pending.items():
+            if isinstance(p, SliceDelta):
+                self._pending[name] = _Moved(p.pos, p.val,
+                                             shards.add_sums(self.held[name].sums, p.move))
+                encoded += p.written
+        parts = [self._part(s) for s in slices]
+        if prior is not None:
+            if self._reusable(prior, parts):
+                return prior.model_copy(update={"reused": True})
+            for write in later:
+                encoded += write(dw)
         sw = BlockWriter(self.blocks, self.block_size)
-        encoded = 0
-        for p in parts:
-            pend = self._pending[p.name]
-            if isinstance(pend, tuple):
-                pend = pend[0]
-            if delta and isinstance(pend, Found):
-                if pend.pos.size:
-                    encoded += shards.write_delta(dw, p, self.held[p.name].host, pend.pos,
-                                                  pend.val)
-            elif delta:
-                shards.write_full(dw, p, pend.host)
-                encoded += pend.host.nbytes
-            if snapshot:
-                bits = pend.host if isinstance(pend, _Held) else _host_view(by_name[p.name].bits)
-                shards.write_full(sw, p, bits)
+        if snapshot:
+            for s in slices:
+                pend = self._pending[s.name]
+                shards.write_full(sw, s, pend.host if isinstance(pend, _Held)
+                                  else _host_view(s.bits))
         part = shards.RankPart(rank=self.rank, version=version, parent_digest=parent_digest,
                                slices=parts, delta_blocks=dw.close() if delta else [],
                                snapshot_blocks=sw.close() if snapshot else [],
@@ -148,20 +179,31 @@ class RankEncoder:
         write_atomic(path, part.model_dump_json().encode())
         return part
 
-    def _stored(self, version: int, parent_digest: str | None, parts: list[shards.SlicePart],
-                snapshot: bool) -> shards.RankPart | None:
-        """The part this rank wrote for these very weights before a crash, if its blocks are
-        all still here (claimed: retention now counts them as written under this version's
-        write lease)."""
+    def _part(self, s: Slice) -> shards.SlicePart:
+        """The slice's report: its digest part after this version, and what changed."""
+        pend, count = self._pending[s.name], s.bits.numel()
+        if isinstance(pend, _Held):
+            return shards.slice_part(s.name, s.dtype, s.shape, s.lo, count, pend.sums, "full",
+                                     _edges(s), count)
+        return shards.slice_part(s.name, s.dtype, s.shape, s.lo, count, pend.sums, "delta",
+                                 _edges(s), int(pend.pos.size))
+
+    def _prior(self, version: int, parent_digest: str | None, snapshot: bool
+               ) -> shards.RankPart | None:
+        """The part this rank persisted for `version` on the same parent before a crash."""
         try:
             old = shards.RankPart.model_validate_json(self.part_path(version).read_bytes())
         except (OSError, ValueError):
             return None
-        if old.parent_digest != parent_digest or old.slices != parts or \
-                bool(old.snapshot_blocks) != snapshot or \
-                self.blocks.claim(b.id for b in old.delta_blocks + old.snapshot_blocks):
+        if old.parent_digest != parent_digest or bool(old.snapshot_blocks) != snapshot:
             return None
-        return old.model_copy(update={"reused": True})
+        return old
+
+    def _reusable(self, prior: shards.RankPart, parts: list[shards.SlicePart]) -> bool:
+        """Whether `prior` was made of these very weights and its blocks are all still here
+        (claimed: retention now counts them as written under this version's write lease)."""
+        return prior.slices == parts and \
+            not self.blocks.claim(b.id for b in prior.delta_blocks + prior.snapshot_blocks)
 
     def commit(self) -> None:
         """The version was signed: what this rank holds becomes it."""
@@ -173,10 +215,10 @@ class RankEncoder:
                 held[name] = p
                 continue
             h = self.held[name]
-            p, h.sums = p
+            h.sums = p.sums
             if p.pos.size:
                 h.host[p.pos] = p.val
-                if h.dev.device.type != "cpu":
+                if p.pos_dev is not None and h.dev.device.type != "cpu":
                     h.dev[p.pos_dev] = p.val_dev
             held[name] = h
         self.held, self._pending = held, None
@@ -191,3 +233,15 @@ class RankEncoder:
         for d in self.parts_dir.glob("v*"):
             if d.name[1:].isdigit() and int(d.name[1:]) <= upto:
                 shutil.rmtree(d, ignore_errors=True)
+
+
+def _delta_writer(where: Slice, old: np.ndarray, pos: np.ndarray, val: np.ndarray,
+                  threads: int) -> Callable[[BlockWriter], int]:
+    return lambda w: shards.write_delta(w, where, old, pos, val, threads)
+
+
+def _full_writer(where: Slice, bits: np.ndarray) -> Callable[[BlockWriter], int]:
+    def write(w: BlockWriter) -> int:
+        shards.write_full(w, where, bits)
+        return int(bits.nbytes)
+    return write

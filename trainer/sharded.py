@@ -21,6 +21,8 @@ shared filesystem), and the key is loaded and used on the assembling rank only.
 
 import logging
 import math
+import os
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -32,6 +34,7 @@ import xxhash
 
 from chain import dtypes, keys, shards
 from chain.blocks import DEFAULT_BLOCK, BlockStore
+from chain.codec.api import THREADS
 from chain.digest import pieces_root
 from chain.errors import ChainError
 from chain.follow import publisher_retain
@@ -68,16 +71,24 @@ def owner(name: str, world: int) -> int:
     return xxhash.xxh32_intdigest(name.encode()) % world
 
 
+def _dtensor() -> type | None:
+    """DTensor if anything imported it (a value can be one only then), else None: importing
+    it here would cost a trainer that passes plain tensors or Shards about 40 MB of modules
+    (torch.fx, sympy) on its first publish."""
+    return getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+
+
 def local_slices(state: Mapping[str, object], rank: int, world: int) -> list[Slice]:
     """The slices this rank holds of each tensor in `state` (see the module docstring)."""
-    from torch.distributed.tensor import DTensor, Replicate
-    from torch.distributed.tensor import Shard as DShard
-
+    dtensor = _dtensor()
     out = []
     for name, v in state.items():
         if isinstance(v, Shard):
             t, shape, lo = v.tensor, list(v.shape), v.offset
-        elif isinstance(v, DTensor):
+        elif dtensor is not None and isinstance(v, dtensor):
+            from torch.distributed.tensor import Replicate
+            from torch.distributed.tensor import Shard as DShard
+
             pl = v.placements
             shape = list(v.shape)
             if all(isinstance(p, Replicate) for p in pl):
@@ -108,12 +119,20 @@ def local_slices(state: Mapping[str, object], rank: int, world: int) -> list[Sli
     return out
 
 
+def local_codec_threads() -> int:
+    """Codec threads for one rank: the codec's default, fewer when the ranks on this host
+    (LOCAL_WORLD_SIZE, which torchrun sets) would together ask for more threads than this
+    process may use cores; oversubscribed, N ranks were slower than one on the same host."""
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return max(1, min(THREADS, len(os.sched_getaffinity(0)) // local))
+
+
 class ShardedPublisher:
     def __init__(self, chain_dir: Path | str, run: str, *, key_path: Path | str | None = None,
                  group: dist.ProcessGroup | None = None, assembler: int = 0,
                  daemon_url: str | None = None, token: str | None = None,
                  snapshots: SnapshotPolicy | None = None, retention: Retention | None = None,
-                 block_size: int = DEFAULT_BLOCK) -> None:
+                 block_size: int = DEFAULT_BLOCK, codec_threads: int | None = None) -> None:
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.assembler = assembler
@@ -121,7 +140,8 @@ class ShardedPublisher:
         chain_dir = Path(chain_dir)
         self.run = run
         self.encoder = RankEncoder(BlockStore(chain_dir / "blocks", chain_lock(chain_dir)),
-                                   chain_dir / "parts", self.rank, block_size)
+                                   chain_dir / "parts", self.rank, block_size,
+                                   codec_threads or local_codec_threads())
         self.head: int | None = None
         if self.rank == assembler:
             if key_path is None:

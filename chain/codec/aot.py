@@ -56,6 +56,7 @@ SPEC: dict[str, tuple[str, list[str]]] = {
     "put_unwritten": ("chain.lanehash", ["W", "u8", "i8", "W", "i", "i"]),
     "pull": ("chain.lanehash", ["W", "u8", "W", "i8", "i", "i"]),
     "gather": ("chain.lanehash", ["W", "i8", "W"]),
+    "moved_words": ("chain.lanehash", ["u8", "u8", "i", "i8", "i", "i", "i"]),
     "sum_words": ("chain.lanehash", ["u8", "i"]),
 }
 _DT = {"u1": np.uint8, "u2": np.uint16, "u4": np.uint32, "u8": np.uint64, "i4": np.int32,

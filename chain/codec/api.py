@@ -132,11 +132,25 @@ def encode_many(pairs: Sequence[tuple[np.ndarray, np.ndarray, str]],
     return [p for p, _ in encode_changes(pairs, threads, changes=False)]
 
 
+Moved = Callable[[int, int, np.ndarray, np.ndarray, np.ndarray, np.ndarray], tuple[int, int]]
+"""How one segment's changes move a digest: (pair index, segment start, old, new, pos, val)
+-> lane sums, where `pos` (sorted) and `val` are the segment's changes indexing the pair's
+`old` and `new`."""
+
+
+def _moved_between(i: int, lo: int, old: np.ndarray, new: np.ndarray, pos: np.ndarray,
+                   val: np.ndarray) -> tuple[int, int]:
+    return lanehash.moved_between(old, new, pos)
+
+
 def encode_changes(pairs: Sequence[tuple[np.ndarray, np.ndarray, str]],
-                   threads: int = THREADS, changes: bool = True
+                   threads: int = THREADS, changes: bool = True, moved: Moved | None = None
                    ) -> list[tuple[bytes, Changes | None]]:
     """`encode_many` that also returns each tensor's Changes (positions, new values, digest
-    move), found in the same pass: O(changes) extra work and memory."""
+    move), found in the same pass: O(changes) extra work and memory. The digest move is
+    summed over segments, each computed by `moved` on the thread that encoded it, while the
+    segment is still in cache (default: the pair's own digest; chain/shards.py passes the
+    move of a slice keyed by its tensor's word indices)."""
     seg = 1 << LOG2_SEG
     plans = []
     jobs = []
@@ -149,7 +163,8 @@ def encode_changes(pairs: Sequence[tuple[np.ndarray, np.ndarray, str]],
         plans.append((old, new, dtype, c, parts, found))
         for s in range(len(parts)):
             lo, hi = s * seg, min(n, (s + 1) * seg)
-            jobs.append((hi - lo, _encode_job(old, new, lo, hi, words, c, parts, s, found)))
+            jobs.append((hi - lo, _encode_job(old, new, lo, hi, words, c, parts, s, found,
+                                              moved or _moved_between, len(plans) - 1)))
     run_jobs(jobs, threads)
     return [(_assemble(old, new, dtype, c, parts), _gathered(found, c) if changes else None)
             for old, new, dtype, c, parts, found in plans]
@@ -161,6 +176,8 @@ def _gathered(found: list, c: hdr.Coding) -> Changes:
     a = b = 0
     for f in found:
         a, b = a + int(f[2][0]), b + int(f[2][1])
+    if len(found) == 1:  # one segment: its arrays as they are
+        return Changes(found[0][0], found[0][1], (a & lanehash.M64, b & lanehash.M64))
     return Changes(np.concatenate([f[0] for f in found]), np.concatenate([f[1] for f in found]),
                    (a & lanehash.M64, b & lanehash.M64))
 
@@ -173,7 +190,7 @@ def _words(*arrays: np.ndarray) -> bool:
 
 
 def _encode_job(old, new, lo, hi, words: bool, c: hdr.Coding, parts: list,
-                s: int, found: list) -> Callable[[], None]:
+                s: int, found: list, moved: Moved, pair: int) -> Callable[[], None]:
 
     def job() -> None:
         ws = _ws()
@@ -186,7 +203,7 @@ def _encode_job(old, new, lo, hi, words: bool, c: hdr.Coding, parts: list,
             pos = keep[:k] + lo
             val = np.empty(k, old.dtype)
             lanehash.fast_gather(new, pos, val)
-            found[s] = (pos, val, lanehash.moved_between(old, new, pos))
+            found[s] = (pos, val, moved(pair, lo, old, new, pos, val))
         if k == 0:
             parts[s] = (0, [b""] * hdr.STREAMS, 0)
         elif max(lens) <= raw:

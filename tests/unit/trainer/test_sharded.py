@@ -1,7 +1,12 @@
 """The rank side of sharded publishing in one process: ranks holding arbitrary element ranges
 (odd dtypes, empty tensors, misaligned cuts) produce versions a region rebuilds bit-identical to
 the single-process Publisher's; change detection copies positions and values only; a restarted
-rank reuses its persisted part only for the very same weights."""
+rank reuses its persisted part only for the very same weights, and when it finds its changes
+first (as a rank on a GPU does) it writes what the one-pass encoding of host slices writes."""
+
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -123,3 +128,62 @@ def test_plain_tensors_are_owned_whole_and_shards_name_their_range():
     assert {owner(n, 4) for n in ("x", "y", "z", "w", "v")} <= set(range(4))
     with pytest.raises(ValueError, match=r"outside its shape \[2, 4\]"):
         local_slices({"c": Shard(t, (2, 4), 0)}, rank=0, world=2)
+
+
+def test_plain_tensors_do_not_import_dtensor():
+    """A trainer without DTensors does not pay for importing them (~40 MB) when it publishes."""
+    code = ("import sys, torch; from trainer.sharded import local_slices, Shard; "
+            "t = torch.zeros(6); local_slices({'a': t, 'b': Shard(t, (12,), 6)}, 0, 2); "
+            "print('torch.distributed.tensor' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[3], check=True)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+def test_finding_changes_first_writes_what_the_one_pass_writes(tmp_path):
+    """Two ranks, slices of several codec segments cut mid-word: a rank restarted with
+    different weights than it persisted finds its changes first and rebuilds segments from
+    them (the GPU path); a fresh rank encodes in one pass. Same parts, same blocks."""
+    key = keys.generate(tmp_path / "k")
+    store = ChainStore(tmp_path / "chain", key.public_key())
+    s0 = make_state(0, scale=700)  # embed.weight: 1.4M elements, split at a random element
+    encs = [RankEncoder(store.blocks, tmp_path / "chain" / "parts", r, 1 << 16)
+            for r in range(2)]
+    _publish(store, key, encs, 0, s0, snapshot=True)
+    parent = store.get(0, "snapshot").state_digest
+    s1, other = perturb(s0, 1), perturb(s0, 2)
+    qkv = _split(s1, 2)[1][1]  # 1049779 elements from 1100621: two segments, a word split
+    assert (qkv.name, qkv.lo % 4, qkv.bits.numel() > 1 << 20) == ("layers.0.attn.qkv.weight",
+                                                                   1, True)
+    qkv.bits[(1 << 20) - 6:(1 << 20) + 6] += 1  # on both sides of that word
+    encs[1].encode(1, _split(other, 2)[1], parent_digest=parent, snapshot=False)  # then died
+
+    def fresh(parts_dir: str) -> RankEncoder:
+        e = RankEncoder(store.blocks, tmp_path / parts_dir, 1, 1 << 16)
+        e.adopt(_split(s0, 2)[1])
+        e.commit()
+        return e
+
+    found_first = fresh("chain/parts").encode(1, _split(s1, 2)[1], parent_digest=parent,
+                                              snapshot=False)
+    one_pass = fresh("elsewhere").encode(1, _split(s1, 2)[1], parent_digest=parent,
+                                         snapshot=False)
+    assert not found_first.reused and found_first.d2h_bytes > 0 == one_pass.d2h_bytes
+    assert found_first.slices == one_pass.slices
+    assert sum(s.changed for s in one_pass.slices) > 10_000
+    assert found_first.delta_blocks == one_pass.delta_blocks
+    assert found_first.encoded_bytes == one_pass.encoded_bytes
+
+
+def test_ranks_sharing_a_host_split_its_cores_between_their_codec_threads(monkeypatch):
+    from trainer.sharded import local_codec_threads
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda _: set(range(2)))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert local_codec_threads() == 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert local_codec_threads() == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # more ranks than cores: still one each
+    assert local_codec_threads() == 1
+    monkeypatch.setattr("os.sched_getaffinity", lambda _: set(range(64)))
+    assert local_codec_threads() == 2  # the codec's most
