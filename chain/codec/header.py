@@ -94,13 +94,15 @@ def pack(mode: int, dtype: str, n: int, k: int, body: list[bytes], log2_seg: int
     return bytes(out)
 
 
-class _Reader:
-    def __init__(self, buf: memoryview, end: int):
-        self.buf, self.pos, self.end = buf, 0, end
+class ByteReader:
+    """Bytes and LEB128 varints from `buf[:end]`; BadDelta naming `what` when it runs short."""
+
+    def __init__(self, buf: memoryview, end: int, what: str = "delta payload"):
+        self.buf, self.pos, self.end, self.what = buf, 0, end, what
 
     def byte(self) -> int:
         if self.pos >= self.end:
-            raise BadDelta("delta payload is truncated inside its header")
+            raise BadDelta(f"{self.what} is truncated inside its header")
         b = self.buf[self.pos]
         self.pos += 1
         return b
@@ -112,7 +114,7 @@ class _Reader:
             v |= (b & 0x7F) << shift
             if b < 0x80:
                 return v
-        raise BadDelta("delta payload has an over-long varint in its header")
+        raise BadDelta(f"{self.what} has an over-long varint in its header")
 
 
 def parse(payload: bytes | memoryview, verify: bool = True) -> Header:
@@ -126,7 +128,7 @@ def parse(payload: bytes | memoryview, verify: bool = True) -> Header:
         if xxhash.xxh3_64_intdigest(buf[:end]) & 0xFFFFFFFF != want:
             raise BadDelta("delta payload checksum mismatch: it is corrupted or truncated; "
                            "fetch the block again")
-    r = _Reader(buf, end)
+    r = ByteReader(buf, end)
     if r.byte() != MAGIC:
         raise BadDelta("not a deltaswarm tensor delta (bad magic byte)")
     fm = r.byte()
