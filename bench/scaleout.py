@@ -1,0 +1,235 @@
+"""Per-tensor and per-rank costs at scale (issue 21): what a version costs when the same bytes
+come in 50,000 tensors instead of ~200, what the record framing adds to a delta, and what
+sharded publishing costs against the single-process Publisher. One JSON line last with --json.
+
+    python bench/scaleout.py [--json] [--elements 5e7] [--moe-tensors 50000] [--ranks]
+
+- `tensors_moe`, `moe_publish_over_dense`, `moe_apply_over_dense`: a bf16 model of `--elements`
+  elements, once as ~200 tensors (Llama-like rows) and once as `--moe-tensors` tensors (expert
+  matrices of the same total), the same ~1 % of elements changed per version by the same kind
+  of step. Publisher.publish of each delta and WeightsDir.apply of it (the region's journaled,
+  digest-checked pass), median of `--versions` deltas, sides interleaved so load from other
+  work favours neither.
+- `delta_file_over_payload`: a 101-tensor Llama-shaped model's 1 %-dense delta as it travels
+  (the artifact's block bytes) over the codec payloads its records carry.
+- `sharded_1rank_over_publisher`, `ranks2_over_ranks1` (with --ranks): bench/scale.py --ranks 2
+  at `--params` (1B by default, minutes), which runs Publisher, one rank and two ranks on the
+  same versions.
+- `ns`, `trainer_control_bytes_per_version`, `trainer_cpu_s_per_version`, `all_current`: not
+  measured by this script (the trainer's control plane still serves every node; see
+  docs/SCALE.md section 7), reported as null with the reason.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from chain import keys  # noqa: E402
+from chain.policy import SnapshotPolicy  # noqa: E402
+from chain.store import ChainStore  # noqa: E402
+from chain.stream import BlockReader  # noqa: E402
+from chain.weights import WeightsDir  # noqa: E402
+from trainer.publisher import Publisher  # noqa: E402
+
+GOALS = {"moe_publish_over_dense": 1.25, "moe_apply_over_dense": 1.25,
+         "sharded_1rank_over_publisher": 1.2, "ranks2_over_ranks1": 1.0,
+         "delta_file_over_payload": 1.03}
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def dense_shapes(elements: int, tensors: int = 200) -> dict[str, list[int]]:
+    """~`tensors` Llama-like matrices (and norms) holding about `elements` elements."""
+    layers = max(1, -(-(tensors - 3) // 9))
+    hidden = 64
+    while llama_elements(hidden * 2, layers) <= elements:
+        hidden *= 2
+    lo, hi = hidden, hidden * 2
+    while hi - lo > 8:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if llama_elements(mid, layers) <= elements else (lo, mid)
+    return llama(lo // 8 * 8, layers)
+
+
+def llama(hidden: int, layers: int) -> dict[str, list[int]]:
+    ff, kv = hidden * 11 // 4, hidden // 4
+    out = {"model.embed_tokens.weight": [4 * hidden, hidden], "model.norm.weight": [hidden],
+           "lm_head.weight": [4 * hidden, hidden]}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        out |= {p + "self_attn.q_proj.weight": [hidden, hidden],
+                p + "self_attn.k_proj.weight": [kv, hidden],
+                p + "self_attn.v_proj.weight": [kv, hidden],
+                p + "self_attn.o_proj.weight": [hidden, hidden],
+                p + "mlp.gate_proj.weight": [ff, hidden], p + "mlp.up_proj.weight": [ff, hidden],
+                p + "mlp.down_proj.weight": [hidden, ff],
+                p + "input_layernorm.weight": [hidden],
+                p + "post_attention_layernorm.weight": [hidden]}
+    return out
+
+
+def llama_elements(hidden: int, layers: int) -> int:
+    return sum(int(np.prod(s)) for s in llama(hidden, layers).values())
+
+
+def moe_shapes(elements: int, tensors: int) -> dict[str, list[int]]:
+    """`tensors` expert matrices (gate, up, down of 48 layers' experts) of `elements` in all."""
+    per = max(1, elements // tensors)
+    cols = 64
+    rows = max(1, per // cols)
+    out = {}
+    experts = -(-tensors // (48 * 3))
+    for i in range(tensors):
+        layer, rest = divmod(i, experts * 3)
+        e, kind = divmod(rest, 3)
+        out[f"model.layers.{layer}.mlp.experts.{e}.{('gate', 'up', 'down')[kind]}_proj.weight"] \
+            = [rows, cols]
+    return out
+
+
+def versions(shapes: dict[str, list[int]], count: int, density: float, seed: int
+             ) -> list[dict[str, torch.Tensor]]:
+    """v0 random bf16, then each version flips about `density` of every tensor's elements by
+    one or two bf16 steps (what an Adam step at RL learning rates does to bf16 weights)."""
+    rng = np.random.default_rng(seed)
+    state = {k: torch.from_numpy(rng.standard_normal(int(np.prod(s)), np.float32)
+                                 .reshape(s)).bfloat16() for k, s in shapes.items()}
+    out = [state]
+    for _ in range(count):
+        nxt = {}
+        for k, t in out[-1].items():
+            bits = t.view(torch.int16).numpy().reshape(-1).copy()
+            k_changed = max(1, round(bits.size * density))
+            idx = rng.choice(bits.size, k_changed, replace=False)
+            bits[idx] += rng.choice(np.array([1, -1, 2], np.int16), k_changed)
+            nxt[k] = torch.from_numpy(bits.reshape(t.shape)).view(torch.bfloat16)
+        out.append(nxt)
+    return out
+
+
+def publish_and_apply(work: Path, states: list[dict[str, torch.Tensor]]
+                      ) -> tuple[list[float], list[float], list]:
+    """Seconds of each delta's publish and apply; the manifests."""
+    key = work / "trainer.key"
+    if not key.exists():
+        keys.generate(key)
+    pub = Publisher(chain_dir=work / "chain", key_path=key, run="scaleout",
+                    snapshots=SnapshotPolicy(every=10**6, max_delta_ratio=1e9))
+    store = ChainStore(work / "chain")
+    weights = WeightsDir(work / "weights")
+    pubs, applies, manifests = [], [], []
+    for v, state in enumerate(states):
+        t0 = time.perf_counter()
+        out = pub.publish(v, state)
+        t1 = time.perf_counter()
+        m = out.delta or out.snapshot
+        cur = weights.apply([m], lambda b: store.blocks.get(b.id, b.size))
+        t2 = time.perf_counter()
+        if cur.state_digest != m.state_digest:
+            raise SystemExit(f"v{v}: the applied state differs from the published one")
+        if v:
+            pubs.append(t1 - t0)
+            applies.append(t2 - t1)
+            manifests.append(m)
+    return pubs, applies, manifests
+
+
+def tensor_count_costs(elements: int, moe_tensors: int, n_versions: int, rounds: int
+                       ) -> dict:
+    sides = {"dense": dense_shapes(elements), "moe": moe_shapes(elements, moe_tensors)}
+    made = {name: versions(shapes, n_versions, 0.01, seed=7) for name, shapes in sides.items()}
+    for name, st in made.items():
+        log(f"{name}: {len(st[0])} tensors, {sum(t.numel() for t in st[0].values()):,} elements")
+    best: dict[str, dict[str, float]] = {}
+    for r in range(rounds):
+        for name in ("dense", "moe") if r % 2 == 0 else ("moe", "dense"):
+            with tempfile.TemporaryDirectory(prefix="scaleout-", dir=_tmp_root()) as tmp:
+                pubs, applies, _ = publish_and_apply(Path(tmp), made[name])
+            p, a = statistics.median(pubs), statistics.median(applies)
+            log(f"round {r + 1} {name}: publish {p:.3f} s, apply {a:.3f} s per delta")
+            b = best.setdefault(name, {"publish": p, "apply": a})
+            b["publish"], b["apply"] = min(b["publish"], p), min(b["apply"], a)
+    return {"tensors_moe": len(sides["moe"]), "tensors_dense": len(sides["dense"]),
+            "elements": elements, "seconds": best,
+            "moe_publish_over_dense": round(best["moe"]["publish"] / best["dense"]["publish"], 3),
+            "moe_apply_over_dense": round(best["moe"]["apply"] / best["dense"]["apply"], 3)}
+
+
+def framing(elements: int) -> dict:
+    shapes = dict(list(dense_shapes(elements, tensors=101).items())[:101])
+    states = versions(shapes, 1, 0.01, seed=11)
+    with tempfile.TemporaryDirectory(prefix="scaleout-", dir=_tmp_root()) as tmp:
+        _, _, [m] = publish_and_apply(Path(tmp), states)
+        store = ChainStore(Path(tmp) / "chain")
+        reader = BlockReader.of_blocks(m.blocks, lambda b: store.blocks.get(b.id, b.size))
+        payload = records = 0
+        while (h := reader.next_header()) is not None:
+            reader.skip(h.n)
+            payload, records = payload + h.n, records + 1
+    travelled = sum(b.size for b in m.blocks)
+    log(f"framing: {len(shapes)} tensors, {records} records, {travelled:,} bytes in blocks, "
+        f"{payload:,} of codec payload")
+    return {"tensors": len(shapes), "records": records, "block_bytes": travelled,
+            "payload_bytes": payload,
+            "delta_file_over_payload": round(travelled / payload, 4)}
+
+
+def ranks(params: float) -> dict:
+    cmd = [sys.executable, str(ROOT / "bench" / "scale.py"), "--ranks", "2", "--params",
+           str(params), "--json"]
+    log("running " + " ".join(cmd[1:]))
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    doc = json.loads(out.strip().splitlines()[-1])
+    return {k: doc.get(k) for k in ("sharded_1rank_over_publisher", "ranks2_over_ranks1",
+                                    "mem_over_shard")}
+
+
+def _tmp_root() -> str | None:
+    shm = Path("/dev/shm")
+    return str(shm) if shm.is_dir() and os.statvfs(shm).f_bavail * os.statvfs(shm).f_frsize \
+        > 4 << 30 else None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--elements", type=float, default=5e7)
+    ap.add_argument("--moe-tensors", type=int, default=50_000)
+    ap.add_argument("--versions", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--ranks", action="store_true", help="also run bench/scale.py --ranks 2")
+    ap.add_argument("--params", type=float, default=1e9)
+    a = ap.parse_args()
+    log(f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f}")
+    result: dict = {"load_avg_1m": round(os.getloadavg()[0], 2)}
+    result |= framing(int(4e7))
+    result |= tensor_count_costs(int(a.elements), a.moe_tensors, a.versions, a.rounds)
+    if a.ranks:
+        result |= ranks(a.params)
+    result |= {"ns": None, "trainer_control_bytes_per_version": None,
+               "trainer_cpu_s_per_version": None, "all_current": None,
+               "not_measured": "nodes: the trainer still serves every node's manifests, "
+                               "heads and reports (docs/SCALE.md section 7)"}
+    for k, goal in GOALS.items():
+        if result.get(k) is not None:
+            log(f"{k}: {result[k]} (goal <= {goal}: {'PASS' if result[k] <= goal else 'MISS'})")
+    if a.json:
+        print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
