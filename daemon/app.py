@@ -281,7 +281,9 @@ async def chain_head(request: web.Request) -> web.Response:
 
 async def chain_index(request: web.Request) -> web.Response:
     """Artifacts, head, and the peers other daemons may learn: trusted ones only (bootstrap or
-    proven, not banned), so an announcement that never proved itself does not spread."""
+    proven, not banned), so an announcement that never proved itself does not spread.
+    `?peers=0` leaves the peer list out (a sync step re-reading who holds what needs none of
+    it, and it grows with the fleet)."""
     node = request.app[NODE]
     peers = [p for p in node.book.snapshot() if (p["bootstrap"] or p["proven"])
              and not p["banned_s"]]
@@ -290,7 +292,8 @@ async def chain_index(request: web.Request) -> web.Response:
         "bt": node.bt(), "node": node.node, "url": node.url,
         "seeding": sorted(node.artifacts.seeding()), "held": node.artifacts.held(),
         "region": node.book.region, "role": node.book.role,
-        "peers": [{k: p[k] for k in ("url", "bt", "node", "region", "role")} for p in peers]})
+        "peers": [] if request.query.get("peers") == "0" else
+        [{k: p[k] for k in ("url", "bt", "node", "region", "role")} for p in peers]})
 
 
 async def chain_manifest(request: web.Request) -> web.Response:

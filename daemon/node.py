@@ -49,6 +49,7 @@ from daemon.fleet.board import FleetBoard
 from daemon.fleet.link import FleetParts, Reporter, Verifier
 from daemon.observe import metrics
 from daemon.observe.report import Sources, build_status
+from daemon.observe.served import ServedBytes
 from daemon.peering.asking import HeadWatcher, prove_loop
 from daemon.peering.identity import Identities
 from daemon.peering.peer_client import PeerClient, PeerError
@@ -185,6 +186,8 @@ class Node:
             engine_check=self._engine_full_check)
         self._registry = metrics.build_registry(self.status_model)
         self._registry.register(GatewayMetrics(self.peering))  # daemon/peering/regions.py
+        self.served = ServedBytes()  # daemon/observe/served.py: the control plane's cost
+        self._registry.register(self.served)
         self._forwarding: asyncio.Task | None = None
 
     def _live_versions(self) -> list[int | None]:
@@ -563,6 +566,7 @@ async def _systemd(app: web.Application) -> AsyncIterator[None]:
 async def serve(cfg: Config, config_path: Path) -> int:
     node = Node(cfg, config_path, await asyncio.to_thread(bt_host, cfg, config_path))
     app = build_app(node.parts)
+    node.served.attach(app)
     app[NODE_OBJ] = node
     node.start_warmup()
     app.cleanup_ctx.extend([_http_client, _swarm, _role, _spool, _fleet, _systemd])

@@ -435,6 +435,22 @@ class PeerBook:
             return (not held, not has, p.strikes, p.failures, random.random())
         return sorted((p for p in self.peers.values() if p.usable(now)), key=key)
 
+    def sources(self, version: int) -> tuple[list[Peer], list[Peer]]:
+        """Whom to ask for a version's manifests and torrent, in two rounds: first the peers
+        other than the trainer that claim `version`, this node's region first; then every
+        other usable peer (the trainer among them), as `by_head` orders them.
+
+        Why: every node fetching each new manifest, index and torrent from the trainer costs
+        it a copy per node (76 GB per version at 10,000 nodes and a 1 TB MoE, docs/SCALE.md);
+        asked second, it serves the few nodes that hear of a version before anyone else."""
+        ordered = self.by_head(version)
+        where = getattr(self.peering, "where", lambda p: (p.region, p.role))
+        first = [p for p in ordered if p.head is not None and p.head >= version
+                 and where(p)[1] != "trainer"]
+        first.sort(key=lambda p: where(p)[0] != self.region)  # stable: by_head's order within
+        chosen = {id(p) for p in first}
+        return first, [p for p in ordered if id(p) not in chosen]
+
     def to_watch(self, limit: int) -> list[Peer]:
         """Trusted, unbanned peers in the best standing, at most `limit`."""
         now = time.monotonic()

@@ -311,6 +311,21 @@ class RegionPeering:
                      "gateways": view, "dialled": len(dial), "known": len(dialable)}
         return dial
 
+    def fetches_first(self, book: "PeerBook") -> bool | None:
+        """Whether this node is the one of its region that fetches a new version's manifest
+        and torrent from outside the region (the rest take them from it: daemon/versions/
+        sync.py `ask_sparing_trainer`); None with blind peering or no region.
+
+        Why not the elected gateway: "served" is first-hand, so members' views of the gateway
+        differ for several versions at a time (each then fetching from the trainer), while the
+        hash rank among live, undemoted members is the same in every view. A member that ranks
+        first and never serves costs the others `sync.region_wait_s` per version, and is
+        struck when it claims a head it does not serve."""
+        if self.mode == "blind" or book.region is None:
+            return None
+        mine = [m for m in self.members(book) if m.region == book.region and not m.trainer]
+        return not mine or min(mine, key=lambda m: m.rank).url is None
+
     # --- demotion ---------------------------------------------------------------------------
     def is_demoted(self, url: str, now: float) -> bool:
         d = self.demoted.get(url)

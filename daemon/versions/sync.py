@@ -22,11 +22,13 @@ as held, across regions too (`_dial_for`).
 import asyncio
 import contextlib
 import logging
+import random
 import shutil
 import time
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TypeVar
 
 from chain.errors import (
     BadBlock,
@@ -58,6 +60,7 @@ from daemon.versions.retain import Keeper
 
 log = logging.getLogger("deltaswarm.sync")
 Notify = Callable[..., Awaitable[object]]
+T = TypeVar("T")
 """(version, path, state_digest, patch: Path | None): the engines, patch first (engine_first)."""
 PROGRESS_CHECK_S = 0.5
 """A download's periodic checks (stall, holders to dial); completion itself wakes it at once."""
@@ -112,6 +115,11 @@ class Syncer:
         self._notify_disk: tuple[int, Path, str, None] | None = None
         self.engine_first = engine_first
         self._notify_wake = asyncio.Event()
+        self._head_heard = asyncio.Event()
+        """Set on every head reply: a wait for a peer of this region to claim a version."""
+        self.control = Counter()
+        """Manifest and torrent fetches by whom they were asked of: region, other, trainer;
+        `waited_s`: time spent waiting for this region (daemon/peering/peers.py `sources`)."""
         self.holders = Holders(settings)
         self.heads = HeadQuorum(settings.head_quorum, settings.head_wait_s)
         self.plan_now: list[str] = []
@@ -151,6 +159,7 @@ class Syncer:
 
     async def on_head(self, peer: Peer, version: int | None) -> None:
         self.heads.reply(peer.url, version)
+        self._head_heard.set()
         self.wake.set()
 
     def current_version(self) -> int | None:
@@ -216,7 +225,7 @@ class Syncer:
         async def read(peer: Peer) -> None:
             try:
                 index = await self.client.get_json(f"{peer.url}/v1/chain/index", "index",
-                                                   timeout=5.0)
+                                                   timeout=5.0, params={"peers": "0"})
                 self._learn_from_index(peer, index)
                 self.book.succeeded(peer)
             except (PeerError, BadPeer) as e:
@@ -277,7 +286,68 @@ class Syncer:
             return have >= target or (before is None and head is not None) or (
                 before is not None and have > before)
 
-        await first_good(self.book.by_head(target), from_peer, self.book)
+        await self.ask_sparing_trainer(target, from_peer)
+        if self.store.head() != before:  # wake our long-pollers: this region's other members
+            await self.board.bump()      # take the manifest from us (ask_sparing_trainer)
+
+    # --- whom to ask: this region before the trainer ---------------------------------------
+    async def ask_sparing_trainer(self, version: int, ask: Callable[[Peer], Awaitable[T]],
+                                  settle: bool = True) -> T | None:
+        """`first_good` over the peers that can serve `version`'s manifests or torrent, asking
+        the trainer only when no other peer that claims it answered (PeerBook.sources). While
+        no peer of its region claims the version yet, a node waits for one to
+        (`sync.region_wait_s`) unless it is the member that fetches first
+        (RegionPeering.fetches_first): that one fetches from the trainer (or another region)
+        and the rest of the region from it, so the trainer serves each version's control-plane
+        files about once per region, not once per node."""
+        first, rest = self.book.sources(version)
+        waits = self._waits_for_region()
+        t0 = time.monotonic()
+        deadline = t0 + random.uniform(0.5, 1.0) * self.settings.region_wait_s
+        while waits and not self._in_region(first) and time.monotonic() < deadline:
+            self._head_heard.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._head_heard.wait(), deadline - time.monotonic())
+            first, rest = self.book.sources(version)
+        if waits:
+            self.control["waited_s"] += time.monotonic() - t0
+        while first:
+            got = await first_good(first, self._counted(ask), self.book, settle=settle)
+            if got:
+                break
+            # a peer of the region that holds the manifest may not hold the torrent yet (it
+            # asks for it right after): ask again shortly rather than the trainer at once
+            if not waits or time.monotonic() + 0.1 >= deadline:
+                got = None
+                break
+            await asyncio.sleep(0.1)
+            first, rest = self.book.sources(version)
+        else:
+            got = None
+        if got:
+            return got
+        return await first_good(rest, self._counted(ask), self.book, settle=settle)
+
+    def _in_region(self, peers: list[Peer]) -> bool:
+        where = getattr(self.book.peering, "where", lambda p: (p.region, p.role))
+        return bool(peers) and where(peers[0])[0] == self.book.region  # sources: region first
+
+    def _waits_for_region(self) -> bool:
+        """Whether another member of this node's region fetches new versions from outside it
+        first (RegionPeering.fetches_first; aware peering only), so this node waits for it."""
+        fetches_first = getattr(self.book.peering, "fetches_first", None)
+        return (self.settings.region_wait_s > 0 and fetches_first is not None
+                and fetches_first(self.book) is False)
+
+    def _counted(self, ask: Callable[[Peer], Awaitable[T]]) -> Callable[[Peer], Awaitable[T]]:
+        where = getattr(self.book.peering, "where", lambda p: (p.region, p.role))
+
+        async def counted(peer: Peer) -> T:
+            region, role = where(peer)
+            self.control["trainer" if role == "trainer" else
+                         "region" if region == self.book.region else "other"] += 1
+            return await ask(peer)
+        return counted
 
     def _learn_from_index(self, peer: Peer, index: dict) -> None:
         held = index.get("held")
@@ -348,8 +418,7 @@ class Syncer:
                                          "manifest") from None
             return data
 
-        got = await first_good(self.book.by_head(m.version), from_peer, self.book,
-                               settle=False)
+        got = await self.ask_sparing_trainer(m.version, from_peer, settle=False)
         if got is None:
             self.holders.torrent_missing(m.artifact)
             raise SyncError(f"no peer served a valid torrent for {m.artifact}")
@@ -602,7 +671,8 @@ class Syncer:
                 "plans": self.plans, "replans": self.replans,
                 "given_up": self.holders.status(),
                 "progress_timeout_s": self.settings.progress_timeout_s,
-                "unoffered_timeout_s": self.settings.unoffered_timeout_s}
+                "unoffered_timeout_s": self.settings.unoffered_timeout_s,
+                "control_asked": {k: round(v, 3) for k, v in self.control.items()}}
 
     def status(self) -> dict:
         return {"refused": list(self.refused), "refused_counts": dict(self.refused_counts),

@@ -1,0 +1,62 @@
+"""The trainer's control plane stays flat in the number of nodes (issue 21, item 1), between real
+daemons on loopback: a region of three nodes learns each new version's manifest and torrent
+from its own gateway, so the trainer serves each version's manifest and torrent about once for
+the whole region instead of once per node, and every node still ends on the trainer's digest.
+
+On the old code every node asked the trainer (first in `by_head` order, FANOUT at a time) for
+both files: 3 manifests and 3 torrents per version here; the bound below allows one of each per
+version plus one spare for a gateway view that is still settling.
+"""
+
+import re
+
+from tests.integration.harness import Cluster, http, step, tiny_model
+from tests.support import wait_until
+
+EU = ["eu1", "eu2", "eu3"]
+ROUTES = ("/v1/chain/manifests/{artifact}", "/v1/chain/torrents/{artifact}")
+
+
+def served(trainer) -> dict[str, float]:
+    _, text, _ = http(f"{trainer.url}/metrics")
+    out = dict.fromkeys(ROUTES, 0.0)
+    for route, value in re.findall(
+            r'^deltaswarm_http_responses_total\{route="([^"]+)"\} (\S+)$', text.decode(), re.M):
+        if route in out:
+            out[route] = float(value)
+    return out
+
+
+def test_a_region_takes_new_versions_from_its_gateway_not_the_trainer(tmp_path) -> None:
+    with Cluster(tmp_path) as c:
+        trainer = c.trainer(region="tr")
+        for name in EU:
+            c.region(name, region="eu")
+        c.start_all()
+        state = tiny_model(0, tensors=6, rows=64, cols=256)
+        c.publish(0, state, snapshot=True)
+        c.wait_all_at(0, 120)
+
+        def gateways_agree() -> bool:  # every eu node's view names the same single gateway
+            views = [c.daemons[n].status()["region_peering"].get("gateways", {})
+                     .get("eu") for n in EU]
+            return all(v == views[0] and v and len(v) == 1 for v in views)
+
+        wait_until(gateways_agree, 60, "the eu nodes to agree on their gateway")
+        before = served(trainer)
+        versions = 3
+        for v in range(1, versions + 1):
+            state = step(state, v, density=0.02)
+            c.publish(v, state)
+            c.wait_all_at(v, 60)
+        after = served(trainer)
+        took = {r: after[r] - before[r] for r in ROUTES}
+        assert all(n <= versions + 1 for n in took.values()), took
+        asked = [c.daemons[n].status()["sync"].get("control_asked", {}) for n in EU]
+        assert sum(a.get("region", 0) for a in asked) >= 2 * versions, asked
+        digest = trainer.status()["state_digest"]
+        assert all(c.daemons[n].status()["state_digest"] == digest for n in EU)
+        # a sync step's index read leaves out the peer list (it grows with the fleet)
+        _, body, _ = http(f"{trainer.url}/v1/chain/index?peers=0")
+        _, full, _ = http(f"{trainer.url}/v1/chain/index")
+        assert b'"peers": []' in body and b'"node": "eu1"' in full
