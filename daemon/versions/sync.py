@@ -61,6 +61,10 @@ from daemon.versions.retain import Keeper
 log = logging.getLogger("deltaswarm.sync")
 Notify = Callable[..., Awaitable[object]]
 T = TypeVar("T")
+FIRST_ROUND_S = 5.0
+"""Longest a version's manifests or torrent are asked of peers other than the trainer before
+the trainer is asked too (ask_sparing_trainer): a claimant that never answers costs this, not
+a request timeout (15-60 s)."""
 """(version, path, state_digest, patch: Path | None): the engines, patch first (engine_first)."""
 PROGRESS_CHECK_S = 0.5
 """A download's periodic checks (stall, holders to dial); completion itself wakes it at once."""
@@ -294,50 +298,72 @@ class Syncer:
     async def ask_sparing_trainer(self, version: int, ask: Callable[[Peer], Awaitable[T]],
                                   settle: bool = True) -> T | None:
         """`first_good` over the peers that can serve `version`'s manifests or torrent, asking
-        the trainer only when no other peer that claims it answered (PeerBook.sources). While
-        no peer of its region claims the version yet, a node waits for one to
-        (`sync.region_wait_s`) unless it is the member that fetches first
-        (RegionPeering.fetches_first): that one fetches from the trainer (or another region)
-        and the rest of the region from it, so the trainer serves each version's control-plane
-        files about once per region, not once per node."""
+        the trainer only when no other peer that claims it answered (PeerBook.sources).
+
+        Before that, while nobody suitable claims the version yet, a node waits for someone to
+        (`_wait_plan`): a member of a region waits for the member that fetches first
+        (RegionPeering.fetches_first), which fetches from outside the region; that one, unless
+        its region is the trainer's, first waits a shorter random moment for any other region
+        to hold it. So the trainer serves each version's control-plane files about once per
+        version (more when two regions' random moments end within one fetch of each other),
+        not once per node; the price is that first wait in a fleet whose trainer's region has
+        no other member."""
         first, rest = self.book.sources(version)
-        waits = self._waits_for_region()
+        need, wait_s = self._wait_plan()
         t0 = time.monotonic()
-        deadline = t0 + random.uniform(0.5, 1.0) * self.settings.region_wait_s
-        while waits and not self._in_region(first) and time.monotonic() < deadline:
+        deadline = t0 + wait_s
+
+        def satisfied() -> bool:
+            return bool(first) and (need == "any" or self._in_region(first))
+
+        while need and not satisfied() and time.monotonic() < deadline:
             self._head_heard.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._head_heard.wait(), deadline - time.monotonic())
             first, rest = self.book.sources(version)
-        if waits:
+        if need:
             self.control["waited_s"] += time.monotonic() - t0
         while first:
-            got = await first_good(first, self._counted(ask), self.book, settle=settle)
-            if got:
+            try:  # a silent claimant must not hold the version up for a whole request timeout
+                got = await asyncio.wait_for(first_good(first, self._counted(ask), self.book,
+                                                        settle=settle), FIRST_ROUND_S)
+            except TimeoutError:
+                self.control["first_round_timeouts"] += 1
                 break
-            # a peer of the region that holds the manifest may not hold the torrent yet (it
-            # asks for it right after): ask again shortly rather than the trainer at once
-            if not waits or time.monotonic() + 0.1 >= deadline:
-                got = None
+            if got:
+                return got
+            # a peer that holds the manifest may not hold the torrent yet (it asks for it right
+            # after): ask again shortly rather than the trainer at once
+            if not need or time.monotonic() + 0.1 >= deadline:
                 break
             await asyncio.sleep(0.1)
             first, rest = self.book.sources(version)
-        else:
-            got = None
-        if got:
-            return got
         return await first_good(rest, self._counted(ask), self.book, settle=settle)
 
     def _in_region(self, peers: list[Peer]) -> bool:
         where = getattr(self.book.peering, "where", lambda p: (p.region, p.role))
         return bool(peers) and where(peers[0])[0] == self.book.region  # sources: region first
 
-    def _waits_for_region(self) -> bool:
-        """Whether another member of this node's region fetches new versions from outside it
-        first (RegionPeering.fetches_first; aware peering only), so this node waits for it."""
+    def _wait_plan(self) -> tuple[str | None, float]:
+        """(whom to wait for: "region", "any" or None, for how long). "region": another member
+        of this region fetches first (RegionPeering.fetches_first; aware peering only), up to
+        `region_wait_s` jittered from half of it; "any": this node fetches first for a region
+        other than the trainer's, up to a quarter of it, jittered from zero (the region whose
+        moment ends first fetches from the trainer, the others from it)."""
         fetches_first = getattr(self.book.peering, "fetches_first", None)
-        return (self.settings.region_wait_s > 0 and fetches_first is not None
-                and fetches_first(self.book) is False)
+        w = self.settings.region_wait_s
+        if w <= 0 or fetches_first is None:
+            return None, 0.0
+        mine = fetches_first(self.book)
+        if mine is False:
+            return "region", random.uniform(0.5, 1.0) * w
+        if mine and self.book.region not in self._trainer_regions():
+            return "any", random.uniform(0.0, 0.25) * w
+        return None, 0.0
+
+    def _trainer_regions(self) -> set[str | None]:
+        where = getattr(self.book.peering, "where", lambda p: (p.region, p.role))
+        return {w[0] for w in map(where, self.book.peers.values()) if w[1] == "trainer"}
 
     def _counted(self, ask: Callable[[Peer], Awaitable[T]]) -> Callable[[Peer], Awaitable[T]]:
         where = getattr(self.book.peering, "where", lambda p: (p.region, p.role))

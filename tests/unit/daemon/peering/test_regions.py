@@ -268,3 +268,37 @@ def test_bytes_from_an_endpoint_two_entries_claim_are_credited_to_neither() -> N
                         64 * 1024, 0)], wanting=False)
     assert b.peering.service.delivered[copy.url] == 0
     assert not any(c["served"] for c in b.peering.status()["candidates"] if c["node"] == fake)
+
+
+def test_sources_ask_claimants_of_this_region_first_and_the_trainer_last() -> None:
+    b = book_for("b1", "b")
+    fleet(b, MEMBERS)
+    by_node = {p.node: p for p in b.peers.values()}
+    for name in ("trainer", "a2", "b3", "c1"):
+        by_node[name].head = 7
+    by_node["b2"].head = 6  # behind: cannot serve v7
+    first, rest = b.sources(7)
+    assert first[0].node == "b3"
+    assert {p.node for p in first} == {"b3", "a2", "c1"}
+    assert "trainer" in {p.node for p in rest} and "b2" in {p.node for p in rest}
+    assert not {p.node for p in first} & {p.node for p in rest}
+
+
+def test_the_member_that_fetches_first_is_the_same_in_every_view_and_skips_the_dead() -> None:
+    chosen = set()
+    for me in MEMBERS["b"]:
+        b = book_for(me, "b")
+        fleet(b, MEMBERS)
+        if b.peering.fetches_first(b):
+            chosen.add(me)
+    best = min(MEMBERS["b"], key=lambda n: rank("b", n))
+    assert chosen == {best}  # exactly one, whoever is asking
+    other = next(n for n in MEMBERS["b"] if n != best)
+    b = book_for(other, "b")
+    fleet(b, MEMBERS)
+    for p in b.peers.values():
+        if p.node == best:
+            p.failures = DEAD_AFTER
+    ranked = sorted((n for n in MEMBERS["b"] if n != best), key=lambda n: rank("b", n))
+    assert b.peering.fetches_first(b) is (ranked[0] == other)
+    assert book_for("b1", "b", mode="blind").peering.fetches_first(book_for("b1", "b")) is None
