@@ -15,9 +15,12 @@ sharded publishing costs against the single-process Publisher. One JSON line las
 - `sharded_1rank_over_publisher`, `ranks2_over_ranks1` (with --ranks): bench/scale.py --ranks 2
   at `--params` (1B by default, minutes), which runs Publisher, one rank and two ranks on the
   same versions.
-- `ns`, `trainer_control_bytes_per_version`, `trainer_cpu_s_per_version`, `all_current`: not
-  measured by this script (the trainer's control plane still serves every node; see
-  docs/SCALE.md section 7), reported as null with the reason.
+- `ns`, `trainer_control_bytes_per_version`, `trainer_cpu_s_per_version`, `all_current`
+  (`--nodes 8,16,32`): real daemons on loopback, a trainer in a region of its own and N nodes in
+  regions of `--region-size`; per delta version, the trainer daemon's HTTP response body bytes
+  (its per-route counters, daemon/observe/served.py) and CPU seconds (/proc) while every node
+  reaches it, medians of `--fleet-versions`; `control_*_last_over_first` divide the largest N's
+  by the smallest's (goal: at most 1.5, flat in N).
 """
 
 import argparse
@@ -43,7 +46,8 @@ from chain.stream import BlockReader  # noqa: E402
 from chain.weights import WeightsDir  # noqa: E402
 from trainer.publisher import Publisher  # noqa: E402
 
-GOALS = {"moe_publish_over_dense": 1.25, "moe_apply_over_dense": 1.25,
+GOALS = {"control_bytes_last_over_first": 1.5, "control_cpu_last_over_first": 1.5,
+         "moe_publish_over_dense": 1.25, "moe_apply_over_dense": 1.25,
          "sharded_1rank_over_publisher": 1.2, "ranks2_over_ranks1": 1.0,
          "delta_file_over_payload": 1.03}
 
@@ -198,6 +202,76 @@ def ranks(params: float) -> dict:
                                     "mem_over_shard")}
 
 
+def _trainer_sent(trainer) -> tuple[float, dict[str, float]]:
+    """(the trainer daemon's CPU seconds so far, its response body bytes per route)."""
+    from tests.integration.harness import http
+
+    with open(f"/proc/{trainer.proc.pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    _, text, _ = http(f"{trainer.url}/metrics")
+    sent = {}
+    for line in text.decode().splitlines():
+        if line.startswith("deltaswarm_http_response_bytes_total{"):
+            route = line.split('route="', 1)[1].split('"', 1)[0]
+            sent[route] = float(line.rsplit(" ", 1)[1])
+    return cpu, sent
+
+
+def fleet_costs(ns: list[int], region_size: int, n_versions: int) -> dict:
+    """Real daemons on loopback (tests/integration/harness.py): a trainer in a region of its
+    own and N region daemons in regions of `region_size`; a small model published as v0 then
+    `n_versions` deltas; per delta, the trainer daemon's HTTP response bytes and CPU seconds
+    while every node reaches it."""
+    from tests.integration.harness import Cluster, step, tiny_model
+
+    out: dict = {"ns": ns, "region_size": region_size, "trainer_control_bytes_per_version": [],
+                 "trainer_cpu_s_per_version": [], "trainer_bytes_by_route": [],
+                 "all_current": True}
+    for n in ns:
+        with tempfile.TemporaryDirectory(prefix="scaleout-fleet-", dir=_tmp_root()) as tmp, \
+                Cluster(Path(tmp)) as c:
+            trainer = c.trainer(region="tr")
+            for i in range(n):
+                c.region(f"n{i}", region=f"r{i // region_size}",
+                         sync={"progress_timeout_s": 120})
+            t0 = time.monotonic()
+            c.start_all(timeout=300)
+            log(f"N={n}: {n} daemons up in {time.monotonic() - t0:.0f} s")
+            state = tiny_model(0, tensors=8, rows=256, cols=512)
+            c.publish(0, state, snapshot=True)
+            c.wait_all_at(0, 300)
+            per_bytes, per_cpu, routes = [], [], {}
+            for v in range(1, n_versions + 1):
+                cpu0, sent0 = _trainer_sent(trainer)
+                state = step(state, v, density=0.01)
+                c.publish(v, state)
+                c.wait_all_at(v, 300)
+                time.sleep(1.0)  # the last replies of this version (index re-reads) land
+                cpu1, sent1 = _trainer_sent(trainer)
+                per_bytes.append(sum(sent1.values()) - sum(sent0.values()))
+                per_cpu.append(cpu1 - cpu0)
+                for r in sent1:
+                    routes.setdefault(r, []).append(sent1[r] - sent0.get(r, 0.0))
+            digest = trainer.status()["state_digest"]
+            current = all(d.status()["state_digest"] == digest
+                          for d in c.daemons.values() if d.role == "region")
+            out["all_current"] = out["all_current"] and current
+            b, cpu = statistics.median(per_bytes), statistics.median(per_cpu)
+            out["trainer_control_bytes_per_version"].append(round(b))
+            out["trainer_cpu_s_per_version"].append(round(cpu, 3))
+            out["trainer_bytes_by_route"].append(
+                {r: round(statistics.median(x)) for r, x in sorted(routes.items()) if any(x)})
+            log(f"N={n}: trainer sent {b:,.0f} B and used {cpu:.3f} CPU s per version "
+                f"(median of {n_versions}); all current: {current}")
+    first, last = out["trainer_control_bytes_per_version"][0], \
+        out["trainer_control_bytes_per_version"][-1]
+    out["control_bytes_last_over_first"] = round(last / first, 3) if first else None
+    c0, c1 = out["trainer_cpu_s_per_version"][0], out["trainer_cpu_s_per_version"][-1]
+    out["control_cpu_last_over_first"] = round(c1 / c0, 3) if c0 else None
+    return out
+
+
 def _tmp_root() -> str | None:
     shm = Path("/dev/shm")
     return str(shm) if shm.is_dir() and os.statvfs(shm).f_bavail * os.statvfs(shm).f_frsize \
@@ -213,17 +287,22 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--ranks", action="store_true", help="also run bench/scale.py --ranks 2")
     ap.add_argument("--params", type=float, default=1e9)
+    ap.add_argument("--nodes", default="8,16,32",
+                    help="fleet sizes to run (real daemons on loopback); empty: skip")
+    ap.add_argument("--region-size", type=int, default=8)
+    ap.add_argument("--fleet-versions", type=int, default=5)
+    ap.add_argument("--skip-tensors", action="store_true")
     a = ap.parse_args()
     log(f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f}")
     result: dict = {"load_avg_1m": round(os.getloadavg()[0], 2)}
     result |= framing(int(4e7))
-    result |= tensor_count_costs(int(a.elements), a.moe_tensors, a.versions, a.rounds)
+    if not a.skip_tensors:
+        result |= tensor_count_costs(int(a.elements), a.moe_tensors, a.versions, a.rounds)
     if a.ranks:
         result |= ranks(a.params)
-    result |= {"ns": None, "trainer_control_bytes_per_version": None,
-               "trainer_cpu_s_per_version": None, "all_current": None,
-               "not_measured": "nodes: the trainer still serves every node's manifests, "
-                               "heads and reports (docs/SCALE.md section 7)"}
+    if a.nodes:
+        result |= fleet_costs([int(x) for x in a.nodes.split(",")], a.region_size,
+                              a.fleet_versions)
     for k, goal in GOALS.items():
         if result.get(k) is not None:
             log(f"{k}: {result[k]} (goal <= {goal}: {'PASS' if result[k] <= goal else 'MISS'})")

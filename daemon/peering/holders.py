@@ -29,6 +29,17 @@ class Holders:
     def record(self, url: str, head: int | None, held: Iterable[str]) -> None:
         self.listed[url] = (time.monotonic(), head, frozenset(held))
 
+    def extend(self, url: str, head: int, held: Iterable[str]) -> None:
+        """Take a peer to hold `held` too, up to `head`, without reading its index (an
+        inference: daemon/versions/sync.py says when it is made)."""
+        _, _, before = self.listed.get(url, (0.0, None, frozenset()))
+        self.listed[url] = (time.monotonic(), head, before | frozenset(held))
+
+    def listed_head(self, url: str) -> int | None:
+        """The head a peer's listing (read or extended) was last taken at."""
+        got = self.listed.get(url)
+        return None if got is None else got[1]
+
     def stale(self, url: str, claimed_head: int | None) -> bool:
         got = self.listed.get(url)
         return got is None or time.monotonic() - got[0] > INDEX_REFRESH_S or (

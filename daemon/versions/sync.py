@@ -61,6 +61,9 @@ from daemon.versions.retain import Keeper
 log = logging.getLogger("deltaswarm.sync")
 Notify = Callable[..., Awaitable[object]]
 T = TypeVar("T")
+TRAINER_INDEX_S = 30.0
+"""A member of a region that another member fetches for re-reads the trainer's index at most
+this often; between reads the trainer is taken to hold what it published (refresh_holders)."""
 FIRST_ROUND_S = 5.0
 """Longest a version's manifests or torrent are asked of peers other than the trainer before
 the trainer is asked too (ask_sparing_trainer): a claimant that never answers costs this, not
@@ -120,6 +123,8 @@ class Syncer:
         self.engine_first = engine_first
         self._notify_wake = asyncio.Event()
         self._head_heard = asyncio.Event()
+        self._index_read: dict[str, float] = {}
+        """peer url → when its index was last read (monotonic)."""
         """Set on every head reply: a wait for a peer of this region to claim a version."""
         self.control = Counter()
         """Manifest and torrent fetches by whom they were asked of: region, other, trainer;
@@ -230,12 +235,30 @@ class Syncer:
             try:
                 index = await self.client.get_json(f"{peer.url}/v1/chain/index", "index",
                                                    timeout=5.0, params={"peers": "0"})
+                self._index_read[peer.url] = time.monotonic()
                 self._learn_from_index(peer, index)
                 self.book.succeeded(peer)
             except (PeerError, BadPeer) as e:
                 self.book.failed(peer, e)
 
-        todo = [p for p in self.book.by_head() if self.holders.stale(p.url, p.head)]
+        spare = self._fetches_first() is False
+        where = getattr(self.book.peering, "where", lambda p: (p.region, p.role))
+        now = time.monotonic()
+        todo = []
+        for p in self.book.by_head():
+            if not self.holders.stale(p.url, p.head):
+                continue
+            if (spare and where(p)[1] == "trainer" and p.head is not None
+                    and now - self._index_read.get(p.url, -TRAINER_INDEX_S) < TRAINER_INDEX_S):
+                # what the trainer published since it last listed, from our own store: it holds
+                # its new head (retention keeps the newest versions), and reading its index on
+                # every version from every node grows its load with the fleet
+                since = self.holders.listed_head(p.url)
+                self.holders.extend(p.url, p.head, [
+                    a for a in self.store.artifacts()
+                    if (since if since is not None else -1) < parse_artifact(a)[0] <= p.head])
+                continue
+            todo.append(p)
         if todo:
             await asyncio.gather(*(read(p) for p in todo))
 
@@ -350,16 +373,20 @@ class Syncer:
         `region_wait_s` jittered from half of it; "any": this node fetches first for a region
         other than the trainer's, up to a quarter of it, jittered from zero (the region whose
         moment ends first fetches from the trainer, the others from it)."""
-        fetches_first = getattr(self.book.peering, "fetches_first", None)
         w = self.settings.region_wait_s
-        if w <= 0 or fetches_first is None:
+        mine = self._fetches_first()
+        if w <= 0 or mine is None:
             return None, 0.0
-        mine = fetches_first(self.book)
         if mine is False:
             return "region", random.uniform(0.5, 1.0) * w
         if mine and self.book.region not in self._trainer_regions():
             return "any", random.uniform(0.0, 0.25) * w
         return None, 0.0
+
+    def _fetches_first(self) -> bool | None:
+        """RegionPeering.fetches_first for this node (None: blind peering, or no peering)."""
+        fetches_first = getattr(self.book.peering, "fetches_first", None)
+        return None if fetches_first is None else fetches_first(self.book)
 
     def _trainer_regions(self) -> set[str | None]:
         where = getattr(self.book.peering, "where", lambda p: (p.region, p.role))

@@ -166,3 +166,19 @@ def test_a_given_up_artifact_comes_back_when_a_holder_that_was_gone_lists_it_aga
     h.record("http://trainer:1", 9, ["v00000008.delta"])  # the restarted trainer is back
     assert h.counts(lambda url: True, [])["v00000008.delta"] == 2
     assert h.status() == {}
+
+
+def test_an_extended_listing_adds_what_was_published_since_and_counts_as_fresh(monkeypatch):
+    """The trainer's listing between index reads (daemon/versions/sync.py refresh_holders):
+    what it listed stays, the new head's artifacts are added, the listing is fresh again and
+    no longer stale for that head."""
+    clock = FakeClock(monkeypatch, daemon.peering.holders)
+    h = Holders(SyncConfig(unoffered_timeout_s=10))
+    h.record("http://t:1", 4, ["v00000004.delta", "v00000000.snapshot"])
+    clock.now += 9
+    assert h.stale("http://t:1", 5) and h.listed_head("http://t:1") == 4
+    h.extend("http://t:1", 5, ["v00000005.delta"])
+    assert not h.stale("http://t:1", 5) and h.listed_head("http://t:1") == 5
+    clock.now += 5  # the first read is 14 s old; the extension keeps the listing counted
+    assert h.counts(lambda url: True, []) == {
+        "v00000004.delta": 1, "v00000000.snapshot": 1, "v00000005.delta": 1}
