@@ -131,12 +131,12 @@ class SyncConfig(_Section):
     disk_idle_s: float = Field(1.0, ge=0, le=3600)
     """Engine first: or once no new version was verified for this long."""
     region_wait_s: float = Field(2.0, ge=0, le=60)
-    """A node hearing of a version no peer of its region holds yet waits up to this long
-    (jittered, from half of it) for one to before asking the trainer, unless it is the member
-    that fetches first (the first by hash rank among its region's live members); the wait ends
-    as soon as one does (milliseconds after that member fetched the manifest). 0: ask the
-    trainer at once. Keeps the trainer's control-plane load flat in the number of nodes
-    (docs/SCALE.md)."""
+    """A node hearing of a version that no peer it should ask first holds yet waits up to this
+    long for one to before asking the trainer: a region's members wait for their region's
+    fetcher (jittered, from half of it), each region's fetcher a quarter of it for the fleet's
+    fetcher (RegionPeering.fetch_role); the wait ends as soon as one holds the manifest. 0: ask
+    the trainer at once. Keeps the trainer's control-plane load flat in the number of nodes
+    and regions (docs/SCALE.md)."""
 
 
 class BanConfig(_Section):

@@ -311,20 +311,35 @@ class RegionPeering:
                      "gateways": view, "dialled": len(dial), "known": len(dialable)}
         return dial
 
-    def fetches_first(self, book: "PeerBook") -> bool | None:
-        """Whether this node is the one of its region that fetches a new version's manifest
-        and torrent from outside the region (the rest take them from it: daemon/versions/
-        sync.py `ask_sparing_trainer`); None with blind peering or no region.
+    def fetch_role(self, book: "PeerBook") -> str | None:
+        """Who fetches a new version's manifest and torrent from where (daemon/versions/
+        sync.py `ask_sparing_trainer`): "fleet" for the one member of the fleet that asks the
+        trainer at once; "region" for the member of each other region that takes them from
+        whichever other region holds them first; "member" for the rest, which take them from
+        their own region. None with blind peering or no region.
 
-        Why not the elected gateway: "served" is first-hand, so members' views of the gateway
-        differ for several versions at a time (each then fetching from the trainer), while the
-        hash rank among live, undemoted members is the same in every view. A member that ranks
-        first and never serves costs the others `sync.region_wait_s` per version, and is
-        struck when it claims a head it does not serve."""
+        Each region's fetcher is its first member by hash rank among live, undemoted members,
+        and the fleet's is the first of those (in the trainer's region when it has members:
+        data enters the swarm there), so every view agrees without any exchange. Why not the
+        elected gateway: "served" is first-hand, so views of the gateway differ for several
+        versions at a time (each of them then asking the trainer). A member that ranks first
+        and never serves costs the others `sync.region_wait_s` per version, and is struck
+        when it claims a head it does not serve."""
         if self.mode == "blind" or book.region is None:
             return None
-        mine = [m for m in self.members(book) if m.region == book.region and not m.trainer]
-        return not mine or min(mine, key=lambda m: m.rank).url is None
+        firsts: dict[str, Member] = {}
+        trainer_regions = set()
+        for m in self.members(book):
+            if m.trainer:
+                trainer_regions.add(m.region)
+            elif m.region not in firsts or m.rank < firsts[m.region].rank:
+                firsts[m.region] = m
+        mine = firsts.get(book.region)
+        if mine is not None and mine.url is not None:
+            return "member"
+        pool = [m for r, m in firsts.items() if r in trainer_regions] or list(firsts.values())
+        fleet = min(pool, key=lambda m: m.rank) if pool else None
+        return "fleet" if fleet is None or fleet.url is None else "region"
 
     # --- demotion ---------------------------------------------------------------------------
     def is_demoted(self, url: str, now: float) -> bool:

@@ -241,7 +241,7 @@ class Syncer:
             except (PeerError, BadPeer) as e:
                 self.book.failed(peer, e)
 
-        spare = self._fetches_first() is False
+        spare = self._fetch_role() == "member"
         where = getattr(self.book.peering, "where", lambda p: (p.region, p.role))
         now = time.monotonic()
         todo = []
@@ -324,13 +324,10 @@ class Syncer:
         the trainer only when no other peer that claims it answered (PeerBook.sources).
 
         Before that, while nobody suitable claims the version yet, a node waits for someone to
-        (`_wait_plan`): a member of a region waits for the member that fetches first
-        (RegionPeering.fetches_first), which fetches from outside the region; that one, unless
-        its region is the trainer's, first waits a shorter random moment for any other region
-        to hold it. So the trainer serves each version's control-plane files about once per
-        version (more when two regions' random moments end within one fetch of each other),
-        not once per node; the price is that first wait in a fleet whose trainer's region has
-        no other member."""
+        (`_wait_plan`, RegionPeering.fetch_role): a region's members wait for its fetcher, each
+        region's fetcher for the fleet's, which asks the trainer at once. So the trainer serves
+        each version's control-plane files about once, not once per node or region, and each
+        other hop adds one fetch's time (a region hop on the way to every node)."""
         first, rest = self.book.sources(version)
         need, wait_s = self._wait_plan()
         t0 = time.monotonic()
@@ -368,29 +365,21 @@ class Syncer:
         return bool(peers) and where(peers[0])[0] == self.book.region  # sources: region first
 
     def _wait_plan(self) -> tuple[str | None, float]:
-        """(whom to wait for: "region", "any" or None, for how long). "region": another member
-        of this region fetches first (RegionPeering.fetches_first; aware peering only), up to
-        `region_wait_s` jittered from half of it; "any": this node fetches first for a region
-        other than the trainer's, up to a quarter of it, jittered from zero (the region whose
-        moment ends first fetches from the trainer, the others from it)."""
+        """(whom to wait for: "region", "any" or None, for how long), by this node's fetch role
+        (RegionPeering.fetch_role; aware peering only): a region's member waits for its region
+        up to `region_wait_s` (jittered from half of it); a region's fetcher waits for any
+        other region up to a quarter of it; the fleet's fetcher asks at once."""
         w = self.settings.region_wait_s
-        mine = self._fetches_first()
-        if w <= 0 or mine is None:
+        role = self._fetch_role()
+        if w <= 0 or role is None or role == "fleet":
             return None, 0.0
-        if mine is False:
+        if role == "member":
             return "region", random.uniform(0.5, 1.0) * w
-        if mine and self.book.region not in self._trainer_regions():
-            return "any", random.uniform(0.0, 0.25) * w
-        return None, 0.0
+        return "any", 0.25 * w
 
-    def _fetches_first(self) -> bool | None:
-        """RegionPeering.fetches_first for this node (None: blind peering, or no peering)."""
-        fetches_first = getattr(self.book.peering, "fetches_first", None)
-        return None if fetches_first is None else fetches_first(self.book)
-
-    def _trainer_regions(self) -> set[str | None]:
-        where = getattr(self.book.peering, "where", lambda p: (p.region, p.role))
-        return {w[0] for w in map(where, self.book.peers.values()) if w[1] == "trainer"}
+    def _fetch_role(self) -> str | None:
+        fetch_role = getattr(self.book.peering, "fetch_role", None)
+        return None if fetch_role is None else fetch_role(self.book)
 
     def _counted(self, ask: Callable[[Peer], Awaitable[T]]) -> Callable[[Peer], Awaitable[T]]:
         where = getattr(self.book.peering, "where", lambda p: (p.region, p.role))

@@ -284,21 +284,26 @@ def test_sources_ask_claimants_of_this_region_first_and_the_trainer_last() -> No
     assert not {p.node for p in first} & {p.node for p in rest}
 
 
-def test_the_member_that_fetches_first_is_the_same_in_every_view_and_skips_the_dead() -> None:
-    chosen = set()
-    for me in MEMBERS["b"]:
-        b = book_for(me, "b")
-        fleet(b, MEMBERS)
-        if b.peering.fetches_first(b):
-            chosen.add(me)
-    best = min(MEMBERS["b"], key=lambda n: rank("b", n))
-    assert chosen == {best}  # exactly one, whoever is asking
-    other = next(n for n in MEMBERS["b"] if n != best)
+def test_fetch_roles_agree_in_every_view_and_skip_the_dead() -> None:
+    """One fetcher per region (first by rank), the fleet's in the trainer's region (a), every
+    view the same; a dead fetcher's region moves to its next member."""
+    roles = {}
+    for region, names in MEMBERS.items():
+        for me in names:
+            b = book_for(me, region)
+            fleet(b, MEMBERS, trainer_region="a")
+            roles[me] = b.peering.fetch_role(b)
+    firsts = {r: min(ns, key=lambda n: rank(r, n)) for r, ns in MEMBERS.items()}
+    assert {n for n, r in roles.items() if r == "fleet"} == {firsts["a"]}
+    assert {n for n, r in roles.items() if r == "region"} == {firsts["b"], firsts["c"]}
+    assert all(r == "member" for n, r in roles.items() if n not in firsts.values())
+    other = next(n for n in MEMBERS["b"] if n != firsts["b"])
     b = book_for(other, "b")
     fleet(b, MEMBERS)
     for p in b.peers.values():
-        if p.node == best:
+        if p.node == firsts["b"]:
             p.failures = DEAD_AFTER
-    ranked = sorted((n for n in MEMBERS["b"] if n != best), key=lambda n: rank("b", n))
-    assert b.peering.fetches_first(b) is (ranked[0] == other)
-    assert book_for("b1", "b", mode="blind").peering.fetches_first(book_for("b1", "b")) is None
+    ranked = sorted((n for n in MEMBERS["b"] if n != firsts["b"]), key=lambda n: rank("b", n))
+    assert (b.peering.fetch_role(b) == "region") is (ranked[0] == other)
+    blind = book_for("b1", "b", mode="blind")
+    assert blind.peering.fetch_role(blind) is None
