@@ -202,6 +202,10 @@ def ranks(params: float) -> dict:
                                     "mem_over_shard")}
 
 
+NOT_CONTROL = ("/metrics", "/v1/publish")
+"""Routes not counted as the control plane: this bench's own scrapes, the trainer's publisher."""
+
+
 def _trainer_sent(trainer) -> tuple[float, dict[str, float]]:
     """(the trainer daemon's CPU seconds so far, its response body bytes per route)."""
     from tests.integration.harness import http
@@ -249,7 +253,8 @@ def fleet_costs(ns: list[int], region_size: int, n_versions: int) -> dict:
                 c.wait_all_at(v, 300)
                 time.sleep(1.0)  # the last replies of this version (index re-reads) land
                 cpu1, sent1 = _trainer_sent(trainer)
-                per_bytes.append(sum(sent1.values()) - sum(sent0.values()))
+                per_bytes.append(sum(sent1[r] - sent0.get(r, 0.0) for r in sent1
+                                     if r not in NOT_CONTROL))
                 per_cpu.append(cpu1 - cpu0)
                 for r in sent1:
                     routes.setdefault(r, []).append(sent1[r] - sent0.get(r, 0.0))

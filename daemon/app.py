@@ -10,6 +10,7 @@ All inputs are validated here; errors are JSON `{"error": "..."}` with a 4xx sta
 import asyncio
 import json
 import logging
+import random
 import re
 import time
 from collections.abc import Awaitable, Callable
@@ -91,6 +92,8 @@ class Parts:
 
 NODE: web.AppKey[Parts] = web.AppKey("node")
 OPEN_ROUTES = frozenset({"/healthz", "/metrics", "/ui"})
+INDEX_PEERS = 64
+"""Most peers an index reply lists (daemons keep `max_peers`, 32 by default)."""
 
 
 def fail(status: int, message: str, **headers: str) -> web.HTTPException:
@@ -283,7 +286,8 @@ async def chain_index(request: web.Request) -> web.Response:
     """Artifacts, head, and the peers other daemons may learn: trusted ones only (bootstrap or
     proven, not banned), so an announcement that never proved itself does not spread.
     `?peers=0` leaves the peer list out (a sync step re-reading who holds what needs none of
-    it, and it grows with the fleet)."""
+    it); otherwise at most INDEX_PEERS of them, a random sample (a reader takes at most its
+    `max_peers`, and a list of every node would grow every reply with the fleet)."""
     node = request.app[NODE]
     peers = [p for p in node.book.snapshot() if (p["bootstrap"] or p["proven"])
              and not p["banned_s"]]
@@ -293,7 +297,8 @@ async def chain_index(request: web.Request) -> web.Response:
         "seeding": sorted(node.artifacts.seeding()), "held": node.artifacts.held(),
         "region": node.book.region, "role": node.book.role,
         "peers": [] if request.query.get("peers") == "0" else
-        [{k: p[k] for k in ("url", "bt", "node", "region", "role")} for p in peers]})
+        [{k: p[k] for k in ("url", "bt", "node", "region", "role")}
+         for p in (peers if len(peers) <= INDEX_PEERS else random.sample(peers, INDEX_PEERS))]})
 
 
 async def chain_manifest(request: web.Request) -> web.Response:

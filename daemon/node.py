@@ -225,7 +225,8 @@ class Node:
                     "have": "" if have is None else str(have)}
 
         watcher = HeadWatcher(self.book, self.client, syncer.on_head, self.store.head,
-                              cfg.max_peers, cfg.long_poll_timeout_s, poller)
+                              cfg.max_peers, cfg.long_poll_timeout_s, poller,
+                              elsewhere=syncer.hears_elsewhere)
         return RegionRole(syncer, watcher, self.weights, self.store, self.artifacts,
                           self.cfg.node)
 

@@ -107,8 +107,12 @@ class HeadWatcher:
     def __init__(self, book: PeerBook, client: PeerClient, on_head: OnHead,
                  known_head: Callable[[], int | None], max_peers: int,
                  poll_timeout: float,
-                 poller: Callable[[], dict[str, str]] | None = None) -> None:
+                 poller: Callable[[], dict[str, str]] | None = None,
+                 elsewhere: Callable[[Peer], bool] | None = None) -> None:
         self.book = book
+        self.elsewhere = elsewhere
+        """`elsewhere(peer)`: this node hears that peer's heads through others, so it does not
+        watch it (a region's members do not watch the trainer: daemon/versions/sync.py)."""
         self.poller = poller
         self.client = client
         self.on_head = on_head
@@ -125,7 +129,8 @@ class HeadWatcher:
         changed = self.book.changed.subscribe()
         try:
             while True:
-                wanted = {p.url for p in self.book.to_watch(self.max_peers)}
+                wanted = {p.url for p in self.book.to_watch(self.max_peers)
+                          if self.elsewhere is None or not self.elsewhere(p)}
                 for url in list(self._tasks):
                     if url not in wanted or self._tasks[url].done():
                         await self._stop(url)

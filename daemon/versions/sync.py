@@ -234,7 +234,7 @@ class Syncer:
         async def read(peer: Peer) -> None:
             try:
                 index = await self.client.get_json(f"{peer.url}/v1/chain/index", "index",
-                                                   timeout=5.0, params={"peers": "0"})
+                                                   timeout=5.0, params=self._index_params())
                 self._index_read[peer.url] = time.monotonic()
                 self._learn_from_index(peer, index)
                 self.book.succeeded(peer)
@@ -248,19 +248,30 @@ class Syncer:
         for p in self.book.by_head():
             if not self.holders.stale(p.url, p.head):
                 continue
-            if (spare and where(p)[1] == "trainer" and p.head is not None
+            if (spare and where(p)[1] == "trainer"
                     and now - self._index_read.get(p.url, -TRAINER_INDEX_S) < TRAINER_INDEX_S):
-                # what the trainer published since it last listed, from our own store: it holds
-                # its new head (retention keeps the newest versions), and reading its index on
-                # every version from every node grows its load with the fleet
+                # what the trainer published since it last listed, from our own store (this
+                # node does not poll the trainer's head: hears_elsewhere): it holds its new
+                # head (retention keeps the newest versions), and reading its index on every
+                # version from every node grows its load with the fleet
+                head = max((h for h in (p.head, self.store.head()) if h is not None),
+                           default=None)
                 since = self.holders.listed_head(p.url)
-                self.holders.extend(p.url, p.head, [
-                    a for a in self.store.artifacts()
-                    if (since if since is not None else -1) < parse_artifact(a)[0] <= p.head])
+                if head is not None:
+                    self.holders.extend(p.url, head, [
+                        a for a in self.store.artifacts()
+                        if (since if since is not None else -1) < parse_artifact(a)[0] <= head])
                 continue
             todo.append(p)
         if todo:
             await asyncio.gather(*(read(p) for p in todo))
+
+    def _index_params(self) -> dict[str, str] | None:
+        """Indexes without their peer list once the heads settled: before the first plan the
+        lists are how this node learns the fleet (HeadQuorum); after it, the peer discovery
+        loop keeps learning (daemon/peering/regions.py) and a list on every read would grow
+        each reply with the fleet."""
+        return {"peers": "0"} if self.heads.settled else None
 
     def holder_counts(self) -> dict[str, int]:
         now = time.monotonic()
@@ -285,7 +296,7 @@ class Syncer:
             # (a version published while we read the index), which refutes nothing.
             claim = peer.head
             index = await self.client.get_json(f"{peer.url}/v1/chain/index", "index",
-                                               timeout=15.0)
+                                               timeout=15.0, params=self._index_params())
             self._learn_from_index(peer, index)
             names = index.get("artifacts")
             if not isinstance(names, list) or len(names) > 1_000_000:
@@ -376,6 +387,16 @@ class Syncer:
         if role == "member":
             return "region", random.uniform(0.5, 1.0) * w
         return "any", 0.25 * w
+
+    def hears_elsewhere(self, peer: Peer) -> bool:
+        """Whether this node need not long-poll `peer`'s head: the trainer, when this node is
+        a member its region's fetcher serves (RegionPeering.fetch_role; the fetcher hears
+        the trainer and this node hears the fetcher). Every node polling the trainer costs it
+        a held request and a reply per version per node (docs/SCALE.md 5.1); the trainer's
+        retention still learns these nodes' versions from their fleet reports."""
+        where = getattr(self.book.peering, "where", lambda p: (p.region, p.role))
+        return (self.settings.region_wait_s > 0 and where(peer)[1] == "trainer"
+                and self._fetch_role() == "member")
 
     def _fetch_role(self) -> str | None:
         fetch_role = getattr(self.book.peering, "fetch_role", None)
