@@ -395,7 +395,9 @@ class Syncer:
         a held request and a reply per version per node (docs/SCALE.md 5.1); the trainer's
         retention still learns these nodes' versions from their fleet reports."""
         where = getattr(self.book.peering, "where", lambda p: (p.region, p.role))
-        return (self.settings.region_wait_s > 0 and where(peer)[1] == "trainer"
+        region, role = where(peer)
+        return (self.settings.region_wait_s > 0 and role == "trainer" and region is not None
+                and peer.bt is not None  # heard first-hand once: region, role and endpoint
                 and self._fetch_role() == "member")
 
     def _fetch_role(self) -> str | None:
