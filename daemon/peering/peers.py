@@ -435,6 +435,12 @@ class PeerBook:
             return (not held, not has, p.strikes, p.failures, random.random())
         return sorted((p for p in self.peers.values() if p.usable(now)), key=key)
 
+    def where(self, p: Peer) -> tuple[str | None, str | None]:
+        """(region, role) of a peer: what it said of itself when the peering policy heard it
+        first-hand (RegionPeering.where), else what it announced."""
+        own = getattr(self.peering, "where", None)
+        return own(p) if own is not None else (p.region, p.role)
+
     def sources(self, version: int) -> tuple[list[Peer], list[Peer]]:
         """Whom to ask for a version's manifests and torrent, in two rounds: first the peers
         other than the trainer that claim `version`, this node's region first; then every
@@ -444,7 +450,7 @@ class PeerBook:
         it a copy per node (76 GB per version at 10,000 nodes and a 1 TB MoE, docs/SCALE.md);
         asked second, it serves the few nodes that hear of a version before anyone else."""
         ordered = self.by_head(version)
-        where = getattr(self.peering, "where", lambda p: (p.region, p.role))
+        where = self.where
         first = [p for p in ordered if p.head is not None and p.head >= version
                  and where(p)[1] != "trainer"]
         first.sort(key=lambda p: where(p)[0] != self.region)  # stable: by_head's order within

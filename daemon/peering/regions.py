@@ -485,8 +485,7 @@ async def discover_loop(book: "PeerBook", client: "PeerClient", fast_s: float = 
         # the trainer only while nobody else can answer or until its own region, role and
         # endpoint are known: every node reading its index (whose peer list grows with the
         # fleet) would grow its load with the fleet
-        where = getattr(book.peering, "where", lambda p: (p.region, p.role))
-        peers = [p for p in peers if where(p)[1] != "trainer" or where(p)[0] is None
+        peers = [p for p in peers if book.where(p)[1] != "trainer" or book.where(p)[0] is None
                  or p.bt is None] or peers
         if peers:
             peer = random.choice(peers)

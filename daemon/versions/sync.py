@@ -242,7 +242,7 @@ class Syncer:
                 self.book.failed(peer, e)
 
         spare = self._fetch_role() == "member"
-        where = getattr(self.book.peering, "where", lambda p: (p.region, p.role))
+        where = self.book.where
         now = time.monotonic()
         todo = []
         for p in self.book.by_head():
@@ -372,8 +372,8 @@ class Syncer:
         return await first_good(rest, self._counted(ask), self.book, settle=settle)
 
     def _in_region(self, peers: list[Peer]) -> bool:
-        where = getattr(self.book.peering, "where", lambda p: (p.region, p.role))
-        return bool(peers) and where(peers[0])[0] == self.book.region  # sources: region first
+        """Whether `peers` (PeerBook.sources' first round: own region first) has one here."""
+        return bool(peers) and self.book.where(peers[0])[0] == self.book.region
 
     def _wait_plan(self) -> tuple[str | None, float]:
         """(whom to wait for: "region", "any" or None, for how long), by this node's fetch role
@@ -394,8 +394,7 @@ class Syncer:
         the trainer and this node hears the fetcher). Every node polling the trainer costs it
         a held request and a reply per version per node (docs/SCALE.md 5.1); the trainer's
         retention still learns these nodes' versions from their fleet reports."""
-        where = getattr(self.book.peering, "where", lambda p: (p.region, p.role))
-        region, role = where(peer)
+        region, role = self.book.where(peer)
         return (self.settings.region_wait_s > 0 and role == "trainer" and region is not None
                 and peer.bt is not None  # heard first-hand once: region, role and endpoint
                 and self._fetch_role() == "member")
@@ -405,7 +404,7 @@ class Syncer:
         return None if fetch_role is None else fetch_role(self.book)
 
     def _counted(self, ask: Callable[[Peer], Awaitable[T]]) -> Callable[[Peer], Awaitable[T]]:
-        where = getattr(self.book.peering, "where", lambda p: (p.region, p.role))
+        where = self.book.where
 
         async def counted(peer: Peer) -> T:
             region, role = where(peer)
