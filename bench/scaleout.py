@@ -208,18 +208,14 @@ NOT_CONTROL = ("/metrics", "/v1/publish")
 
 def _trainer_sent(trainer) -> tuple[float, dict[str, float]]:
     """(the trainer daemon's CPU seconds so far, its response body bytes per route)."""
+    from daemon.observe.served import route_counts
     from tests.integration.harness import http
 
     with open(f"/proc/{trainer.proc.pid}/stat") as f:
         fields = f.read().rpartition(")")[2].split()
     cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     _, text, _ = http(f"{trainer.url}/metrics")
-    sent = {}
-    for line in text.decode().splitlines():
-        if line.startswith("deltaswarm_http_response_bytes_total{"):
-            route = line.split('route="', 1)[1].split('"', 1)[0]
-            sent[route] = float(line.rsplit(" ", 1)[1])
-    return cpu, sent
+    return cpu, route_counts(text.decode(), "deltaswarm_http_response_bytes")
 
 
 def fleet_costs(ns: list[int], region_size: int, n_versions: int) -> dict:

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 
@@ -46,3 +47,10 @@ class ServedBytes(Collector):
             b.add_metric([route], self.body_bytes[route])
         yield n
         yield b
+
+
+def route_counts(text: str, family: str) -> dict[str, float]:
+    """route → value of this module's counter `family` (`deltaswarm_http_responses` or
+    `deltaswarm_http_response_bytes`) in a daemon's /metrics text: what benches and tests read."""
+    return {s.labels["route"]: s.value for fam in text_string_to_metric_families(text)
+            if fam.name == family for s in fam.samples if s.name.endswith("_total")}

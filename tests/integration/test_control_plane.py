@@ -9,8 +9,7 @@ version plus one spare. The members also stop long-polling the trainer's head (t
 their region's fetcher), and still every node ends on the trainer's digest.
 """
 
-import re
-
+from daemon.observe.served import route_counts
 from tests.integration.harness import Cluster, http, step, tiny_model
 from tests.support import wait_until
 
@@ -20,12 +19,8 @@ ROUTES = ("/v1/chain/manifests/{artifact}", "/v1/chain/torrents/{artifact}")
 
 def served(trainer) -> dict[str, float]:
     _, text, _ = http(f"{trainer.url}/metrics")
-    out = dict.fromkeys(ROUTES, 0.0)
-    for route, value in re.findall(
-            r'^deltaswarm_http_responses_total\{route="([^"]+)"\} (\S+)$', text.decode(), re.M):
-        if route in out:
-            out[route] = float(value)
-    return out
+    got = route_counts(text.decode(), "deltaswarm_http_responses")
+    return {r: got.get(r, 0.0) for r in ROUTES}
 
 
 def test_a_region_takes_new_versions_from_one_member_not_the_trainer(tmp_path) -> None:
