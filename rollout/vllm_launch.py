@@ -24,6 +24,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rollout import group_shm
+
 REPO = Path(__file__).resolve().parent.parent
 EXTENSION = "rollout.vllm_ext.DeltaswarmWorkerExtension"
 
@@ -170,6 +172,8 @@ class VllmServer:
             return ""
 
     def stop(self, timeout_s: float = 20.0) -> None:
+        """SIGTERM the group, SIGKILL what is left, then unlink the shared memory it held."""
+        shm = group_shm.held_by_group(self.proc.pid)  # read before the kill: /proc forgets
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGTERM)
@@ -181,6 +185,8 @@ class VllmServer:
                 self.proc.wait(10)
         with contextlib.suppress(ProcessLookupError):  # engine-core children left behind
             os.killpg(self.proc.pid, signal.SIGKILL)
+        wait_group_gone(self.proc.pid)
+        group_shm.remove(shm)
         shutil.rmtree(self.state_dir, ignore_errors=True)
 
     def __enter__(self) -> VllmServer:
@@ -188,6 +194,13 @@ class VllmServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def wait_group_gone(pgid: int, timeout_s: float = 10.0) -> None:
+    """Until no process of group `pgid` is left (a SIGKILLed child still holds its maps)."""
+    deadline = time.monotonic() + timeout_s
+    while group_shm.group_pids(pgid) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def wait_healthy(server: VllmServer, timeout_s: float) -> float:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from chain import keys
+from rollout import group_shm
 
 # Two cores shared by test processes, daemons and workers: oversubscribed torch threads made
 # single tests 10-50x slower here.
@@ -31,6 +32,28 @@ def children_tmp_dir(tmp_path_factory: pytest.TempPathFactory):
         else:
             os.environ[n] = v
     shutil.rmtree(ipc, ignore_errors=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_memory_left_clean():
+    """A run leaves no POSIX shared memory behind: vLLM's servers map hundreds of MB of
+    /dev/shm/psm_* each, and a killed server's segments outlive it unless its stop unlinks them
+    (rollout/group_shm.py). Fails the session, naming them, if any new segment is left that no
+    live process holds."""
+    shm = Path("/dev/shm")
+    before = set(shm.iterdir()) if shm.is_dir() else set()
+    yield
+    if not shm.is_dir():
+        return
+    live = set()
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            live |= group_shm.held_by(int(pid))
+    # psm_* only: the semaphores (sem.mp-*, 32 bytes) of any other Python on the host look the
+    # same, and a check that blames this run for another program's leftovers is no check
+    left = sorted(p.name for p in set(shm.iterdir()) - before - live
+                  if p.name.startswith("psm_"))
+    assert not left, f"the test run left shared memory in /dev/shm: {left}"
 
 
 @pytest.fixture
