@@ -83,6 +83,15 @@ class Signature(_Strict):
     sig: str = Field(pattern=r"^[0-9a-f]{128}$")
 
 
+class BasePin(_Strict):
+    """What an adapter version (LoRA) is trained on: a version of another chain, pinned by its
+    state digest. A region applies the adapter only over a base it holds with that digest."""
+
+    run: str = Field(min_length=1, max_length=128)
+    version: int = Field(ge=0)
+    state_digest: Hex32
+
+
 class Manifest(_Strict):
     format: Literal[2, 3]
     run: str = Field(min_length=1, max_length=128)
@@ -98,6 +107,8 @@ class Manifest(_Strict):
     signature: Signature | None = None
     streams: list[Annotated[int, Field(gt=0)]] | None = None
     """Format 3 only: how many stream blocks each sub-stream has, in block order."""
+    base: BasePin | None = None
+    """Set on adapter versions (chain/adapters.py): the base model they apply to."""
 
     @model_validator(mode="after")
     def _consistent(self) -> "Manifest":
@@ -152,9 +163,10 @@ class Manifest(_Strict):
         return out
 
     def _dump(self, exclude: set[str]) -> dict:
-        # format 2 documents never carry `streams`, so their bytes (and signatures) are as before
-        return self.model_dump(mode="json", exclude=exclude | (
-            {"streams"} if self.streams is None else set()))
+        # documents without `streams` or `base` never carry the key, so the bytes (and the
+        # signatures) of full-model versions are as they were before either existed
+        absent = {k for k in ("streams", "base") if getattr(self, k) is None}
+        return self.model_dump(mode="json", exclude=exclude | absent)
 
     def canonical(self) -> bytes:
         return canonical_json(self._dump({"signature"}))

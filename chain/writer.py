@@ -16,7 +16,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from chain import codec, lanehash
 from chain.blocks import DEFAULT_BLOCK, BlockStore
 from chain.digest import pieces_root, state_digest, tensor_digests
-from chain.manifest import FORMAT, BlockEntry, FileEntry, Manifest, Parent, TensorEntry
+from chain.manifest import FORMAT, BasePin, BlockEntry, FileEntry, Manifest, Parent, TensorEntry
 from chain.sources import TensorSource
 from chain.stream import BlockWriter, RecordHeader
 
@@ -143,13 +143,15 @@ def write_artifact(
     same_tensors_as: Manifest | None = None,
     trust_parent: bool = False,
     on_changes: OnChanges | None = None,
+    base: BasePin | None = None,
 ) -> tuple[Manifest, EncodeStats]:
     """Encode, store blocks, and return the signed manifest (not yet added to a chain).
     `same_tensors_as`: a manifest already written for this very `new` (the delta of the same
     version); its tensor digests are reused instead of hashing every tensor again.
     `trust_parent`: `parent` is known to hold exactly `parent_manifest`'s weights (the
     publisher keeps it so), so a delta's digests are the parent's moved by the changes: no
-    tensor is hashed. `on_changes`: see encode_stream."""
+    tensor is hashed. `on_changes`: see encode_stream. `base`: the base model an adapter
+    version applies to (chain/adapters.py), signed with the rest."""
     if kind == "delta" and (parent is None or parent_manifest is None):
         raise ValueError("a delta needs the parent's tensors and manifest")
     digests = None
@@ -182,6 +184,6 @@ def write_artifact(
     manifest = Manifest(
         format=FORMAT, run=run, version=version, kind=kind, parent=parent_ref, state_digest=digest,
         tensors=tensors, blocks=stream + file_blocks, files=file_entries,
-        stats=stats.as_dict(), created=round(time.time(), 3),
+        stats=stats.as_dict(), created=round(time.time(), 3), base=base,
     ).signed(key)
     return manifest, stats

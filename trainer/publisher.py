@@ -35,10 +35,11 @@ from pathlib import Path
 import torch
 
 from chain import codec, dtypes, keys
+from chain.adapters import ADAPTER_CONFIG, check_config
 from chain.blocks import DEFAULT_BLOCK
 from chain.errors import ChainError
 from chain.follow import publisher_retain
-from chain.manifest import Manifest
+from chain.manifest import BasePin, Manifest
 from chain.policy import Retention, SnapshotPolicy
 from chain.sizes import Sizes
 from chain.sources import StateDictSource, source_digest
@@ -88,7 +89,10 @@ class Publisher:
         snapshots: SnapshotPolicy | None = None,
         retention: Retention | None = None,
         block_size: int = DEFAULT_BLOCK,
+        base: BasePin | None = None,
     ) -> None:
+        """`base`: this run publishes LoRA adapters (PEFT tensors, with adapter_config.json in
+        each version's `files`) over that version of another chain (chain/adapters.py)."""
         self.key = keys.load_private(Path(key_path))
         self.store = ChainStore(Path(chain_dir), self.key.public_key())
         self.run = run
@@ -97,6 +101,7 @@ class Publisher:
         self.snapshots = snapshots or SnapshotPolicy()
         self.retention = retention or Retention()
         self.block_size = block_size
+        self.base = base
         self._last: dict[str, torch.Tensor] | None = None
         if self.store.run() not in (None, run):
             raise ChainError(f"{chain_dir} holds run {self.store.run()!r}, not {run!r}; use a "
@@ -130,12 +135,17 @@ class Publisher:
                              "must increase by one")
         if head is not None and self._last is None:
             raise ChainError("call resume(state_dict) with the head's weights before publishing")
+        if self.base is not None:
+            if ADAPTER_CONFIG not in (files or {}):
+                raise ChainError(f"an adapter version needs its {ADAPTER_CONFIG} in `files` "
+                                 "(PEFT's save_pretrained writes it)")
+            check_config(files[ADAPTER_CONFIG])
         t0 = time.perf_counter()
         new = StateDictSource(state_dict)
         delta = snapshot = None
         changes: dict[str, codec.Changes | None] = {}
         common = dict(run=self.run, version=version, new=new, files=files,
-                      block_size=self.block_size)
+                      block_size=self.block_size, base=self.base)
         with self.store.writing(version):
             if head is not None:
                 assert self._last is not None
