@@ -214,7 +214,39 @@ class VllmHook(_Section):
     POST /v1/engine/check)."""
 
 
-EngineHook = Annotated[NoHook | HttpHook | CommandHook | VllmHook, Field(discriminator="type")]
+class VllmLoraHook(_Section):
+    type: Literal["vllm_lora"]
+    """Load each adapter version into a vLLM server started on the base with --enable-lora
+    (and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, VLLM_SERVER_DEV_MODE=1) under `lora_name`."""
+    url: Url
+    """Base URL of that vLLM server (several runs' daemons may share one)."""
+    lora_name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+    """The model name rollout workers ask vLLM for: it always serves this run's newest adapter."""
+    timeout_s: float = Field(120.0, gt=0, le=86400)
+    """Budget for one HTTP call to vLLM."""
+    keep: int = Field(3, ge=1, le=100)
+    """Adapter directories kept under <state_dir>/lora/<lora_name> (the loaded one included)."""
+
+
+EngineHook = Annotated[NoHook | HttpHook | CommandHook | VllmHook | VllmLoraHook,
+                       Field(discriminator="type")]
+
+
+class AdapterConfig(_Section):
+    """This daemon follows a LoRA run: its chain's versions are adapters over a base version
+    held by another daemon on this host (chain/adapters.py)."""
+
+    base_weights: Path
+    """The weights directory (<state_dir>/weights) of the daemon that follows the base chain;
+    an adapter version is applied only when a version there has the base digest it names."""
+
+    @field_validator("base_weights")
+    @classmethod
+    def _absolute(cls, v: Path) -> Path:
+        if not v.is_absolute():
+            raise ValueError(f"{v} must be an absolute path (the base daemon's "
+                             "<state_dir>/weights)")
+        return v
 
 
 class Trajectories(_Section):
@@ -308,6 +340,8 @@ class Config(_Section):
     gathers heads before planning (regions only)."""
     engine: EngineHook = NoHook()
     """The inference engine to notify after each verified version."""
+    adapter: AdapterConfig | None = None
+    """Set when this daemon follows a LoRA run's adapter chain (regions only)."""
     trajectories: Trajectories = Trajectories()
     """Where the spool forwards the trajectories workers post here."""
     long_poll_timeout_s: float = Field(30.0, gt=0, le=600)
@@ -342,6 +376,9 @@ class Config(_Section):
         one_token(self.token, self.token_file)
         if self.seed_mode and self.role != "trainer":
             raise ValueError("seed_mode is for role: trainer only")
+        if self.engine.type == "vllm_lora" and self.adapter is None:
+            raise ValueError("engine type vllm_lora loads LoRA adapters: set adapter.base_weights "
+                             "to the base daemon's weights directory")
         return self
 
     def bearer(self) -> str:

@@ -212,12 +212,15 @@ class Node:
                                self.store)
         first = EngineFirst(self.weights, self.paths.root / "patches",
                             lambda b: self.store.blocks.get(b.id, b.size),
-                            enabled=cfg.sync.engine_first, batch=cfg.sync.disk_batch_versions,
+                            # adapters are small and vLLM loads them from a directory
+                            enabled=cfg.sync.engine_first and cfg.adapter is None,
+                            batch=cfg.sync.disk_batch_versions,
                             idle_s=cfg.sync.disk_idle_s)
         syncer = Syncer(store=self.store, weights=self.weights, book=self.book,
                         client=self.client, artifacts=self.artifacts, board=self.board,
                         notify=self._notify, keeper=keeper, settings=cfg.sync,
-                        engine_first=first)
+                        engine_first=first, adapters=cfg.adapter is not None,
+                        adapter_base=cfg.adapter.base_weights if cfg.adapter else None)
 
         def poller() -> dict[str, str]:
             have = syncer.current_version()

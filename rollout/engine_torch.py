@@ -26,6 +26,7 @@ from chain.dtypes import lookup
 from chain.errors import ChainError
 from chain.patchfile import TensorPatch, read_patch
 from chain.versiondir import BadVersionDir, read_info
+from rollout import lora_merge
 from rollout.engine import Completion
 
 _SIGNED = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -57,6 +58,8 @@ class TorchEngine:
         self.patches = 0
         self.digests: dict[str, str] | None = None
         """Each tensor's digest in the checkpoint's dtype (None: unknown, patches refused)."""
+        self._base_kept: dict[str, torch.Tensor] = {}
+        """Base values of the weights an adapter changed (load_adapter)."""
         if path is not None:
             self.load_version(path, 0 if version is None else version)
 
@@ -82,6 +85,29 @@ class TorchEngine:
             self.digests = dict(info.tensors) if info.version == version else None
         except BadVersionDir:
             self.digests = None
+
+    def load_adapter(self, path: str | Path, version: int) -> None:
+        """Serve base + the PEFT LoRA adapter in `path` (rollout/lora_merge.py): the adapted
+        weights become base + scale·B@A, from the base values kept aside at the first adapter,
+        so each new adapter version replaces the last instead of adding to it."""
+        assert self.model is not None, "load the base version first"
+        adapter, config = lora_merge.read_adapter(Path(path))
+        params = dict(self.model.named_parameters())
+        deltas = lora_merge.weight_deltas(adapter, config)
+        missing = sorted(set(deltas) - set(params))
+        misfit = sorted(n for n in set(deltas) & set(params) if deltas[n].shape != params[n].shape)
+        if missing or misfit:
+            raise EngineLoadError(f"the adapter in {path} changes {(missing or misfit)[:3]}, "
+                                  f"which this model {'lacks' if missing else 'shapes otherwise'}"
+                                  ": it was trained on another base")
+        with torch.no_grad():
+            for name in set(self._base_kept) - set(deltas):  # adapted before, not now
+                params[name].copy_(self._base_kept.pop(name))
+            for name, delta in deltas.items():
+                kept = self._base_kept.setdefault(name, params[name].detach().clone())
+                params[name].copy_((kept.float() + delta).to(params[name].dtype))
+        self._version = version
+        self.digests = None  # the live weights are no longer a version directory's
 
     def apply_patch(self, path: str | Path) -> int:
         """Patch the live weights from a patch file to its version; returns the elements

@@ -17,6 +17,10 @@ files travel with every version, with config.json's dtype set to the published d
 architectures filled in and use_cache back on, so the region's directory loads in transformers
 and vLLM as is.
 
+A PEFT model (TRL's `peft_config`, or `get_peft_model`) publishes its adapter only, to a
+publisher made with `base=` the base's pin (trainer/lora.py): the LoRA tensors as PEFT saves
+them and its adapter_config.json, every step; the base chain is published once, apart.
+
 Where the model is sharded (FSDP2 DTensors), gathering it on one rank would need every rank;
 that is the sharded publisher's job (trainer/sharded.py, issue 12: every rank encodes its own
 shard, one manifest is signed). Give that publisher with `all_ranks=True`: every process then
@@ -34,6 +38,7 @@ import torch
 from transformers import TrainerCallback
 
 from chain.errors import ChainError
+from trainer import lora
 
 
 class DeltaswarmCallback(TrainerCallback):
@@ -55,6 +60,8 @@ class DeltaswarmCallback(TrainerCallback):
         """What each publish returned (trainer.publisher.Published), in order."""
 
     def weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        if lora.is_peft_model(model):
+            return lora.adapter_state(model, self.dtype)
         out = {}
         for name, t in model.state_dict().items():
             if type(t).__name__ == "DTensor" and not self.all_ranks:
@@ -67,8 +74,17 @@ class DeltaswarmCallback(TrainerCallback):
                        processing_class: Any = None, **kwargs: Any) -> None:
         if not (state.is_world_process_zero or self.all_ranks):
             return
+        peft = lora.is_peft_model(model)
+        if peft and getattr(self.publisher, "base", None) is None:
+            raise ChainError("the model is a PEFT model: its adapter versions need a publisher "
+                             "made with base=publish_base(base_publisher, model) "
+                             "(trainer/lora.py), which pins the base they apply to")
+        if not peft and getattr(self.publisher, "base", None) is not None:
+            raise ChainError("this publisher publishes LoRA adapters (it has a base), but the "
+                             "model is not a PEFT model; give the trainer a peft_config")
         if self.files is None:
-            self.files = hf_files(model, processing_class, self.dtype)
+            self.files = (lora.adapter_files(model) if peft
+                          else hf_files(model, processing_class, self.dtype))
         weights = self.weights(model)
         if self.publisher.head is None:
             self.published.append(self.publisher.publish(0, weights, self.files))

@@ -4,7 +4,8 @@ One small seam, `EngineHook.notify(version, path, state_digest, patch=None)`, ch
 `engine.type`: none, an HTTP POST, a command, or a vLLM server: through vLLM's weight-transfer
 API and the `deltaswarm` backend (daemon/engines/vllm.py, `transfer: backend`), or for older
 vLLM by running `python -m rollout.vllm_server reload …` (`transfer: reload`, a process
-boundary rather than an import).
+boundary rather than an import), or LoRA adapters into a vLLM server on the base
+(`vllm_lora`, daemon/engines/lora.py).
 Failures are retried a few times, then counted; they never stop the sync.
 
 Engine first (daemon/engines/first.py): a hook whose `takes_patches` is true is told each
@@ -25,7 +26,8 @@ from typing import Protocol
 
 import aiohttp
 
-from daemon.config import CommandHook, HttpHook, NoHook, VllmHook
+from daemon.config import CommandHook, HttpHook, NoHook, VllmHook, VllmLoraHook
+from daemon.engines.lora import VllmLoraEngine
 from daemon.engines.vllm import VllmBackendHook
 
 log = logging.getLogger("deltaswarm.hooks")
@@ -117,8 +119,9 @@ class VllmNotifyHook(CommandNotifyHook):
         super().__init__(CommandHook(type="command", argv=argv, timeout_s=cfg.timeout_s + 30))
 
 
-def build_hook(cfg: NoHook | HttpHook | CommandHook | VllmHook, session: aiohttp.ClientSession,
-               token: str, state_dir: Path | None = None) -> EngineHook:
+def build_hook(cfg: NoHook | HttpHook | CommandHook | VllmHook | VllmLoraHook,
+               session: aiohttp.ClientSession, token: str, state_dir: Path | None = None
+               ) -> EngineHook:
     """`state_dir`: where the vLLM backend's workers leave their reports (this node's)."""
     if cfg.type == "none":
         return NullHook()
@@ -132,7 +135,12 @@ def build_hook(cfg: NoHook | HttpHook | CommandHook | VllmHook, session: aiohttp
         return VllmBackendHook(cfg, session, state_dir)
     if cfg.type == "vllm":
         return VllmNotifyHook(cfg)
-    raise ValueError(f"unknown engine hook type {cfg.type!r}: expected none|http|command|vllm")
+    if cfg.type == "vllm_lora":
+        if state_dir is None:
+            raise ValueError("the vllm_lora hook needs the node's state_dir for adapter dirs")
+        return VllmLoraEngine(cfg, session, state_dir)
+    raise ValueError(f"unknown engine hook type {cfg.type!r}: expected "
+                     "none|http|command|vllm|vllm_lora")
 
 
 class Notifier:

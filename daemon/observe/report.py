@@ -14,6 +14,7 @@ from chain.store import ChainStore
 from daemon.bittorrent.artifacts import Artifacts
 from daemon.engines.hooks import Notifier
 from daemon.observe.status import (
+    AdapterStatus,
     Ban,
     EngineCheckStatus,
     EngineStatus,
@@ -130,6 +131,15 @@ def build_status(node: Sources, swarm: dict | None = None) -> NodeStatus:
         engine = EngineStatus(type=n.kind, notifications=n.ok, failures=n.failed,
                               last_version=n.last_version, last_error=n.last_error or None,
                               last_ok_at=n.last_ok_at, last_error_at=n.last_error_at)
+    lora = getattr(n.hook, "lora", None) if n is not None else None
+    adapter = None
+    if lora is not None or (syncer is not None and syncer.adapters):
+        adapter = AdapterStatus(
+            base=syncer.base_held if syncer else None,
+            base_problem=syncer.base_problem if syncer else None,
+            lora_name=lora.lora_name if lora else None,
+            engine_version=lora.version if lora else None,
+            engine_adapters=dict(lora.served) if lora else {}, load_s=lora.load_s if lora else 0)
     spool = SpoolStatus(upstream=node.upstream)
     intake = node.intake
     if intake.forwarder is not None and intake.spool is not None:
@@ -162,7 +172,7 @@ def build_status(node: Sources, swarm: dict | None = None) -> NodeStatus:
         self_check=SelfCheckStatus(**node.self_check()),
         warmup=Warmup(**node.warmup()),
         refused_manifests=refused, refused_by_kind=refused_by, engine=engine, spool=spool,
-        engine_check=engine_check,
+        engine_check=engine_check, adapter=adapter,
         weights_problem=node.weights_problem(),
         last_apply_s=syncer.applied[-1]["apply_seconds"] if syncer and syncer.applied else None)
 

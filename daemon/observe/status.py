@@ -190,6 +190,22 @@ class EngineStatus(_Model):
     last_error_at: float | None = None
 
 
+class AdapterStatus(_Model):
+    """A daemon following a LoRA run: the base its adapters apply over and what vLLM serves."""
+
+    base: dict | None = Field(None, description="run, version, state_digest and path of the "
+                              "base the newest adapter version applies over")
+    base_problem: str | None = Field(None, description="why the newest adapter version is not "
+                                     "applied (its base is not held here); None when it is")
+    lora_name: str | None = Field(None, description="the name this run's adapter is served as")
+    engine_version: int | None = Field(None, description="adapter version vLLM serves under "
+                                       "lora_name, as its model list showed after the last load")
+    engine_adapters: dict[str, int | None] = Field(
+        default_factory=dict, description="every adapter the vLLM server lists (all runs "
+        "sharing it): name -> version of its directory")
+    load_s: float = Field(0.0, ge=0, description="seconds the last adapter load took")
+
+
 class EngineCheckStatus(_Model):
     """Proof the engine's live weights are the version's (the vLLM backend hook reads them back
     after every update and compares with the version's digests; daemon/engines/vllm.py)."""
@@ -273,6 +289,8 @@ class NodeStatus(_Model):
     engine: EngineStatus = Field(default_factory=EngineStatus)
     engine_check: EngineCheckStatus | None = Field(
         None, description="vLLM backend hook only: the weight check after each update")
+    adapter: AdapterStatus | None = Field(
+        None, description="LoRA runs only: base held, adapter versions served (engines/lora.py)")
     spool: SpoolStatus = Field(default_factory=SpoolStatus)
     weights_problem: str | None = Field(
         None, description="what the start-up check of the weights found (the damaged version was "

@@ -30,6 +30,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
 
+from chain.adapters import BaseNotHeld, find_base
 from chain.errors import (
     BadBlock,
     BadManifest,
@@ -92,7 +93,10 @@ class Syncer:
     def __init__(self, *, store: ChainStore, weights: WeightsDir, book: PeerBook,
                  client: PeerClient, artifacts: Artifacts, board: Board, notify: Notify,
                  keeper: Keeper, settings: SyncConfig,
-                 engine_first: EngineFirst | None = None) -> None:
+                 engine_first: EngineFirst | None = None,
+                 adapter_base: Path | None = None, adapters: bool = False) -> None:
+        """`adapters`: this region follows a LoRA run, whose versions apply only over a base
+        held under `adapter_base` (the base daemon's weights directory; chain/adapters.py)."""
         self.store = store
         self.weights = weights
         self.book = book
@@ -138,6 +142,11 @@ class Syncer:
         self.stalled: set[str] = set()
         """Artifacts whose download stalled: their holders are dialled directly (_dial_for)."""
         self._finished: dict[str, asyncio.Event] | None = None
+        self.adapters, self.adapter_base = adapters, adapter_base
+        self.base_problem: str | None = None
+        """Why the newest adapter version is not applied (its base is not held), else None."""
+        self.base_held: dict | None = None
+        """The base the last checked adapter version applies over: run, version, digest, path."""
         """Set when the swarm reports an artifact complete on disk (_swarm_moved)."""
 
     def reconfigure(self, settings: SyncConfig) -> None:
@@ -201,6 +210,8 @@ class Syncer:
             plan = self.store.plan(cur, head, holders)
         except NoPath as e:
             raise SyncError(str(e)) from None
+        for m in plan:
+            self._check_base(m)
         names = [m.artifact for m in plan]
         self.plan_holders = {a: holders.get(a, 0) for a in names}
         if names != self.plan_now:
@@ -225,6 +236,24 @@ class Syncer:
         self.plan_now = []
         await self.gc()
         return head
+
+    def _check_base(self, m: Manifest) -> None:
+        """Before any block is fetched: an adapter version applies only over the base it was
+        trained on, and a full-model version never goes to an adapter region (or the reverse)."""
+        try:
+            if m.base is None and self.adapters:
+                raise BaseNotHeld(
+                    f"{m.artifact} of run {m.run!r} is a full-model version, but this daemon is "
+                    "set up for LoRA adapters (adapter: in its config); point it at the run's "
+                    "adapter chain, or drop adapter: to follow full models")
+            if m.base is not None:
+                path = find_base(self.adapter_base if self.adapters else None, m.base,
+                                 m.artifact)
+                self.base_held = {**m.base.model_dump(), "path": str(path)}
+        except BaseNotHeld as e:
+            self.base_problem = str(e)
+            raise
+        self.base_problem = None
 
     # --- who holds what ---------------------------------------------------------------------
     async def refresh_holders(self) -> None:
