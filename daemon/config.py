@@ -224,8 +224,11 @@ class VllmLoraHook(_Section):
     """The model name rollout workers ask vLLM for: it always serves this run's newest adapter."""
     timeout_s: float = Field(120.0, gt=0, le=86400)
     """Budget for one HTTP call to vLLM."""
-    keep: int = Field(3, ge=1, le=100)
-    """Adapter directories kept under <state_dir>/lora/<lora_name> (the loaded one included)."""
+    keep: int = Field(8, ge=2, le=1000)
+    """Adapter directories kept under <state_dir>/lora/<lora_name> (the loaded one included).
+    vLLM 0.32 re-reads an in-place-loaded adapter's directory while serving it, and a request
+    started before a reload may still name an older one: deleting a directory in use kills
+    vLLM's engine, so keep more than the versions a request can outlive."""
 
 
 EngineHook = Annotated[NoHook | HttpHook | CommandHook | VllmHook | VllmLoraHook,

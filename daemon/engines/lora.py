@@ -45,7 +45,8 @@ class LoraServing:
     """Wall time of the last load: copy, load_lora_adapter, cache reset, model-list check."""
     loads: int = 0
     served: dict[str, int | None] = field(default_factory=dict)
-    """Every adapter the vLLM server lists (all runs sharing it): name -> version of its dir."""
+    """Every adapter the vLLM server listed (all runs sharing it) right after this hook's last
+    load: name -> version of its dir. Other runs' later loads show in their own status."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -201,8 +201,8 @@ class AdapterStatus(_Model):
     engine_version: int | None = Field(None, description="adapter version vLLM serves under "
                                        "lora_name, as its model list showed after the last load")
     engine_adapters: dict[str, int | None] = Field(
-        default_factory=dict, description="every adapter the vLLM server lists (all runs "
-        "sharing it): name -> version of its directory")
+        default_factory=dict, description="every adapter the vLLM server listed right after "
+        "this daemon's last load (all runs sharing it): name -> version of its directory")
     load_s: float = Field(0.0, ge=0, description="seconds the last adapter load took")
 
 

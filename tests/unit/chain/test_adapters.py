@@ -98,7 +98,7 @@ def test_a_base_not_held_is_refused_naming_both_versions(keyfiles: Path):
     with pytest.raises(BaseNotHeld, match=r"base base v9 \(digest abababababab…\).*does not "
                        r"hold.*holds base v0"):
         find_base(base_w.root, other, "v00000003.delta")
-    with pytest.raises(BaseNotHeld, match="no adapter.base_weights"):
+    with pytest.raises(BaseNotHeld, match=r"no adapter\.base_weights"):
         find_base(None, pin_for(base_m), "v00000003.delta")
     with pytest.raises(BaseNotHeld, match="no finished version"):
         find_base(tmp / "empty", pin_for(base_m), "v00000003.delta")
@@ -108,7 +108,7 @@ def test_an_adapter_version_needs_a_lora_config(keyfiles: Path):
     tmp = keyfiles
     base_m, _ = publish_base(tmp)
     pub = Publisher(tmp / "lora-chain", tmp / "lora.key", run="run-a", base=pin_for(base_m))
-    with pytest.raises(ChainError, match="adapter_config.json"):
+    with pytest.raises(ChainError, match=r"adapter_config\.json"):
         pub.publish(0, adapter_state(0))
     with pytest.raises(BadAdapter, match="positive integer rank"):
         pub.publish(0, adapter_state(0), files={ADAPTER_CONFIG: b'{"r": 0, "lora_alpha": 1}'})
