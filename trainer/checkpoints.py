@@ -50,11 +50,12 @@ from pathlib import Path
 from typing import Any
 
 from chain import keys, refusals
+from chain.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, BadAdapter, check_config
 from chain.atomic import write_atomic
 from chain.blocks import DEFAULT_BLOCK, MAX_BLOCK
 from chain.errors import ChainError
 from chain.follow import publisher_retain
-from chain.manifest import Manifest, file_problem, tensor_problem
+from chain.manifest import BasePin, Manifest, file_problem, tensor_problem
 from chain.policy import Retention, SnapshotPolicy
 from chain.safetensors_io import (
     INDEX_NAME,
@@ -115,6 +116,9 @@ class Checkpoint:
     fingerprint: tuple[tuple[str, int, int, int, int, int], ...]
     """(name, mode, size, mtime_ns, ctime_ns, inode) of every entry, links not followed: equal
     fingerprints mean nothing was rewritten, replaced or swapped."""
+    adapter: bool = False
+    """A PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors): only the
+    adapter and its config travel, pinned to the publisher's base (chain/adapters.py)."""
 
 
 def _fingerprint(path: Path) -> tuple[tuple[str, int, int, int, int, int], ...]:
@@ -205,13 +209,22 @@ def inspect_checkpoint(path: Path | str, marker: str | None = None,
     if marker is not None and not (path / marker).is_file():
         raise Incomplete(f"{path}: marker file {marker} not written yet")
     names = [e.name for e in os.scandir(path)]
+    adapter = ADAPTER_CONFIG in names
+    config = ADAPTER_CONFIG if adapter else "config.json"
     try:
-        if "config.json" not in names:
+        if config not in names:
             raise ValueError("not written yet")
-        json.loads(_read(path / "config.json", MAX_JSON))
+        raw = _read(path / config, MAX_JSON)
+        json.loads(raw)
     except (ValueError, RecursionError) as e:
-        raise Incomplete(f"{path}: config.json missing or not complete JSON ({e})") from None
-    weights = sorted(n for n in names if n.endswith(".safetensors") and not n.startswith("."))
+        raise Incomplete(f"{path}: {config} missing or not complete JSON ({e})") from None
+    if adapter:
+        try:
+            check_config(raw)
+        except BadAdapter as e:
+            raise Refused(f"{path}: {e}") from None
+    weights = sorted(n for n in names if n.endswith(".safetensors") and not n.startswith(".")
+                     and (not adapter or n == ADAPTER_WEIGHTS))
     if not weights:
         raise Incomplete(f"{path}: no .safetensors files yet")
     held: dict[str, set[str]] = {}
@@ -251,7 +264,7 @@ def inspect_checkpoint(path: Path | str, marker: str | None = None,
         raise Incomplete(f"{path}: sharded weights {weights} but no {INDEX_NAME} yet (written "
                          "last by save_pretrained)")
     files = []
-    for name in carried(names, extra_files, marker):
+    for name in [ADAPTER_CONFIG] if adapter else carried(names, extra_files, marker):
         size = _regular(path / name, MAX_FILE)
         if size == 0:
             continue
@@ -259,7 +272,7 @@ def inspect_checkpoint(path: Path | str, marker: str | None = None,
             raise Refused(f"{path / name!s:.300} cannot travel with a version: {problem}; "
                           "rename it, or narrow watch.extra_files so it does not match")
         files.append(name)
-    return Checkpoint(path, tuple(weights), tuple(files), _fingerprint(path))
+    return Checkpoint(path, tuple(weights), tuple(files), _fingerprint(path), adapter)
 
 
 def settled(path: Path | str, settle_s: float, marker: str | None = None,
@@ -296,8 +309,11 @@ class CheckpointPublisher:
     def __init__(self, chain_dir: Path | str, key_path: Path | str, run: str,
                  state_dir: Path | str, daemon_url: str | None = None, token: str | None = None,
                  snapshots: SnapshotPolicy | None = None, retention: Retention | None = None,
-                 block_size: int = DEFAULT_BLOCK) -> None:
+                 block_size: int = DEFAULT_BLOCK, base: BasePin | None = None) -> None:
+        """`base`: this run's checkpoints are PEFT adapter directories over that base version
+        (trainer/ckpt_cli.py reads it from `base_chain`); full-model ones are then refused."""
         self.key = keys.load_private(Path(key_path))
+        self.base = base
         self.store = ChainStore(Path(chain_dir), self.key.public_key())
         if self.store.run() not in (None, run):
             raise ChainError(f"{chain_dir} holds run {self.store.run()!r}, not {run!r}")
@@ -380,6 +396,14 @@ class CheckpointPublisher:
         """Publish `ckpt` (checked whole by inspect_checkpoint/settled) as head + 1."""
         if (done := self.was_published(ckpt.path)) is not None:
             raise ChainError(f"{ckpt.path} was already published as v{done['version']}")
+        if ckpt.adapter and self.base is None:
+            raise Refused(f"{ckpt.path} is a PEFT adapter checkpoint ({ADAPTER_CONFIG}); set "
+                          "base_chain in the publish config to the chain its base was "
+                          "published to, so each version names the base it applies to")
+        if not ckpt.adapter and self.base is not None:
+            raise Refused(f"{ckpt.path} is a full-model checkpoint, but this run publishes LoRA "
+                          f"adapters over base {self.base.run} v{self.base.version}; save the "
+                          "adapter (PEFT save_pretrained), or drop base_chain")
         head = self.sync_head()
         version = 0 if head is None else head + 1
         entry = {"dir": str(ckpt.path.resolve()), "step": step, "version": version}
@@ -429,7 +453,7 @@ class CheckpointPublisher:
     def _encode(self, ckpt: Checkpoint, head: int | None, version: int, new: FileSource,
                 files: dict[str, bytes]) -> tuple[Manifest | None, Manifest | None]:
         common = dict(run=self.run, version=version, new=new, files=files,
-                      block_size=self.block_size)
+                      block_size=self.block_size, base=self.base)
         delta = snapshot = None
         parent: FileSource | None = None
 

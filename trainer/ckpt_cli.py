@@ -132,12 +132,16 @@ class PublishConfig(Section):
     """Versions whose artifacts the chain directory keeps."""
     block_size: int = Field(4 << 20, ge=1 << 16, le=64 << 20)
     """Size of the content-addressed blocks a version's payload is cut into, in bytes."""
+    base_chain: Path | None = None
+    """A LoRA run: the chain directory its base model was published to. Checkpoints are then
+    PEFT adapter directories (adapter_config.json + adapter_model.safetensors), each version
+    pinned to that chain's head when publishing starts; full-model checkpoints are refused."""
 
 
 def load_publish_config(path: str | Path) -> PublishConfig:
     return load_yaml(PublishConfig, path,
                      paths=("chain_dir", "key", "state_dir", "daemon.token_file",
-                            "watch.dir"))
+                            "watch.dir", "base_chain"))
 
 
 def make_publisher(cfg: PublishConfig):
@@ -146,7 +150,22 @@ def make_publisher(cfg: PublishConfig):
 
     return CheckpointPublisher(cfg.chain_dir, cfg.key, cfg.run, cfg.state_dir, cfg.daemon.url,
                                cfg.daemon.bearer(), SnapshotPolicy(every=cfg.snapshot_every),
-                               Retention(versions=cfg.retention_versions), cfg.block_size)
+                               Retention(versions=cfg.retention_versions), cfg.block_size,
+                               base=base_pin(cfg.base_chain) if cfg.base_chain else None)
+
+
+def base_pin(base_chain: Path):
+    """The pin of the base chain's head version: what every adapter version applies to."""
+    from chain.adapters import pin_for
+    from chain.store import ChainStore
+
+    store = ChainStore(base_chain)  # this host's own chain dir: its manifests, read as written
+    head = store.head()
+    if head is None:
+        raise ConfigError(f"base_chain {base_chain} holds no version yet: publish the base model "
+                          "first (trainer.lora.publish_base, or `deltaswarm publish` of the base "
+                          "checkpoint into that chain)")
+    return pin_for(store.get(head, "snapshot") or store.get(head, "delta"))
 
 
 class Watcher:
