@@ -130,6 +130,19 @@ PRESETS: dict[str, Preset] = {
         engine={"type": "command", "timeout_s": 300, "argv": [
             "/usr/local/bin/reload-engine", "--weights", "{path}", "--version", "{version}"]},
         **{"retention.versions": 4}),
+    "regions/eu-west-lora-run-a.yaml": _region(
+        "eu-west", "A LoRA run's daemon in eu-west, beside the region's base daemon "
+        "(regions/eu-west.yaml following the base chain): it follows run-a's adapter chain from "
+        "run-a's own trainer daemon (its own port and key), applies each adapter only over the "
+        "base the eu-west base daemon holds, and loads it into the vLLM server serving that base "
+        "(--enable-lora, VLLM_ALLOW_RUNTIME_LORA_UPDATING=1) under the name run-a.",
+        node="eu-west-run-a", state_dir="/var/lib/deltaswarm/eu-west-run-a",
+        bootstrap=["http://trainer.example.internal:7601"],
+        adapter={"base_weights": "/var/lib/deltaswarm/eu-west/weights"},
+        engine={"type": "vllm_lora", "url": "http://127.0.0.1:8000", "lora_name": "run-a"},
+        **{"http.port": 7601, "http.advertise_url": "http://eu-west-0.example.internal:7601",
+           "bittorrent.port": 6882,
+           "trajectories.upstream": "http://trainer.example.internal:8801/v1/ingest"}),
     "publish.yaml": Preset("publish", (
         "Publish a trainer's HF checkpoint directories through the trainer node's daemon "
         "(configs/trainer.yaml), with no change to the trainer; systemd: deltaswarm-watch."), {
