@@ -66,6 +66,11 @@ class Trajectory(BaseModel):
     worker: Name
     created: float
     """Unix time the worker built it."""
+    run: Name | None = None
+    """The run whose weights generated it (optional): the daemon of another run's chain and an
+    ingest configured for another run refuse it, so a worker pointed at the wrong run's daemon
+    (several LoRA runs on one fleet) is caught at the first hop instead of training the wrong
+    policy."""
 
     @model_validator(mode="after")
     def _aligned(self) -> "Trajectory":
@@ -89,14 +94,15 @@ def describe(e: ValidationError) -> str:
     return f"field {field}: {err['msg']}"
 
 
-def parse_ndjson(body: bytes, max_items: int = MAX_ITEMS, canonical: bool = False
-                 ) -> list[tuple[str, bytes]]:
+def parse_ndjson(body: bytes, max_items: int = MAX_ITEMS, canonical: bool = False,
+                 run: str | None = None) -> list[tuple[str, bytes]]:
     """Every non-blank line validated → [(id, line)]; with `canonical` the line is re-encoded
     from the model (unknown fields dropped). The whole batch is refused with BadTrajectory on the
     first bad line, naming its line (1-based) and trajectory index (0-based).
 
     Only ids and bytes are kept, never the parsed objects: 100k live objects made each full
     garbage collection hold the GIL for ~0.5 s, stalling the event loop this runs beside.
+    `run`: refuse trajectories stamped with another run (unstamped ones pass).
     CPU-bound for big batches: call it off the event loop."""
     out: list[tuple[str, bytes]] = []
     for n, raw in enumerate(io.BytesIO(body), 1):  # line by line: one split held the GIL 0.1 s
@@ -112,7 +118,11 @@ def parse_ndjson(body: bytes, max_items: int = MAX_ITEMS, canonical: bool = Fals
             t = parse_line(line)
         except ValidationError as e:
             raise BadTrajectory(f"{where}: {describe(e)}", len(out)) from None
-        out.append((t.id, t.model_dump_json().encode() if canonical else line))
+        if run is not None and t.run is not None and t.run != run:
+            raise BadTrajectory(f"{where}: it is for run {t.run!r}, and this endpoint takes run "
+                                f"{run!r}; point the worker at its own run's daemon", len(out))
+        out.append((t.id, t.model_dump_json(exclude={"run"} if t.run is None else None).encode()
+                    if canonical else line))
     return out
 
 

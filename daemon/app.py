@@ -365,7 +365,8 @@ async def trajectories(request: web.Request) -> web.Response:
     try:
         # Parsing and storing a batch (up to http.max_body_bytes) is CPU and disk work: it runs
         # in a worker thread so /healthz, long-polls and the swarm keep their event loop.
-        held, fresh = await asyncio.to_thread(spool_batch, intake.spool, body)
+        held, fresh = await asyncio.to_thread(spool_batch, intake.spool, body,
+                                              request.app[NODE].store.run())
     except BadTrajectory as e:
         raise web.HTTPBadRequest(
             text=json.dumps({**e.reply(), "error": f"trajectory batch refused: {e}"}),
@@ -382,9 +383,10 @@ async def trajectories(request: web.Request) -> web.Response:
     return web.json_response({"held": held})
 
 
-def spool_batch(spool: Spool, body: bytes) -> tuple[list[str], int]:
-    """Validate an NDJSON batch (chain.trajectory) and store it durably: (ids, newly stored)."""
-    return spool.append(parse_batch(body))
+def spool_batch(spool: Spool, body: bytes, run: str | None = None) -> tuple[list[str], int]:
+    """Validate an NDJSON batch (chain.trajectory; none stamped with a run other than this
+    chain's) and store it durably: (ids, newly stored)."""
+    return spool.append(parse_batch(body, run=run))
 
 
 async def publish(request: web.Request) -> web.Response:

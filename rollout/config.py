@@ -28,6 +28,9 @@ class WorkerConfig(Section):
     worker: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",
                         min_length=1, max_length=256)
     """Worker name stamped on every trajectory (default host-pid)."""
+    run: str | None = Field(None, pattern=NAME_PATTERN)
+    """The run this worker generates for, stamped on every trajectory: its daemon and the
+    trainer's ingest refuse trajectories of another run (several runs sharing a fleet)."""
     engine: Literal["torch", "vllm"] = "torch"
     """Inference engine: in-process torch, or a vLLM server (see rollout.engine.ENGINES)."""
     prompts_per_batch: int = Field(default=16, ge=1, le=4096)

@@ -40,7 +40,8 @@ class RejectedError(RuntimeError):
 
 
 def build_trajectories(completions: list[Any], task: Any, group_size: int, region: str,
-                       worker: str, stats: dict[str, int] | None = None) -> list[dict[str, Any]]:
+                       worker: str, stats: dict[str, int] | None = None,
+                       run: str | None = None) -> list[dict[str, Any]]:
     """One trajectory per completion; completions are prompt-major, `group_size` per prompt.
 
     Each is checked against the shared model (chain.trajectory) before it is sent, so a worker
@@ -67,7 +68,7 @@ def build_trajectories(completions: list[Any], task: Any, group_size: int, regio
             "prompt": c.prompt, "completion": c.text, "prompt_ids": list(c.prompt_ids),
             "completion_ids": list(c.token_ids), "logprobs": logprobs,
             "reward": float(task.reward(c.prompt, c.text)), "region": region,
-            "worker": worker, "created": now,
+            "worker": worker, "created": now, **({"run": run} if run else {}),
         }
         try:
             Trajectory.model_validate(record)
@@ -144,7 +145,7 @@ class RolloutWorker:
                 self.engine.generate, prompts, cfg.group_size, cfg.max_tokens,
                 cfg.temperature, seed)
             trajs = build_trajectories(completions, self.task, cfg.group_size, cfg.region,
-                                       cfg.worker, self.stats)
+                                       cfg.worker, self.stats, cfg.run)
             if trajs:
                 await self._post(session, trajs)
             self.stats["batches"] += 1

@@ -43,10 +43,10 @@ class IngestStoreError(RuntimeError):
     """The store on disk contradicts itself; the message names the file and what to do."""
 
 
-def parse_ndjson_records(body: bytes) -> list[tuple[str, str]]:
+def parse_ndjson_records(body: bytes, run: str | None = None) -> list[tuple[str, str]]:
     """Validate every line (chain.trajectory) → [(id, canonical JSON)]; raise BadIngest naming
     the first bad line, trajectory and field. CPU-bound: the handler runs it in a worker thread."""
-    out = [(tid, line.decode()) for tid, line in parse_ndjson(body, canonical=True)]
+    out = [(tid, line.decode()) for tid, line in parse_ndjson(body, canonical=True, run=run)]
     if not out:
         raise BadIngest("empty body: send one JSON trajectory per line")
     return out
@@ -190,7 +190,8 @@ class IngestStore:
 STORE_KEY = web.AppKey("ingest_store", IngestStore)
 
 
-def make_ingest_app(store: IngestStore, token: str, max_body: int = MAX_BODY) -> web.Application:
+def make_ingest_app(store: IngestStore, token: str, max_body: int = MAX_BODY,
+                    run: str | None = None) -> web.Application:
     """The ingest endpoints; every /v1 route needs `Authorization: Bearer <token>`."""
     if not token:
         raise ValueError("ingest needs a non-empty bearer token")
@@ -206,7 +207,7 @@ def make_ingest_app(store: IngestStore, token: str, max_body: int = MAX_BODY) ->
         body = await request.read()
         try:
             # Validating up to `max_body` bytes of JSON is CPU work: keep it off the event loop.
-            records = await asyncio.to_thread(parse_ndjson_records, body)
+            records = await asyncio.to_thread(parse_ndjson_records, body, run)
         except BadIngest as e:
             return web.json_response(e.reply(), status=400)
         try:

@@ -20,7 +20,14 @@ from pathlib import Path
 
 from pydantic import Field, model_validator
 
-from chain.config_base import ConfigError, Section, bearer_token, load_yaml, one_token
+from chain.config_base import (
+    NAME_PATTERN,
+    ConfigError,
+    Section,
+    bearer_token,
+    load_yaml,
+    one_token,
+)
 
 
 class IngestServiceConfig(Section):
@@ -39,6 +46,9 @@ class IngestServiceConfig(Section):
     Use instead of `token`."""
     max_body_mb: int = Field(64, ge=1, le=4096)
     """Largest POST body accepted, in MiB."""
+    run: str | None = Field(None, pattern=NAME_PATTERN)
+    """This trainer's run: trajectories stamped with another run are refused (unstamped ones
+    are taken). Set it when several runs share a fleet (LoRA runs on one base)."""
 
     @model_validator(mode="after")
     def _one_token(self) -> "IngestServiceConfig":
@@ -69,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.ingest import IngestStore, make_ingest_app
 
     store = IngestStore(cfg.store_dir, keep_pending=False)
-    web.run_app(make_ingest_app(store, token, cfg.max_body_mb << 20), host=cfg.host,
+    web.run_app(make_ingest_app(store, token, cfg.max_body_mb << 20, run=cfg.run), host=cfg.host,
                 port=cfg.port, print=lambda msg: print(msg, flush=True))
     store.close()
     return 0

@@ -160,7 +160,7 @@ def run(cfg_path: Path) -> int:
         emit({"event": "resume", "version": trainer.version})
 
     store = IngestStore(cfg.state_dir / "ingest")
-    server = IngestThread(lambda: make_ingest_app(store, cfg.ingest.token),
+    server = IngestThread(lambda: make_ingest_app(store, cfg.ingest.token, run=cfg.run),
                           cfg.ingest.host, cfg.ingest.port)
     server.start()
     log.info("ingest listening on http://%s:%d/v1/ingest", cfg.ingest.host, cfg.ingest.port)

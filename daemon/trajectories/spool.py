@@ -47,11 +47,13 @@ SpoolWriteError = StoreWriteError
 """The spool could not store a batch (disk full, I/O error); nothing of it was kept."""
 
 
-def parse_batch(body: bytes, max_items: int = MAX_ITEMS) -> list[tuple[str, bytes]]:
+def parse_batch(body: bytes, max_items: int = MAX_ITEMS, run: str | None = None
+                ) -> list[tuple[str, bytes]]:
     """NDJSON → [(id, line)], each line a valid `chain.trajectory.Trajectory`; the whole batch is
-    refused with BadTrajectory (naming line, trajectory index and field) on any bad line.
+    refused with BadTrajectory (naming line, trajectory index and field) on any bad line, or
+    on one stamped with a run other than `run` (this daemon's chain's).
     CPU-bound: the HTTP handler runs it in a worker thread."""
-    return parse_ndjson(body, max_items)
+    return parse_ndjson(body, max_items, run=run)
 
 
 class Spool:

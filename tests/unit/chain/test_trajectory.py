@@ -43,3 +43,18 @@ def test_retry_after_is_parsed_within_floor_and_ceiling(value: str | None,
 
 def test_retry_after_http_date_in_the_near_future_is_honoured() -> None:
     assert 8.0 <= retry_after_s(http_date(10), default=2.0, floor=1.0, ceiling=30.0) <= 10.0
+
+
+def test_a_trajectory_of_another_run_is_refused_and_unstamped_ones_pass() -> None:
+    mine, other, plain = trajectory(run="run-a"), trajectory(run="run-b"), trajectory()
+    body = ndjson([mine, plain, other])
+    with pytest.raises(BadTrajectory, match=r"line 3 \(trajectory 2\): it is for run 'run-b', "
+                       r"and this endpoint takes run 'run-a'") as e:
+        parse_ndjson(body, run="run-a")
+    assert e.value.index == 2
+    assert [i for i, _ in parse_ndjson(body)] == [mine["id"], plain["id"], other["id"]]
+    lines = dict(parse_ndjson(ndjson([mine, plain]), canonical=True, run="run-a"))
+    assert b'"run":"run-a"' in lines[mine["id"]]
+    assert b'"run"' not in lines[plain["id"]]  # unstamped records are stored as before
+    with pytest.raises(BadTrajectory, match="run"):
+        parse_ndjson(ndjson([trajectory(run="x" * 300)]))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from aiohttp.test_utils import TestServer
+from aiohttp.test_utils import TestClient, TestServer
 
 from tests.support import HealthProbe, run_child_appends
 from tests.trajectories import DROP, batch, ids, ndjson, rows, trajectory
@@ -219,3 +219,17 @@ async def test_a_big_batch_is_parsed_off_the_event_loop(tmp_path: Path) -> None:
     print(f"/healthz during a {len(body) >> 20} MiB batch: {len(times)} probes, worst "
           f"{max(times):.3f} s")
     assert max(times) < 1.0, f"/healthz took {max(times):.2f} s during the batch"
+
+
+async def test_an_ingest_for_one_run_refuses_another_runs_trajectories(tmp_path: Path) -> None:
+    store = IngestStore(tmp_path / "store")
+    server = TestServer(make_ingest_app(store, TOKEN, run="run-a"))
+    async with TestClient(server) as client:
+        bad = batch(2, run="run-b")
+        r = await client.post("/v1/ingest", data=ndjson(bad), headers=AUTH)
+        assert r.status == 400 and "for run 'run-b'" in (await r.json())["error"]
+        good = batch(2, run="run-a") + batch(2)
+        r = await client.post("/v1/ingest", data=ndjson(good), headers=AUTH)
+        assert r.status == 200 and (await r.json())["held"] == ids(good)
+    assert store.stats()["held"] == 4
+    store.close()

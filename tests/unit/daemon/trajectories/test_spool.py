@@ -180,3 +180,17 @@ def test_an_append_failing_half_way_leaves_nothing_and_the_next_survives_restart
     s.close()
     again = Spool(tmp_path, 1 << 30)
     assert [t for t, _ in again.take(1000, 1 << 30)] == ids(a) + ids(c) + ids(b)
+
+
+def test_a_batch_for_another_run_is_refused_whole_and_nothing_is_spooled(tmp_path: Path) -> None:
+    from daemon.app import spool_batch
+
+    spool = Spool(tmp_path / "spool", 1 << 20)
+    mixed = batch(3, run="run-a") + batch(1, run="run-b")
+    with pytest.raises(BadTrajectory, match=r"for run 'run-b'.*takes run 'run-a'"):
+        spool_batch(spool, ndjson(mixed), "run-a")
+    assert spool.depth() == 0
+    held, fresh = spool_batch(spool, ndjson(mixed[:3] + batch(1)), "run-a")
+    assert fresh == 4 and held == ids(mixed[:3]) + held[3:]
+    assert spool_batch(spool, ndjson(batch(1, run="run-b")), None)[1] == 1  # run not known yet
+    spool.close()
