@@ -46,17 +46,24 @@ def reward_length(completions, **kw):
     return [len(c) / 8 for c in completions]
 
 
+def grpo_setup(tmp_path, learning_rate: float):
+    """A few prompts and a 3-step GRPO config small enough for CPU (this test and the LoRA one)."""
+    dataset = datasets.Dataset.from_dict({"prompt": ["1+2=", "3+4=", "5+1=", "2+2="] * 4})
+    args = trl.GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4,
+                          num_generations=4, max_completion_length=8, max_steps=3,
+                          use_cpu=True, report_to=[], save_strategy="no",
+                          learning_rate=learning_rate, bf16=False, logging_steps=1,
+                          disable_tqdm=True)
+    return dataset, args
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_trl_grpo_publishes_every_step_and_a_region_rebuilds_each_bit_exactly(tmp_path):
     torch.manual_seed(0)
     model, tokenizer = build_default_model(0)
-    dataset = datasets.Dataset.from_dict({"prompt": ["1+2=", "3+4=", "5+1=", "2+2="] * 4})
-    args = trl.GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4,
-                          num_generations=4, max_completion_length=8, max_steps=3,
-                          use_cpu=True, report_to=[], save_strategy="no", learning_rate=1e-3,
-                          bf16=False, logging_steps=1, disable_tqdm=True)
+    dataset, args = grpo_setup(tmp_path, learning_rate=1e-3)
     with Cluster(tmp_path / "cluster") as c:
         c.trainer()
         c.region("r1")

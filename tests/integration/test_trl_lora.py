@@ -25,13 +25,13 @@ from rollout.vllm_launch import REPO, VllmLaunchConfig, VllmServer, start
 from rollout.vllm_server import VllmServerHook
 from tests.integration.harness import Cluster, Daemon
 from tests.integration.test_lora_swarm import LORA_ARGS, MAX_TOKENS, PROMPTS, TARGETS, wait_adapter
+from tests.integration.test_trl_callback import grpo_setup, reward_length
 from trainer.hf_callback import DeltaswarmCallback
 from trainer.lora import adapter_state, publish_base
 from trainer.model import build_default_model
 
 VENV = REPO / ".venv-vllm"
 trl = pytest.importorskip("trl", reason="TRL is the `trl` extra (pip install -e '.[trl]')")
-datasets = pytest.importorskip("datasets", reason="TRL's datasets dependency")
 peft = pytest.importorskip("peft", reason="PEFT is the `trl` extra (pip install -e '.[trl]')")
 pytestmark = [
     pytest.mark.vllm,
@@ -73,22 +73,13 @@ class ServedCheck(TrainerCallback):
         self._check(model)
 
 
-def reward_length(completions, **kw):
-    """Longer completions score higher: any signal makes the policy move."""
-    return [len(c) / 8 for c in completions]
-
-
 @pytest.mark.timeout(600)
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_trl_grpo_with_lora_publishes_adapters_that_vllm_serves_as_torch_computes(tmp_path):
     torch.manual_seed(0)
     model, tokenizer = build_default_model(0)
-    dataset = datasets.Dataset.from_dict({"prompt": ["1+2=", "3+4=", "5+1=", "2+2="] * 4})
-    args = trl.GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4,
-                          num_generations=4, max_completion_length=8, max_steps=3,
-                          use_cpu=True, report_to=[], save_strategy="no", learning_rate=2e-2,
-                          bf16=False, logging_steps=1, disable_tqdm=True)
+    dataset, args = grpo_setup(tmp_path, learning_rate=2e-2)
     lora = peft.LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS, init_lora_weights=False)
     server: VllmServer | None = None
     with Cluster(tmp_path / "base", run="base") as base, \
