@@ -241,7 +241,10 @@ class AdapterConfig(_Section):
 
     base_weights: Path
     """The weights directory (<state_dir>/weights) of the daemon that follows the base chain;
-    an adapter version is applied only when a version there has the base digest it names."""
+    an adapter version is applied only when its current version has the base digest it names."""
+    run: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+    """The run this daemon serves (its manifests' `run`); another run's chain, even one signed
+    with the same key, is then refused instead of being served under this run's name."""
 
     @field_validator("base_weights")
     @classmethod

@@ -220,7 +220,8 @@ class Node:
                         client=self.client, artifacts=self.artifacts, board=self.board,
                         notify=self._notify, keeper=keeper, settings=cfg.sync,
                         engine_first=first, adapters=cfg.adapter is not None,
-                        adapter_base=cfg.adapter.base_weights if cfg.adapter else None)
+                        adapter_base=cfg.adapter.base_weights if cfg.adapter else None,
+                        adapter_run=cfg.adapter.run if cfg.adapter else None)
 
         def poller() -> dict[str, str]:
             have = syncer.current_version()

@@ -78,6 +78,7 @@ class TorchEngine:
             self.model.to(self.device).eval()
         else:
             self._copy_weights(path)
+        self._base_kept.clear()  # a new base: adapters now apply over these weights
         self._version = version
         self.loads += 1
         try:
@@ -94,12 +95,9 @@ class TorchEngine:
         adapter, config = lora_merge.read_adapter(Path(path))
         params = dict(self.model.named_parameters())
         deltas = lora_merge.weight_deltas(adapter, config)
-        missing = sorted(set(deltas) - set(params))
-        misfit = sorted(n for n in set(deltas) & set(params) if deltas[n].shape != params[n].shape)
-        if missing or misfit:
-            raise EngineLoadError(f"the adapter in {path} changes {(missing or misfit)[:3]}, "
-                                  f"which this model {'lacks' if missing else 'shapes otherwise'}"
-                                  ": it was trained on another base")
+        why = lora_merge.misfit(deltas, {n: p.shape for n, p in params.items()})
+        if why is not None:
+            raise EngineLoadError(f"{path}: {why}: it was trained on another base")
         with torch.no_grad():
             for name in set(self._base_kept) - set(deltas):  # adapted before, not now
                 params[name].copy_(self._base_kept.pop(name))

@@ -34,20 +34,30 @@ def group_pids(pgid: int, proc: Path = Path("/proc")) -> list[int]:
 
 
 def held_by(pid: int, shm_dir: Path = SHM_DIR, proc: Path = Path("/proc")) -> set[Path]:
-    """Files under `shm_dir` that process `pid` has mapped or open."""
+    """Files under `shm_dir` that process `pid` has mapped or open (already unlinked ones, which
+    /proc marks " (deleted)", are not: their name may since belong to another file)."""
     prefix, held = str(shm_dir) + "/", set()
     with contextlib.suppress(OSError):
         for line in (proc / str(pid) / "maps").read_text().splitlines():
             parts = line.split(maxsplit=5)  # address perms offset dev inode [path]
             path = parts[5] if len(parts) == 6 else ""
-            if path.startswith(prefix):
-                held.add(Path(path.removesuffix(" (deleted)")))
+            if path.startswith(prefix) and not path.endswith(" (deleted)"):
+                held.add(Path(path))
     with contextlib.suppress(OSError):
         for fd in (proc / str(pid) / "fd").iterdir():
             with contextlib.suppress(OSError):
                 target = os.readlink(fd)
-                if target.startswith(prefix):
-                    held.add(Path(target.removesuffix(" (deleted)")))
+                if target.startswith(prefix) and not target.endswith(" (deleted)"):
+                    held.add(Path(target))
+    return held
+
+
+def held_by_any(shm_dir: Path = SHM_DIR, proc: Path = Path("/proc")) -> set[Path]:
+    """Files under `shm_dir` any live process has mapped or open."""
+    held: set[Path] = set()
+    for entry in proc.iterdir():
+        if entry.name.isdigit():
+            held |= held_by(int(entry.name), shm_dir, proc)
     return held
 
 
@@ -60,9 +70,11 @@ def held_by_group(pgid: int, shm_dir: Path = SHM_DIR) -> set[Path]:
 
 
 def remove(paths: set[Path]) -> list[Path]:
-    """Unlink those of `paths` still present (the group is gone); returns what was removed."""
-    removed = []
-    for path in sorted(paths):
+    """Unlink those of `paths` still present that no live process holds (the group is gone; a
+    segment the server only attached to, created and still used by another process, stays);
+    returns what was removed."""
+    removed, live = [], held_by_any()
+    for path in sorted(paths - live):
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
             removed.append(path)

@@ -8,14 +8,13 @@ bias training, embedding adapters) are refused by name rather than applied wrong
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
-from chain.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from chain.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, BadAdapter, check_config, check_doc
 
 PREFIX = "base_model.model."
 
@@ -25,12 +24,12 @@ class UnsupportedAdapter(ValueError):
 
 
 def scale_of(config: dict) -> float:
-    """PEFT's scaling: lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA."""
-    for field, empty in (("rank_pattern", {}), ("alpha_pattern", {}), ("use_dora", False),
-                         ("bias", "none")):
-        if config.get(field, empty) not in (empty, None):
-            raise UnsupportedAdapter(f"adapter_config.json sets {field}={config[field]!r}; only "
-                                     "plain LoRA (one rank and alpha, no DoRA, no bias) is applied")
+    """PEFT's scaling: lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA (plain LoRA only:
+    chain.adapters.check_config refuses the rest by name)."""
+    try:
+        check_doc(config)
+    except BadAdapter as e:
+        raise UnsupportedAdapter(str(e)) from None
     r, alpha = config["r"], config["lora_alpha"]
     return alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
 
@@ -56,22 +55,30 @@ def read_adapter(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
     """A PEFT adapter directory's tensors and config."""
     path = Path(path)
     try:
-        config = json.loads((path / ADAPTER_CONFIG).read_text())
+        config = check_config((path / ADAPTER_CONFIG).read_bytes())
         return load_file(str(path / ADAPTER_WEIGHTS)), config
-    except (OSError, ValueError) as e:
-        raise UnsupportedAdapter(f"{path} is not a readable PEFT adapter directory: {e}") from None
+    except (OSError, ValueError, BadAdapter) as e:
+        raise UnsupportedAdapter(f"{path} is not a usable PEFT adapter directory: {e}") from None
+
+
+def misfit(deltas: dict[str, torch.Tensor], shapes: dict[str, torch.Size]) -> str | None:
+    """Why these weight changes cannot apply to a model with these weight shapes, or None."""
+    for name, delta in sorted(deltas.items()):
+        if name not in shapes:
+            return f"the adapter changes {name}, which the base lacks"
+        if delta.shape != shapes[name]:
+            return (f"the adapter's {name} is {tuple(delta.shape)}, the base's "
+                    f"{tuple(shapes[name])}")
+    return None
 
 
 def merged(base: dict[str, torch.Tensor], adapter: dict[str, torch.Tensor], config: dict
            ) -> dict[str, torch.Tensor]:
     """The base weights with the adapter folded in (each changed one cast back to its dtype)."""
+    deltas = weight_deltas(adapter, config)
+    if (why := misfit(deltas, {k: v.shape for k, v in base.items()})) is not None:
+        raise UnsupportedAdapter(f"{why}: it was trained on another base")
     out = dict(base)
-    for name, delta in weight_deltas(adapter, config).items():
-        if name not in base:
-            raise UnsupportedAdapter(f"the adapter changes {name}, which the base lacks")
-        w = base[name]
-        if delta.shape != w.shape:
-            raise UnsupportedAdapter(f"the adapter's {name} is {tuple(delta.shape)}, the base's "
-                                     f"{tuple(w.shape)}: it was trained on another model")
-        out[name] = (w.float() + delta).to(w.dtype)
+    for name, delta in deltas.items():
+        out[name] = (base[name].float() + delta).to(base[name].dtype)
     return out

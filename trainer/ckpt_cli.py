@@ -156,16 +156,15 @@ def make_publisher(cfg: PublishConfig):
 
 def base_pin(base_chain: Path):
     """The pin of the base chain's head version: what every adapter version applies to."""
-    from chain.adapters import pin_for
+    from chain.adapters import head_pin
     from chain.store import ChainStore
 
-    store = ChainStore(base_chain)  # this host's own chain dir: its manifests, read as written
-    head = store.head()
-    if head is None:
+    pin = head_pin(ChainStore(base_chain))  # this host's own chain dir, read as written
+    if pin is None:
         raise ConfigError(f"base_chain {base_chain} holds no version yet: publish the base model "
                           "first (trainer.lora.publish_base, or `deltaswarm publish` of the base "
                           "checkpoint into that chain)")
-    return pin_for(store.get(head, "snapshot") or store.get(head, "delta"))
+    return pin
 
 
 class Watcher:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from chain.adapters import ADAPTER_CONFIG, check_config, pin_for
+from chain.adapters import ADAPTER_CONFIG, check_config, head_pin, pin_for
 from chain.manifest import BasePin
 
 
@@ -72,6 +72,5 @@ def publish_base(publisher: Any, model: Any, tokenizer: Any = None,
         base = model.get_base_model() if is_peft_model(model) else model
         published = publisher.publish(0, weights, hf_files(base, tokenizer, dtype))
         return pin_for(published.snapshot)
-    head = publisher.resume(weights)
-    store = publisher.store
-    return pin_for(store.get(head, "delta") or store.get(head, "snapshot"))
+    publisher.resume(weights)  # the head must be these very weights
+    return head_pin(publisher.store)

@@ -52,15 +52,17 @@ class LoraServing:
         return asdict(self)
 
 
+def roots_listed(models: dict) -> dict[str, str]:
+    """Adapters in a /v1/models answer (entries with a `parent`): name -> root directory."""
+    return {str(e.get("id")): str(e.get("root", "")) for e in models.get("data", [])
+            if isinstance(e, dict) and e.get("parent")}
+
+
 def versions_listed(models: dict) -> dict[str, int | None]:
-    """Adapters in a /v1/models answer (entries with a `parent`): name -> version its root
-    directory names (None for a directory not made by this hook)."""
-    out = {}
-    for entry in models.get("data", []):
-        if isinstance(entry, dict) and entry.get("parent"):
-            found = _VERSION_DIR.search(str(entry.get("root", "")))
-            out[str(entry.get("id"))] = int(found.group(1)) if found else None
-    return out
+    """Adapters in a /v1/models answer: name -> version its root directory names (None for a
+    directory not made by this hook)."""
+    found = {name: _VERSION_DIR.search(root) for name, root in roots_listed(models).items()}
+    return {name: int(m.group(1)) if m else None for name, m in found.items()}
 
 
 class VllmLoraEngine:
@@ -86,24 +88,26 @@ class VllmLoraEngine:
                 raise LoraLoadFailed(f"{method} {route} -> HTTP {r.status}: {text[:400]}")
             return await r.json(content_type=None) if route == "/v1/models" else text
 
-    async def listed(self) -> dict[str, int | None]:
-        """What the server holds now (also refreshes the status)."""
-        self.lora.served = versions_listed(await self._call("GET", "/v1/models"))
-        return self.lora.served
+    async def listed(self) -> dict[str, str]:
+        """Adapter name -> root directory the server holds now (also refreshes the status)."""
+        models = await self._call("GET", "/v1/models")
+        self.lora.served = versions_listed(models)
+        return roots_listed(models)
 
     async def notify(self, version: int, path: Path, state_digest: str) -> None:
         async with self.lock:
             t0 = time.monotonic()
             dest = self.dirs / f"v{version:08d}"
-            await asyncio.to_thread(write_peft_dir, path, dest)
+            await asyncio.to_thread(write_peft_dir, path, dest, state_digest)
             await self._call("POST", "/v1/load_lora_adapter",
                              {"lora_name": self.name, "lora_path": str(dest),
                               "load_inplace": True})
             await self._call("POST", "/reset_prefix_cache")
             held = await self.listed()
-            if held.get(self.name) != version:
-                raise LoraLoadFailed(f"after loading v{version}, vLLM lists {self.name!r} as "
-                                     f"{held.get(self.name, 'absent')}; it did not take it")
+            if held.get(self.name) != str(dest):
+                raise LoraLoadFailed(f"after loading v{version} from {dest}, vLLM lists "
+                                     f"{self.name!r} at {held.get(self.name, 'nothing')}; it did "
+                                     "not take it (or another daemon loads the same name)")
             self.lora.version, self.lora.path = version, str(dest)
             self.lora.loads += 1
             self.lora.load_s = round(time.monotonic() - t0, 3)

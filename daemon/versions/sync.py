@@ -94,7 +94,8 @@ class Syncer:
                  client: PeerClient, artifacts: Artifacts, board: Board, notify: Notify,
                  keeper: Keeper, settings: SyncConfig,
                  engine_first: EngineFirst | None = None,
-                 adapter_base: Path | None = None, adapters: bool = False) -> None:
+                 adapter_base: Path | None = None, adapters: bool = False,
+                 adapter_run: str | None = None) -> None:
         """`adapters`: this region follows a LoRA run, whose versions apply only over a base
         held under `adapter_base` (the base daemon's weights directory; chain/adapters.py)."""
         self.store = store
@@ -142,12 +143,12 @@ class Syncer:
         self.stalled: set[str] = set()
         """Artifacts whose download stalled: their holders are dialled directly (_dial_for)."""
         self._finished: dict[str, asyncio.Event] | None = None
-        self.adapters, self.adapter_base = adapters, adapter_base
+        """Set when the swarm reports an artifact complete on disk (_swarm_moved)."""
+        self.adapters, self.adapter_base, self.adapter_run = adapters, adapter_base, adapter_run
         self.base_problem: str | None = None
         """Why the newest adapter version is not applied (its base is not held), else None."""
         self.base_held: dict | None = None
         """The base the last checked adapter version applies over: run, version, digest, path."""
-        """Set when the swarm reports an artifact complete on disk (_swarm_moved)."""
 
     def reconfigure(self, settings: SyncConfig) -> None:
         self.settings = self.holders.settings = settings
@@ -241,6 +242,10 @@ class Syncer:
         """Before any block is fetched: an adapter version applies only over the base it was
         trained on, and a full-model version never goes to an adapter region (or the reverse)."""
         try:
+            if self.adapter_run is not None and m.run != self.adapter_run:
+                raise BaseNotHeld(f"{m.artifact} is of run {m.run!r}; this daemon serves run "
+                                  f"{self.adapter_run!r} (adapter.run): check its bootstrap and "
+                                  "trainer_public_key")
             if m.base is None and self.adapters:
                 raise BaseNotHeld(
                     f"{m.artifact} of run {m.run!r} is a full-model version, but this daemon is "

@@ -22,8 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
+from safetensors.torch import load_file
 
-from chain.adapters import pin_for
+from chain.adapters import ADAPTER_WEIGHTS, pin_for
 from daemon.engines.lora import versions_listed
 from rollout.engine import Completion
 from rollout.engine_torch import TorchEngine
@@ -134,6 +135,9 @@ def test_two_lora_runs_share_one_base_and_one_vllm_server(tmp_path: Path) -> Non
                     assert status["base"]["state_digest"] == snapshot.state_digest
                     assert status["base_problem"] is None
                     peft_dir = Path(region.state_dir / "lora" / name / f"v{version:08d}")
+                    got_adapter = load_file(str(peft_dir / ADAPTER_WEIGHTS))  # what was sent
+                    assert got_adapter.keys() == adapters[name].keys() and all(
+                        torch.equal(got_adapter[k], adapters[name][k]) for k in got_adapter)
                     want = reference(engines[name], peft_dir, version)
                     served = greedy(VllmServerHook(server.base_url, model=name))
                     got = [c.token_ids for c in served]

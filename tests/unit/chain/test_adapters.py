@@ -18,6 +18,7 @@ from chain.adapters import (
     check_config,
     find_base,
     is_adapter_dir,
+    peft_dir_digest,
     pin_for,
     write_peft_dir,
 )
@@ -69,12 +70,22 @@ def test_adapter_versions_carry_a_signed_base_pin_and_rebuild_as_a_peft_dir(keyf
     assert find_base(base_w.root, plan[-1].base, plan[-1].artifact) == base_w.current().path
     w = WeightsDir(tmp / "lora-weights")
     cur = w.apply(plan, lambda b: store.blocks.get(b.id, b.size))
-    peft = write_peft_dir(cur.path, tmp / "engine" / "v00000002")
-    assert is_adapter_dir(peft)
+    peft = write_peft_dir(cur.path, tmp / "engine" / "v00000002", cur.state_digest)
+    assert is_adapter_dir(peft) and peft_dir_digest(peft) == plan[-1].state_digest
     got = load_file(str(peft / ADAPTER_WEIGHTS))
     assert set(got) == set(states[2])
     assert all(torch.equal(got[k], states[2][k]) for k in got)
     assert (peft / ADAPTER_CONFIG).read_bytes() == CONFIG
+    # asked again (a retry): the directory an engine may be serving is kept, not rewritten
+    inode = (peft / ADAPTER_WEIGHTS).stat().st_ino
+    assert write_peft_dir(cur.path, peft, cur.state_digest) == peft
+    assert (peft / ADAPTER_WEIGHTS).stat().st_ino == inode
+    # a version directory that has moved on is refused, not copied under the old name
+    with pytest.raises(BadAdapter, match="no longer holds the adapter version"):
+        v1 = store.get(1, "delta") or store.get(1, "snapshot")
+        write_peft_dir(cur.path, tmp / "engine" / "v00000001", v1.state_digest)
+    assert not (tmp / "engine" / "v00000001").exists()
+    assert [p.name for p in (tmp / "engine").iterdir()] == ["v00000002"]  # no temp left
 
 
 def test_the_pin_is_signed_and_absent_from_full_model_manifests(keyfiles: Path):
@@ -89,6 +100,21 @@ def test_the_pin_is_signed_and_absent_from_full_model_manifests(keyfiles: Path):
     with pytest.raises(BadSignature):
         Manifest.parse(json.dumps(doc).encode(), public)
     assert Manifest.parse(m.to_bytes(), public).base == pin_for(base_m)
+
+
+def test_only_the_base_daemons_current_version_is_a_base(keyfiles: Path):
+    tmp = keyfiles
+    base = Publisher(tmp / "base-chain", tmp / "base.key", run="base")
+    v0 = base.publish(0, make_state(0)).snapshot
+    v1 = base.publish(1, make_state(1)).delta
+    weights = WeightsDir(tmp / "base-weights")
+    weights.apply([v0], lambda b: base.store.blocks.get(b.id, b.size))
+    assert find_base(weights.root, pin_for(v0), "a") == weights.current().path
+    weights.apply([v1], lambda b: base.store.blocks.get(b.id, b.size))
+    assert find_base(weights.root, pin_for(v1), "a") == weights.current().path
+    with pytest.raises(BaseNotHeld, match=r"holds base v1 .* as current \(the pinned one is an "
+                       r"older version it keeps\)"):
+        find_base(weights.root, pin_for(v0), "a")
 
 
 def test_a_base_not_held_is_refused_naming_both_versions(keyfiles: Path):
@@ -118,4 +144,5 @@ def test_an_adapter_version_needs_a_lora_config(keyfiles: Path):
     with pytest.raises(BadAdapter, match="not JSON"):
         check_config(b"{")
     with pytest.raises(BadAdapter, match="is not an adapter version"):
-        write_peft_dir(tmp / "base-weights" / "current", tmp / "x")
+        write_peft_dir(tmp / "base-weights" / "current", tmp / "x", "0" * 32)
+

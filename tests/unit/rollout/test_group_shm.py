@@ -72,3 +72,16 @@ def test_stop_kills_the_group_and_unlinks_what_it_held(tmp_path: Path) -> None:
         server.proc.stdout.close()
         bystander.unlink(missing_ok=True)
         segment.unlink(missing_ok=True)
+
+
+def test_a_segment_another_live_process_still_holds_is_left_alone(tmp_path: Path) -> None:
+    from multiprocessing import shared_memory
+
+    mine = shared_memory.SharedMemory(create=True, size=4096)  # this process keeps it mapped
+    try:
+        path = Path("/dev/shm") / mine.name
+        assert path in group_shm.held_by_any()
+        assert group_shm.remove({path}) == [] and path.exists()
+    finally:
+        mine.close()
+        mine.unlink()
