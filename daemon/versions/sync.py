@@ -352,9 +352,11 @@ class Syncer:
             self.book.succeeded(peer)
             head = self.store.head()
             have = -1 if head is None else head
-            if claim is not None and have < claim:
+            # Only what this step asked for can refute a claim: a claim past `target` (the peer
+            # announced a newer version since the step began) is checked by a later step.
+            if claim is not None and have < min(claim, target):
                 self.book.lied(peer, f"claimed head v{claim} but served no valid manifest "
-                                     "of it")
+                                     f"of v{min(claim, target)}")
             return have >= target or (before is None and head is not None) or (
                 before is not None and have > before)
 

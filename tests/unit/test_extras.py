@@ -17,7 +17,8 @@ EXTRAS = {"chain": [], "daemon": ["daemon"], "trainer": ["trainer"],
           "rollout": ["rollout", "vllm"], "demo": ["demo"], "deploy": ["daemon"]}
 # Imported inside a function only to handle the caller's own tensors (StateDictSource, bits_view):
 # whoever passes torch tensors to chain has torch.
-BRING_YOUR_OWN = {"chain": {"torch"}}
+# trainer/lora.py imports peft only to read the adapter of a PeftModel the caller built.
+BRING_YOUR_OWN = {"chain": {"torch"}, "trainer": {"peft"}}
 NOT_INSTALLED_HERE = {"vllm": ["vllm"]}  # lives in a separate venv (make vllm-env)
 
 
