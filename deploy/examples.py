@@ -29,6 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_KEY = "3d4017c3e843895a92b70aa74d1b7ebc9c982ccf2ec4968cc0cd55f12af4660c"
 """The public half of an example key: replace it with yours (`deltaswarm keygen`, or
 `deltaswarm init` writes configs with your own)."""
+EXAMPLE_RUN_KEY = "03a107bff3ce10be1d70dd18e74bc09967e4d6309ba50d5f1ddc8664125531b8"
+"""Another example key: a LoRA run's own trainer key (a run may also share the base's)."""
 TOKEN_FILE = "/etc/deltaswarm/token"
 
 
@@ -137,8 +139,9 @@ PRESETS: dict[str, Preset] = {
         "base the eu-west base daemon holds, and loads it into the vLLM server serving that base "
         "(--enable-lora, VLLM_ALLOW_RUNTIME_LORA_UPDATING=1) under the name run-a.",
         node="eu-west-run-a", state_dir="/var/lib/deltaswarm/eu-west-run-a",
+        trainer_public_key=EXAMPLE_RUN_KEY,
         bootstrap=["http://trainer.example.internal:7601"],
-        adapter={"base_weights": "/var/lib/deltaswarm/eu-west/weights"},
+        adapter={"base_weights": "/var/lib/deltaswarm/eu-west/weights", "run": "run-a"},
         engine={"type": "vllm_lora", "url": "http://127.0.0.1:8000", "lora_name": "run-a"},
         **{"http.port": 7601, "http.advertise_url": "http://eu-west-0.example.internal:7601",
            "bittorrent.port": 6882,
