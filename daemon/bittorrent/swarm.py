@@ -21,6 +21,11 @@ an incoming connection from the banned peer that announces the same listen port 
 banned entry; so a torrent that holds bans also applies the session `ip_filter`, which holds
 every banned address: per IP, but only on torrents with a ban. Every other torrent ignores the
 filter, so the peer, and any innocent daemon on its address, trade all other artifacts freely.
+
+Dialling: libtorrent connects the peers given to a torrent once a second (its connect tick), so a
+new artifact waited up to a second per hop before its first byte. Each download also names this
+swarm's loopback tracker (daemon/bittorrent/tracker.py), whose reply (those same peers) is
+dialled at once (`dial_at_once`; bench/dial.py).
 """
 
 import os
@@ -34,6 +39,7 @@ import libtorrent as lt
 
 from chain.atomic import write_atomic
 from daemon.bittorrent import torrents
+from daemon.bittorrent.tracker import LocalTracker, announce_hashes
 
 Peer = tuple[str, int]
 
@@ -77,6 +83,10 @@ class SwarmConfig:
     else peers would learn and dial every other region's nodes."""
     extra_settings: dict = field(default_factory=dict)
     """Raw libtorrent settings applied last (for experiments)."""
+    dial_at_once: bool = True
+    """Downloads announce to this swarm's loopback tracker (daemon/bittorrent/tracker.py), which
+    hands libtorrent their peers so the first connection goes out at once rather than on its
+    once-a-second connect tick; off: connect_peer only (bench/dial.py compares the two)."""
 
 
 @dataclass(frozen=True)
@@ -112,6 +122,8 @@ class _Torrent:
     seeding: bool
     complete: bool = False
     """Finished and its write cache flushed: every block file is on disk and readable."""
+    announce: tuple[bytes, ...] = ()
+    """The info-hashes the local tracker knows this download by (empty: not announced)."""
     flushes_sent: int = 0
     flushes_done: int = 0
     finish_flush: int = 0
@@ -162,6 +174,10 @@ class Swarm:
             settings.update(SEED_SETTINGS)
         settings.update(config.extra_settings)
         self._session: lt.session | None = lt.session(settings)
+        self._tracker: LocalTracker | None = None
+        if config.dial_at_once:
+            wildcard = self._host in ("0.0.0.0", "::", "")
+            self._tracker = LocalTracker("127.0.0.1" if wildcard else self._host)
         self._torrents: dict[str, _Torrent] = {}
         self._by_hash: dict[str, str] = {}
         self._bans: dict[str, set[Peer]] = {}
@@ -214,8 +230,12 @@ class Swarm:
         self._listeners.append(fn)
 
     def add_peers(self, artifact: str, peers: Iterable[Peer]) -> None:
-        handle = self._get(artifact).handle
+        t = self._get(artifact)
+        handle = t.handle
         banned = self._bans.get(artifact, set())
+        peers = list(peers)
+        if self._tracker is not None and t.announce:  # told again on a re-announce
+            self._tracker.offer(t.announce, [p for p in peers if p not in banned])
         for host, port in peers:
             if (host, port) not in banned and (host, port) != self.endpoint:
                 try:
@@ -332,6 +352,8 @@ class Swarm:
             if t is None:
                 return
             self._by_hash = {h: a for h, a in self._by_hash.items() if a != artifact}
+        if self._tracker is not None:
+            self._tracker.forget(t.announce)
         s = t.handle.status()
         self._removed_up += s.total_payload_upload
         self._removed_down += s.total_payload_download
@@ -431,6 +453,9 @@ class Swarm:
         if self._session is not None:
             self._session.pause()
             self._session = None
+        if self._tracker is not None:
+            self._tracker.close()
+            self._tracker = None
 
     def __enter__(self) -> "Swarm":
         return self
@@ -457,8 +482,14 @@ class Swarm:
                 params.flags &= ~lt.torrent_flags.apply_ip_filter
             if not self.config.pex:
                 params.flags |= lt.torrent_flags.disable_pex
+            announce: tuple[bytes, ...] = ()
+            if self._tracker is not None and not seeding:
+                announce = announce_hashes(ti)
+                self._tracker.offer(announce, [p for p in peers if p not in banned])
+                params.trackers = [self._tracker.url]
             handle = self._ses().add_torrent(params)
-            self._torrents[artifact] = _Torrent(handle, str(save_path), seeding, complete=seeding)
+            self._torrents[artifact] = _Torrent(handle, str(save_path), seeding, complete=seeding,
+                                                announce=announce)
             self._by_hash[str(ti.info_hashes().v2)] = artifact
         self.add_peers(artifact, peers)
 
