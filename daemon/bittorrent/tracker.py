@@ -62,7 +62,8 @@ class LocalTracker:
                     self.send_error(404)
                     return
                 query = dict(parse_qsl(split.query, encoding="latin-1"))
-                body = tracker.answer(query.get("info_hash", "").encode("latin-1"))
+                body = tracker.answer(query.get("info_hash", "").encode("latin-1"),
+                                      query.get("event", ""))
                 self.send_response(200)
                 self.send_header("Content-Type", "text/plain")
                 self.send_header("Content-Length", str(len(body)))
@@ -84,8 +85,11 @@ class LocalTracker:
                                         daemon=True)
         self._thread.start()
 
-    def answer(self, info_hash: bytes) -> bytes:
-        """The bencoded announce reply for a torrent this swarm downloads."""
+    def answer(self, info_hash: bytes, event: str = "") -> bytes:
+        """The bencoded announce reply for a torrent this swarm downloads (a removed torrent's
+        last announce, event=stopped, is acknowledged, not failed)."""
+        if event == "stopped":
+            return lt.bencode({b"interval": INTERVAL_S, b"peers": b""})
         with self._lock:
             peers = self._peers.get(info_hash)
             self.announces += peers is not None

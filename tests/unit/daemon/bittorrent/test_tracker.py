@@ -33,6 +33,7 @@ def test_it_answers_known_torrents_with_their_peers_and_refuses_others() -> None
             assert b"failure reason" in lt.bdecode(r.read())
         tracker.forget([h])
         assert b"failure reason" in lt.bdecode(tracker.answer(h))
+        assert lt.bdecode(tracker.answer(h, "stopped"))[b"peers"] == b""
         assert tracker.announces == 1
     finally:
         tracker.close()
