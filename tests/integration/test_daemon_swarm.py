@@ -3,6 +3,7 @@ libtorrent: five versions published, every region ends on the head with the trai
 digest, regions serve each other, and a late joiner that knows only one region bootstraps from
 a snapshot plus the deltas after it."""
 
+import itertools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -60,7 +61,15 @@ def test_regions_upload_to_each_other_and_save_bytes(cluster: Cluster) -> None:
     trainer_up = cluster.daemons["trainer"].status()["totals"]["bytes_up"]
     assert trainer_up < region_down  # not every byte came from the trainer
     for s in statuses.values():
-        assert s["totals"]["versions_applied"] == HEAD + 1
+        # Every version once, in order, ending on the head; a region that fell behind while v3's
+        # snapshot was published may take it instead of v1-v3's deltas (the planner's cheaper
+        # path), so not necessarily all HEAD + 1 of them.
+        applied = [(a["version"], a["artifact"]) for a in s["detail"]["sync"]["applied"]]
+        versions = [v for v, _ in applied]
+        assert versions == sorted(set(versions)) and versions[-1] == HEAD, applied
+        for (prev, _), (v, artifact) in itertools.pairwise(applied):
+            assert artifact.endswith(".snapshot") or v == prev + 1, applied
+        assert s["totals"]["versions_applied"] == len(applied)
         assert s["totals"]["bytes_saved"] > 0
         assert s["verification"]["failures"] == 0
 
