@@ -7,9 +7,11 @@ download names this tracker and the tracker answers with exactly those peers: a 
 first connection goes out within milliseconds instead of up to a second later, on every hop of
 every version (bench/dial.py measures both ways in one run).
 
-It serves only the swarm it belongs to: bound to the swarm's own address on a free port, it
-answers only torrents it was told about (others get a tracker failure), and tells nothing a
-peer's control plane does not already list.
+It serves only the swarm it belongs to: bound to the swarm's own address on a free port (the
+session announces from that address; loopback when the swarm listens on every interface), it
+answers only torrents it was told about (others get a tracker failure), and a reply tells a
+caller who already knows a torrent's info-hash (only token holders are served torrents) the
+endpoints that peers' handshakes and control planes show anyway.
 """
 
 from __future__ import annotations
