@@ -148,16 +148,10 @@ def serving(a: argparse.Namespace, tmp: Path) -> dict:
             weights = base_region.state_dir / "weights"
             server = start(VllmLaunchConfig(
                 model=(weights / "current").resolve(), transfer_backend=None, max_model_len=64,
-                extra_args=("--enable-lora", "--max-loras", "4", "--max-lora-rank",
-                            str(max(8, a.rank)), "--max-cpu-loras", "8"),
-                extra_env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}), log_path=tmp / "vllm.log")
+                max_lora_rank=max(8, a.rank)), log_path=tmp / "vllm.log")
             regions = {}
             for name, c in zip(runs, (ca, cb), strict=True):
-                c.trainer()
-                regions[name] = c.region(f"{name}-r", adapter={"base_weights": str(weights)},
-                                         engine={"type": "vllm_lora", "url": server.base_url,
-                                                 "lora_name": name})
-                c.start_all()
+                regions[name] = c.lora_run(name, weights, server.base_url)
                 c.publisher().base = pin_for(snap)
             files = adapter_files(peft)
             serve_s, load_s, phases = [], [], []

@@ -90,6 +90,11 @@ class VllmLaunchConfig:
     """--weight-transfer-config backend (rollout.vllm_transfer, found through the plugin
     entry point); None leaves weight transfer off (then only the reload path works)."""
     omp_threads: int | None = None
+    max_lora_rank: int | None = None
+    """Serve LoRA adapters loaded at run time (--enable-lora, VLLM_ALLOW_RUNTIME_LORA_UPDATING;
+    the daemon's `vllm_lora` hook loads them); vLLM takes 1, 8, 16, 32, 64, ... None: off."""
+    max_loras: int = 4
+    """With max_lora_rank: adapters batched at once (twice that are kept in CPU memory)."""
     startup_timeout_s: float = 300.0
     extra_args: tuple[str, ...] = ()
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -131,6 +136,9 @@ def build_command(cfg: VllmLaunchConfig, port: int) -> list[str]:
         cmd.append("--enable-scale-out")
     if cfg.transfer_backend:
         cmd += ["--weight-transfer-config", json.dumps({"backend": cfg.transfer_backend})]
+    if cfg.max_lora_rank:
+        cmd += ["--enable-lora", "--max-loras", str(cfg.max_loras), "--max-lora-rank",
+                str(cfg.max_lora_rank), "--max-cpu-loras", str(2 * cfg.max_loras)]
     return cmd + list(cfg.extra_args)
 
 
@@ -152,6 +160,8 @@ def build_env(cfg: VllmLaunchConfig, shim_dir: Path) -> dict[str, str]:
         env["DELTASWARM_VLLM_CPU_CHECKPOINT_LAYOUT"] = "1"
     if cfg.omp_threads:
         env["OMP_NUM_THREADS"] = str(cfg.omp_threads)
+    if cfg.max_lora_rank:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"  # else no /v1/load_lora_adapter route
     return env | cfg.extra_env
 
 
@@ -260,13 +270,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="--weight-transfer-config backend; 'none' for the reload path only")
     ap.add_argument("--shim-dir", type=Path,
                     default=Path(tempfile.gettempdir()) / "deltaswarm-vllm-shim")
+    ap.add_argument("--max-lora-rank", type=int, default=None,
+                    help="serve run-time LoRA adapters up to this rank (daemon engine vllm_lora)")
     ap.add_argument("--dry-run", action="store_true", help="print the command, do not run it")
     a, extra = ap.parse_known_args(argv)  # everything unknown goes on to `vllm serve`
     cfg = VllmLaunchConfig(model=a.model.resolve(), venv=a.venv, host=a.host, port=a.port,
                            device=a.device, max_model_len=a.max_model_len,
                            enforce_eager=a.device == "cpu", extra_args=tuple(extra),
                            transfer_backend=None if a.transfer_backend == "none"
-                           else a.transfer_backend)
+                           else a.transfer_backend, max_lora_rank=a.max_lora_rank)
     cmd = build_command(cfg, cfg.port)
     if a.dry_run:
         print(" ".join(cmd))

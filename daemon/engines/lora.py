@@ -85,7 +85,10 @@ class VllmLoraEngine:
                                         headers={"Connection": "close"}, timeout=timeout) as r:
             text = await r.text()
             if r.status != 200:
-                raise LoraLoadFailed(f"{method} {route} -> HTTP {r.status}: {text[:400]}")
+                hint = ("; serve the base with --enable-lora, VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 "
+                        "and VLLM_SERVER_DEV_MODE=1 (rollout.vllm_launch --max-lora-rank R does)"
+                        if r.status == 404 else "")
+                raise LoraLoadFailed(f"{method} {route} -> HTTP {r.status}: {text[:400]}{hint}")
             return await r.json(content_type=None) if route == "/v1/models" else text
 
     async def listed(self) -> dict[str, str]:

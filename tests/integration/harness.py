@@ -181,6 +181,17 @@ class Cluster:
         self.daemons[d.name] = d
         return d
 
+    def lora_run(self, lora_name: str, base_weights: Path, vllm_url: str) -> "Daemon":
+        """A LoRA run's trainer daemon and region daemon (adapters over the base held under
+        `base_weights`, loaded into the vLLM server at `vllm_url`), started; the region."""
+        self.trainer()
+        region = self.region(f"{lora_name}-r", adapter={"base_weights": str(base_weights),
+                                                        "run": self.run},
+                             engine={"type": "vllm_lora", "url": vllm_url,
+                                     "lora_name": lora_name})
+        self.start_all()
+        return region
+
     def start_all(self, timeout: float = 90.0) -> None:
         for d in self.daemons.values():
             if d.proc is None or d.proc.poll() is not None:

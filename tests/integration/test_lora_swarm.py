@@ -47,8 +47,6 @@ PROMPTS = ["12+7=", "what is 3*4?", "(5-2)*9=", "hello, world."]
 MAX_TOKENS = 12
 RANK = 8
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-LORA_ARGS = ("--enable-lora", "--max-loras", "2", "--max-lora-rank", str(RANK),
-             "--max-cpu-loras", "4")
 
 
 def lora_model(seed: int) -> torch.nn.Module:
@@ -108,17 +106,13 @@ def test_two_lora_runs_share_one_base_and_one_vllm_server(tmp_path: Path) -> Non
             # float32 serving: vLLM applies LoRA unmerged, and in bf16 its log-probs drift ~1e-2
             # from any torch reference; in fp32 they agree to ~1e-6 (tokens agree in both)
             server = start(VllmLaunchConfig(model=base_dir, transfer_backend=None,
-                                            dtype="float32", max_model_len=64, extra_args=LORA_ARGS,
-                                            extra_env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}),
+                                            dtype="float32", max_model_len=64,
+                                            max_lora_rank=RANK, max_loras=2),
                            log_path=tmp_path / "vllm.log")
             runs = {"run-a": run_a, "run-b": run_b}
             regions, adapters, files = {}, {}, {}
             for seed, (name, c) in enumerate(runs.items(), start=1):
-                c.trainer()
-                regions[name] = c.region(f"{name}-r", adapter={"base_weights": str(base_weights)},
-                                         engine={"type": "vllm_lora", "url": server.base_url,
-                                                 "lora_name": name})
-                c.start_all()
+                regions[name] = c.lora_run(name, base_weights, server.base_url)
                 c.publisher().base = pin_for(snapshot)
                 peft = lora_model(seed)
                 adapters[name], files[name] = adapter_state(peft), adapter_files(peft)

@@ -24,7 +24,7 @@ from rollout.engine_torch import TorchEngine
 from rollout.vllm_launch import REPO, VllmLaunchConfig, VllmServer, start
 from rollout.vllm_server import VllmServerHook
 from tests.integration.harness import Cluster, Daemon
-from tests.integration.test_lora_swarm import LORA_ARGS, MAX_TOKENS, PROMPTS, TARGETS, wait_adapter
+from tests.integration.test_lora_swarm import MAX_TOKENS, PROMPTS, TARGETS, wait_adapter
 from tests.integration.test_trl_callback import grpo_setup, reward_length
 from trainer.hf_callback import DeltaswarmCallback
 from trainer.lora import adapter_state, publish_base
@@ -94,14 +94,9 @@ def test_trl_grpo_with_lora_publishes_adapters_that_vllm_serves_as_torch_compute
             base_dir = (weights / "current").resolve()
             server = start(VllmLaunchConfig(model=base_dir, transfer_backend=None,
                                             dtype="float32", max_model_len=64,
-                                            extra_args=LORA_ARGS,
-                                            extra_env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}),
+                                            max_lora_rank=8, max_loras=2),
                            log_path=tmp_path / "vllm.log")
-            run.trainer()
-            region = run.region("run-r", adapter={"base_weights": str(weights)},
-                                engine={"type": "vllm_lora", "url": server.base_url,
-                                        "lora_name": "grpo-lora"})
-            run.start_all()
+            region = run.lora_run("grpo-lora", weights, server.base_url)
             pub = run.publisher()
             pub.base = pin
             ours = DeltaswarmCallback(pub)

