@@ -14,7 +14,7 @@ import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, NamedTuple
 
 import numpy as np
 
@@ -94,14 +94,15 @@ def _parse_header(path: Path, f: BinaryIO) -> tuple[int, dict[str, Slot]]:
         raise ChainError(f"{path}: safetensors header is not a JSON object")
     data_bytes = os.fstat(f.fileno()).st_size - 8 - n
     slots = {}
+    file = Path(path).name
     for name, info in doc.items():
         if name == "__metadata__":
             continue
-        slots[name] = _slot(path, name, info, data_bytes)
+        slots[name] = _slot(path, file, name, info, data_bytes)
     return 8 + n, slots
 
 
-def _slot(path: Path, name: str, info: object, data_bytes: int) -> Slot:
+def _slot(path: Path, file: str, name: str, info: object, data_bytes: int) -> Slot:
     """One header entry, checked: known dtype, offsets inside the file that fit the shape."""
     try:
         dtype, shape, (s, e) = info["dtype"], list(info["shape"]), info["data_offsets"]
@@ -120,21 +121,34 @@ def _slot(path: Path, name: str, info: object, data_bytes: int) -> Slot:
     if e - s != size or e > data_bytes:
         raise ChainError(f"{path}: tensor {name} spans bytes {s}..{e} of {data_bytes}, its "
                          f"shape needs {size}; the file is truncated or corrupt")
-    return Slot(name, FROM_SAFETENSORS[dtype], shape, Path(path).name, s, e)
+    return Slot(name, FROM_SAFETENSORS[dtype], shape, file, s, e)
 
 
-def _view(maps: dict[str, tuple[np.memmap, int]], slot: Slot) -> np.ndarray:
+class _Map(NamedTuple):
+    """One file's memory map, its data offset, and the map as a plain array: slicing a
+    np.memmap runs Python hooks per slice (microseconds that add up over 50,000 tensors)."""
+    mm: np.memmap
+    base: int
+    flat: np.ndarray
+
+    @classmethod
+    def open(cls, path: Path, base: int, mode: str) -> "_Map":
+        mm = np.memmap(path, dtype=np.uint8, mode=mode)
+        return cls(mm, base, mm.view(np.ndarray))
+
+
+def _view(maps: dict[str, _Map], slot: Slot) -> np.ndarray:
     dt = lookup(slot.dtype)
     if slot.end == slot.start:
         return np.zeros(0, dtype=dt.uint)
-    mm, base = maps[slot.file]
-    return mm[base + slot.start : base + slot.end].view(dt.uint)
+    m = maps[slot.file]
+    return m.flat[m.base + slot.start : m.base + slot.end].view(dt.uint)
 
 
 MADV_POPULATE_READ, MADV_POPULATE_WRITE = 22, 23  # Linux 5.14+; older kernels skip them
 
 
-def _advise(maps: dict[str, tuple[np.memmap, int]], slot: Slot, advice: int) -> None:
+def _advise(maps: dict[str, _Map], slot: Slot, advice: int) -> None:
     """madvise a tensor's pages. DONTNEED drops them from this process's mappings (its
     resident memory) while the data stays in the page cache, written pages included (the
     mappings are shared): it bounds the footprint while walking a model. POPULATE_* maps them
@@ -142,7 +156,7 @@ def _advise(maps: dict[str, tuple[np.memmap, int]], slot: Slot, advice: int) -> 
     version touches every page of the model at 1 % density."""
     if slot.end == slot.start or slot.file not in maps:
         return
-    mm, base = maps[slot.file]
+    mm, base, _ = maps[slot.file]
     raw = getattr(mm, "_mmap", None)
     if raw is None:
         return
@@ -166,11 +180,11 @@ class TensorFiles:
         if not files:
             raise ChainError(f"no .safetensors files in {path}")
         self.slots: dict[str, Slot] = {}
-        self._maps: dict[str, tuple[np.memmap, int]] = {}
+        self._maps: dict[str, _Map] = {}
         for f in files:
             base, slots = read_header(f)
             if f.stat().st_size > base:
-                self._maps[f.name] = (np.memmap(f, dtype=np.uint8, mode="r"), base)
+                self._maps[f.name] = _Map.open(f, base, "r")
             for name, slot in slots.items():
                 if name in self.slots:
                     raise ChainError(f"tensor {name} appears in two files of {path}")
@@ -295,12 +309,11 @@ class WritableFiles:
 
     def __init__(self, directory: Path, files: list[str]) -> None:
         self.slots: dict[str, Slot] = {}
-        self._maps: dict[str, tuple[np.memmap, int]] = {}
+        self._maps: dict[str, _Map] = {}
         for fname in files:
             base, slots = read_header(Path(directory) / fname)
             if (Path(directory) / fname).stat().st_size > base:
-                self._maps[fname] = (np.memmap(Path(directory) / fname, dtype=np.uint8,
-                                               mode="r+"), base)
+                self._maps[fname] = _Map.open(Path(directory) / fname, base, "r+")
             self.slots.update(slots)
 
     def bits(self, name: str) -> np.ndarray:
@@ -317,4 +330,4 @@ class WritableFiles:
         files = [self.slots[name].file] if name is not None else list(self._maps)
         for f in files:
             if f in self._maps:
-                self._maps[f][0].flush()
+                self._maps[f].mm.flush()

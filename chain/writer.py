@@ -15,6 +15,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from chain import codec, lanehash
 from chain.blocks import DEFAULT_BLOCK, BlockStore
+from chain.codec import header as hdr
 from chain.digest import pieces_root, state_digest, tensor_digests
 from chain.manifest import FORMAT, BasePin, BlockEntry, FileEntry, Manifest, Parent, TensorEntry
 from chain.sources import TensorSource
@@ -86,7 +87,7 @@ def encode_stream(
             if on_changes is not None:
                 on_changes(name, changes)
             if old is not None:
-                changed = codec.payload_stats(payload)["changed"]
+                changed = hdr.claimed_changes(payload)
                 if changed == 0:
                     continue
                 op = "delta"

@@ -108,13 +108,30 @@ class ByteReader:
         return b
 
     def varint(self) -> int:
-        v = 0
-        for shift in range(0, 63, 7):
-            b = self.byte()
+        buf, pos, end = self.buf, self.pos, self.end
+        v = shift = 0
+        while pos < end and shift < 63:
+            b = buf[pos]
+            pos += 1
             v |= (b & 0x7F) << shift
             if b < 0x80:
+                self.pos = pos
                 return v
-        raise BadDelta(f"{self.what} has an over-long varint in its header")
+            shift += 7
+        if shift >= 63:
+            raise BadDelta(f"{self.what} has an over-long varint in its header")
+        raise BadDelta(f"{self.what} is truncated inside its header")
+
+
+def claimed_changes(payload: bytes | memoryview) -> int:
+    """How many elements a payload says it changes, read from its first bytes and checked no
+    further: for statistics of a payload this process has just encoded (`parse` checks a
+    payload from elsewhere)."""
+    buf = memoryview(payload).cast("B")
+    r = ByteReader(buf, len(buf))
+    r.pos = 3
+    r.varint()
+    return r.varint()
 
 
 def parse(payload: bytes | memoryview, verify: bool = True) -> Header:
@@ -151,7 +168,10 @@ def parse(payload: bytes | memoryview, verify: bool = True) -> Header:
         h.log2_seg = r.byte()
         if not LOG2_SEG_MIN <= h.log2_seg <= LOG2_SEG_MAX:
             raise BadDelta(f"tensor delta segment size 2^{h.log2_seg} is out of range")
-        h.result = int.from_bytes(bytes(r.byte() for _ in range(4)), "little")
+        if r.pos + 4 > end:
+            raise BadDelta(f"{r.what} is truncated inside its header")
+        h.result = int.from_bytes(buf[r.pos:r.pos + 4], "little")
+        r.pos += 4
         seg = 1 << h.log2_seg
         nseg = (h.n + seg - 1) // seg
         if nseg == 0 or h.k == 0:
@@ -160,7 +180,7 @@ def parse(payload: bytes | memoryview, verify: bool = True) -> Header:
             raise BadDelta(f"tensor delta needs {nseg} segment entries; payload is truncated")
         for s in range(nseg):
             h.seg_k.append(r.varint() if nseg > 1 else h.k)
-            h.seg_len.append(tuple(r.varint() for _ in range(STREAMS)))
+            h.seg_len.append(tuple([r.varint() for _ in range(STREAMS)]))
             if h.seg_k[-1] > min(seg, h.n - s * seg):
                 raise BadDelta(f"tensor delta segment {s} claims too many changes")
         if sum(h.seg_k) != h.k:
@@ -171,7 +191,7 @@ def parse(payload: bytes | memoryview, verify: bool = True) -> Header:
         raise BadDelta("tensor delta of mode 'unchanged' has trailing bytes")
     if mode == RAW and body != h.n * lookup(h.dtype).itemsize:
         raise BadDelta(f"raw tensor delta has {body} bytes of values for {h.n} elements")
-    streams = sum(sum(lens) for lens in h.seg_len)
+    streams = sum(map(sum, h.seg_len))
     if mode == CODED and streams != body:
         raise BadDelta(f"tensor delta streams take {streams} bytes; the payload holds "
                        f"{body}: it is truncated or corrupted")

@@ -12,6 +12,7 @@ from chain.codec import (
     encode_tensor_delta,
     payload_stats,
 )
+from chain.codec.header import claimed_changes
 from chain.dtypes import BY_NAME
 
 DTYPES = sorted(BY_NAME)
@@ -140,6 +141,7 @@ def test_multi_segment_tensor_round_trips_on_two_threads():
     new[-1] ^= np.uint16(0x8000)
     payload = _roundtrip(old, new, "bfloat16")
     assert payload_stats(payload)["changed"] == int(np.count_nonzero(old != new))
+    assert claimed_changes(payload) == int(np.count_nonzero(old != new))
 
 
 def test_batches_round_trip_like_single_calls():
