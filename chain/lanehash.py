@@ -99,10 +99,31 @@ def diff_pairs(old, oldw, new, neww, pos, sh, width):
     return a, b
 
 
+CHUNK_TOUCHED = 4096
+"""Words `pull_put_at` walks before it mixes them (three arrays of this many words)."""
+
+
 @njit(nogil=True, cache=True)
 def pull_put(target, tw, source, ppos, pos, val, sh, width):
     """target[ppos] = source[ppos], then target[pos] = val (both sorted), in one walk over the
     touched words; returns the digest change of target."""
+    return pull_put_at(target, tw, source, ppos, pos, val, sh, width, 0)
+
+
+@njit(nogil=True, cache=True)
+def put_at(target, tw, pos, val, sh, width, base):
+    """`put` into a row block of a larger tensor (a fused parameter's slice): word w of
+    `target` is word `base` + w of the tensor whose digest moves."""
+    return pull_put_at(target, tw, target, pos[:0], pos, val, sh, width, base)
+
+
+@njit(nogil=True, cache=True)
+def pull_put_at(target, tw, source, ppos, pos, val, sh, width, base):
+    """`pull_put` whose word w is word `base` + w of its tensor. A chunk of words at a time:
+    each whole word is read once, rebuilt in a register and written back as one word (writing
+    its elements and reading the word back stalls on store-to-load forwarding); then the
+    chunk's words are mixed in a loop of their own, which the compiler vectorizes. About 2x
+    faster than mixing each word as it is walked (bench: 1 % of 100M bf16 elements)."""
     a = np.uint64(0)
     b = np.uint64(0)
     i = 0
@@ -110,21 +131,45 @@ def pull_put(target, tw, source, ppos, pos, val, sh, width):
     ni = ppos.size
     nj = pos.size
     big = np.int64(1) << 62
+    emask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - width)
+    widx = np.empty(CHUNK_TOUCHED, np.uint64)
+    xo = np.empty(CHUNK_TOUCHED, np.uint64)
+    xn = np.empty(CHUNK_TOUCHED, np.uint64)
     while i < ni or j < nj:
-        wi = ppos[i] >> sh if i < ni else big
-        wj = pos[j] >> sh if j < nj else big
-        w = min(wi, wj)
-        xo = _word(target, tw, w, sh, width)
-        while i < ni and (ppos[i] >> sh) == w:
-            target[ppos[i]] = source[ppos[i]]
-            i += 1
-        while j < nj and (pos[j] >> sh) == w:
-            target[pos[j]] = val[j]
-            j += 1
-        xn = _word(target, tw, w, sh, width)
-        uw = np.uint64(w)
-        a += _mix0(uw, xn) - _mix0(uw, xo)
-        b += _mix1(uw, xn) - _mix1(uw, xo)
+        c = 0
+        while c < CHUNK_TOUCHED and (i < ni or j < nj):
+            wi = ppos[i] >> sh if i < ni else big
+            wj = pos[j] >> sh if j < nj else big
+            w = min(wi, wj)
+            lo = w << sh
+            if w < tw.size:
+                old = tw[w]
+                new = old
+                while i < ni and (ppos[i] >> sh) == w:
+                    s = np.uint64(width * (ppos[i] - lo))
+                    new = (new & ~(emask << s)) | (np.uint64(source[ppos[i]]) << s)
+                    i += 1
+                while j < nj and (pos[j] >> sh) == w:
+                    s = np.uint64(width * (pos[j] - lo))
+                    new = (new & ~(emask << s)) | (np.uint64(val[j]) << s)
+                    j += 1
+                tw[w] = new
+            else:  # the array's last, partial word
+                old = _word(target, tw, w, sh, width)
+                while i < ni and (ppos[i] >> sh) == w:
+                    target[ppos[i]] = source[ppos[i]]
+                    i += 1
+                while j < nj and (pos[j] >> sh) == w:
+                    target[pos[j]] = val[j]
+                    j += 1
+                new = _word(target, tw, w, sh, width)
+            widx[c] = w + base
+            xo[c] = old
+            xn[c] = new
+            c += 1
+        for k in range(c):
+            a += _mix0(widx[k], xn[k]) - _mix0(widx[k], xo[k])
+            b += _mix1(widx[k], xn[k]) - _mix1(widx[k], xo[k])
     return a, b
 
 
@@ -258,6 +303,7 @@ _sum_words = bind(sum_words, "sum_words")
 _diff_pairs = bind(diff_pairs, "diff_pairs")
 _pull_put = bind(pull_put, "pull_put")
 _put = bind(put, "put")
+_put_at = bind(put_at, "put_at")
 _put_unwritten = bind(put_unwritten, "put_unwritten")
 _pull = bind(pull, "pull")
 fast_gather = bind(gather, "gather")
@@ -266,6 +312,12 @@ fast_moved_words = bind(moved_words, "moved_words")
 
 def moved_by_put(target: np.ndarray, pos: np.ndarray, val: np.ndarray) -> tuple[int, int]:
     return _put(target, words(target), pos, val, *word_layout(target))
+
+
+def moved_by_put_at(target: np.ndarray, pos: np.ndarray, val: np.ndarray, base: int
+                    ) -> tuple[int, int]:
+    """moved_by_put for `target` holding words `base`.. of a larger tensor."""
+    return _put_at(target, words(target), pos, val, *word_layout(target), base)
 
 
 def moved_by_pull(target: np.ndarray, source: np.ndarray, pos: np.ndarray) -> tuple[int, int]:

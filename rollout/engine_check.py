@@ -22,13 +22,10 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
-from numba import njit
 
 from chain import dtypes
 from chain.digest import tensor_digest
-from chain.lanehash import _mix0, _mix1, _word
 
 
 @dataclass(frozen=True)
@@ -85,32 +82,6 @@ def live_tensor(params: Mapping[str, torch.Tensor], loc: Location, dtype: torch.
     p = params[loc.param].detach()
     block = p if loc.whole else p.narrow(0, loc.start, loc.rows)
     return block.to(device="cpu", dtype=dtype).reshape(shape).contiguous()
-
-
-@njit(nogil=True, cache=True)
-def put_moved(target, tw, pos, val, sh, width, base):
-    """target[pos] = val (pos ascending) in place, in one walk over the touched words: each
-    word is read before its elements are written and read again after; returns the digest
-    change of the checkpoint tensor whose word `base` is target's word 0, and the number of
-    words touched. (chain.lanehash.put, with a word offset: target may be a row block of a
-    fused parameter.)"""
-    a = np.uint64(0)
-    b = np.uint64(0)
-    j = 0
-    n = pos.size
-    touched = 0
-    while j < n:
-        w = pos[j] >> sh
-        xo = _word(target, tw, w, sh, width)
-        while j < n and (pos[j] >> sh) == w:
-            target[pos[j]] = val[j]
-            j += 1
-        xn = _word(target, tw, w, sh, width)
-        uw = np.uint64(w + base)
-        a += _mix0(uw, xn) - _mix0(uw, xo)
-        b += _mix1(uw, xn) - _mix1(uw, xo)
-        touched += 1
-    return a, b, touched
 
 
 def digest_of(t: torch.Tensor) -> str:

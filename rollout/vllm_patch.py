@@ -29,7 +29,6 @@ import torch
 from chain import dtypes as chain_dtypes
 from chain import lanehash
 from chain.patchfile import TensorPatch
-from rollout.engine_check import put_moved
 from rollout.vllm_patchmap import Box, probe, to_live
 
 
@@ -241,11 +240,11 @@ class Patcher:
 
     def _apply_on_host(self, m: TensorMap, tp: TensorPatch, pos: np.ndarray,
                        per: int) -> TensorResult:
-        """Write and check in one walk over the touched words (engine_check.put_moved):
-        host memory is the device here, read before and after each word's write."""
+        """Write and check in one walk over the touched words (chain.lanehash.put_at): host
+        memory is the device here, each word read before and after its write."""
         dt = chain_dtypes.lookup(tp.dtype)
         values = np.ascontiguousarray(tp.values, dt.uint)
-        sh, width = lanehash.word_layout(values)
+        sh, _ = lanehash.word_layout(values)
         da = db = 0
         words = 0
         assert m.flat is not None
@@ -255,9 +254,9 @@ class Patcher:
                 continue
             flat = self.params[a.param].view(-1).view(_SAME_WIDTH_INT[dt.bits])
             arr = flat.numpy().view(dt.uint)[a.start + a.shift : a.end + a.shift]
-            ra, rb, n = put_moved(arr, lanehash.words(arr), pos[lo:hi] - a.start,
-                                  values[lo:hi], sh, width, a.start // per)
-            da, db, words = da + int(ra), db + int(rb), words + int(n)
+            local = pos[lo:hi] - a.start
+            ra, rb = lanehash.moved_by_put_at(arr, local, values[lo:hi], a.start // per)
+            da, db, words = da + int(ra), db + int(rb), words + _distinct(local >> sh).size
         moved = lanehash.add(tp.parent_digest, (da, db))
         return TensorResult(tp.name, int(pos.size), words, moved, moved == tp.digest)
 

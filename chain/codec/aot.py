@@ -53,6 +53,7 @@ SPEC: dict[str, tuple[str, list[str]]] = {
     "diff_pairs": ("chain.lanehash", ["W", "u8", "W", "u8", "i8", "i", "i"]),
     "pull_put": ("chain.lanehash", ["W", "u8", "W", "i8", "i8", "W", "i", "i"]),
     "put": ("chain.lanehash", ["W", "u8", "i8", "W", "i", "i"]),
+    "put_at": ("chain.lanehash", ["W", "u8", "i8", "W", "i", "i", "i"]),
     "put_unwritten": ("chain.lanehash", ["W", "u8", "i8", "W", "i", "i"]),
     "pull": ("chain.lanehash", ["W", "u8", "W", "i8", "i", "i"]),
     "gather": ("chain.lanehash", ["W", "i8", "W"]),

@@ -37,6 +37,22 @@ def test_moving_a_digest_by_the_changes_equals_hashing_the_new_tensor(uint, dtyp
     assert np.array_equal(both, later) and merged == tensor_digest(dtype, [n], later)
 
 
+@pytest.mark.parametrize(("uint", "dtype"), [(np.uint16, "bfloat16"), (np.uint32, "float32")])
+def test_a_put_into_a_row_block_moves_the_whole_tensors_digest(uint, dtype):
+    """put_at writes into one row block of a larger tensor (a fused parameter's slice) and
+    moves the whole tensor's digest; more touched words than one chunk of the kernel."""
+    rng = np.random.default_rng(3)
+    whole = rng.integers(0, np.iinfo(uint).max, (64, 1024), dtype=uint, endpoint=True)
+    before = tensor_digest(dtype, [64, 1024], whole.reshape(-1))
+    block = whole[16:48].reshape(-1)  # a view: the put lands in `whole`
+    pos = np.unique(rng.integers(0, block.size, 9000))
+    val = (block[pos] ^ uint(3)).astype(uint)
+    per = 8 // block.itemsize
+    moved = lanehash.moved_by_put_at(block, pos, val, 16 * 1024 // per)
+    assert np.array_equal(block[pos], val)
+    assert lanehash.add(before, moved) == tensor_digest(dtype, [64, 1024], whole.reshape(-1))
+
+
 def test_any_flipped_byte_dtype_or_shape_changes_the_digest():
     a = np.random.default_rng(0).integers(0, 1 << 16, 999, dtype=np.uint16)
     base = tensor_digest("bfloat16", [999], a)
