@@ -19,6 +19,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 import struct
+import sys
 import threading
 from collections.abc import Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -48,6 +49,21 @@ def compact(peers: Iterable[Peer]) -> tuple[bytes, bytes]:
     return bytes(v4), bytes(v6)
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        """libtorrent drops an announce it no longer needs (its torrent was removed, the
+        session is closing) before the reply is written: not an error worth a traceback."""
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            return
+        super().handle_error(request, client_address)
+
+
+class _Server6(_Server):
+    address_family = socket.AF_INET6
+
+
 class LocalTracker:
     """`offer(hashes, peers)` what a torrent should dial; `url` goes into its tracker list."""
 
@@ -75,12 +91,7 @@ class LocalTracker:
             def log_message(self, *args: object) -> None:
                 return None
 
-        server_class = ThreadingHTTPServer
-        if ":" in host:
-            server_class = type("V6Server", (ThreadingHTTPServer,),
-                                {"address_family": socket.AF_INET6})
-        self._server = server_class((host, 0), Handler)
-        self._server.daemon_threads = True
+        self._server = (_Server6 if ":" in host else _Server)((host, 0), Handler)
         name = f"[{host}]" if ":" in host else host
         self.url = f"http://{name}:{self._server.server_address[1]}/announce"
         self._thread = threading.Thread(target=self._server.serve_forever, name="bt-tracker",

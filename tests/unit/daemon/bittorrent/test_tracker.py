@@ -66,3 +66,23 @@ def test_a_download_announces_to_its_own_tracker_and_dials_what_it_answers(tmp_p
         assert b"failure reason" in lt.bdecode(peer._tracker.answer(hashes[-1]))
     with Swarm(SwarmConfig(listen="127.0.0.63:0", dial_at_once=False)) as off:
         assert off._tracker is None
+
+
+def test_a_caller_hanging_up_mid_reply_prints_no_traceback_and_a_bug_still_does(capsys) -> None:
+    """libtorrent drops announces it no longer needs; the server used to print each one's
+    BrokenPipeError traceback into the daemon's log."""
+    tracker = LocalTracker("127.0.0.1")
+    try:
+        for exc in (BrokenPipeError(32, "Broken pipe"), ConnectionResetError(104, "reset")):
+            try:
+                raise exc
+            except ConnectionError:
+                tracker._server.handle_error(None, ("127.0.0.1", 1))
+        assert capsys.readouterr().err == ""
+        try:
+            raise ValueError("a bug in the handler")
+        except ValueError:
+            tracker._server.handle_error(None, ("127.0.0.1", 1))
+        assert "ValueError: a bug in the handler" in capsys.readouterr().err
+    finally:
+        tracker.close()
