@@ -11,7 +11,7 @@ import socket
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from chain.config_base import NAME_PATTERN, ConfigError, Section, read_yaml, validate
 
@@ -33,6 +33,11 @@ class WorkerConfig(Section):
     trainer's ingest refuse trajectories of another run (several runs sharing a fleet)."""
     engine: Literal["torch", "vllm"] = "torch"
     """Inference engine: in-process torch, or a vLLM server (see rollout.engine.ENGINES)."""
+    vllm_url: str | None = Field(None, pattern=r"^https?://\S+$", max_length=2048)
+    """With `engine: vllm`: base URL of the vLLM server this worker generates with and reloads
+    each verified version into (`python -m rollout.vllm_launch` starts one: dev mode, scale-out)."""
+    vllm_model: str = Field("deltaswarm", min_length=1, max_length=256)
+    """With `engine: vllm`: the served model name (`vllm serve --served-model-name`)."""
     prompts_per_batch: int = Field(default=16, ge=1, le=4096)
     """Prompts sampled per batch."""
     group_size: int = Field(default=8, ge=1, le=256)
@@ -58,6 +63,20 @@ class WorkerConfig(Section):
     pace_ahead: int = Field(default=1, ge=0, le=1000)
     """With `pace_per_version`: versions of credit beyond the latest one seen, so the next
     batch is generated while the trainer trains (0 = strictly one share per version)."""
+
+
+    @model_validator(mode="after")
+    def _engine_reachable(self) -> "WorkerConfig":
+        if self.engine == "vllm" and self.vllm_url is None:
+            raise ValueError("engine: vllm needs vllm_url, the base URL of the vLLM server "
+                             "(e.g. http://127.0.0.1:8000 from `python -m rollout.vllm_launch`)")
+        return self
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """What rollout.engine.make_engine needs for this config's engine."""
+        if self.engine == "vllm":
+            return {"base_url": self.vllm_url, "model": self.vllm_model}
+        return {}
 
 
 def _flag_type(annotation: Any) -> type:

@@ -332,7 +332,8 @@ async def _amain(config: WorkerConfig, threads: int) -> int:
     if threads:
         import torch
         torch.set_num_threads(threads)
-    worker = RolloutWorker(config, make_engine(config.engine), load_task(config.task))
+    engine = make_engine(config.engine, **config.engine_kwargs())
+    worker = RolloutWorker(config, engine, load_task(config.task))
     loop = asyncio.get_running_loop()
     main = asyncio.current_task()
 

@@ -97,6 +97,20 @@ def test_worker_config_with_unknown_field_is_refused(tmp_path, capsys):
     assert "surprise" in capsys.readouterr().err
 
 
+def test_a_vllm_worker_needs_its_servers_url_and_passes_it_to_the_engine(tmp_path, capsys):
+    bad = tmp_path / "w.yaml"
+    bad.write_text("daemon: http://x:1\ntoken: t\nengine: vllm\n")
+    with pytest.raises(SystemExit):
+        parse_args(["--config", str(bad)])
+    assert "engine: vllm needs vllm_url" in capsys.readouterr().err
+    cfg, _ = parse_args(["--config", str(bad), "--vllm-url", "http://127.0.0.1:8000"])
+    assert cfg.engine_kwargs() == {"base_url": "http://127.0.0.1:8000", "model": "deltaswarm"}
+    from rollout.engine import make_engine
+
+    engine = make_engine(cfg.engine, **cfg.engine_kwargs())  # builds; nothing is dialled yet
+    assert engine.hook.base_url == "http://127.0.0.1:8000" and engine.version is None
+
+
 def test_relative_trainer_paths_resolve_against_the_config_file(tmp_path):
     path = tmp_path / "t.yaml"
     path.write_text("run: r\nstate_dir: s\nchain_dir: ../c\nkey: k.key\n"
