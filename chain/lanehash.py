@@ -80,27 +80,37 @@ def _word(arr, words, w, sh, width):
 
 
 @njit(nogil=True, cache=True)
+def _whole(pos, nwords, sh):
+    """How many of the sorted positions `pos` fall in an array's whole words (the rest, if
+    any, are in its last, partial word)."""
+    m = pos.size
+    while m > 0 and (pos[m - 1] >> sh) >= nwords:
+        m -= 1
+    return m
+
+
+@njit(nogil=True, cache=True)
 def diff_pairs(old, oldw, new, neww, pos, sh, width):
     """Digest change from old to new at sorted element positions `pos` (only those differ):
-    each touched word once, its old value read from `old`, its new one from `new`."""
+    each touched word once, its old value read from `old`, its new one from `new`. One
+    straight loop over the positions (a word's later positions add nothing), which the
+    compiler vectorizes."""
     a = np.uint64(0)
     b = np.uint64(0)
-    last = -1
-    for j in range(pos.size):
-        w = pos[j] >> sh
-        if w == last:
-            continue
-        last = w
-        xo = _word(old, oldw, w, sh, width)
-        xn = _word(new, neww, w, sh, width)
+    m = _whole(pos, oldw.size, sh)
+    for k in range(m):
+        w = pos[k] >> sh
+        first = np.uint64(k == 0 or w != (pos[k - 1] >> sh))
         uw = np.uint64(w)
+        a += first * (_mix0(uw, neww[w]) - _mix0(uw, oldw[w]))
+        b += first * (_mix1(uw, neww[w]) - _mix1(uw, oldw[w]))
+    if m < pos.size:
+        w = pos[m] >> sh
+        uw = np.uint64(w)
+        xo, xn = _word(old, oldw, w, sh, width), _word(new, neww, w, sh, width)
         a += _mix0(uw, xn) - _mix0(uw, xo)
         b += _mix1(uw, xn) - _mix1(uw, xo)
     return a, b
-
-
-CHUNK_TOUCHED = 4096
-"""Words `pull_put_at` walks before it mixes them (three arrays of this many words)."""
 
 
 @njit(nogil=True, cache=True)
@@ -119,57 +129,61 @@ def put_at(target, tw, pos, val, sh, width, base):
 
 @njit(nogil=True, cache=True)
 def pull_put_at(target, tw, source, ppos, pos, val, sh, width, base):
-    """`pull_put` whose word w is word `base` + w of its tensor. A chunk of words at a time:
-    each whole word is read once, rebuilt in a register and written back as one word (writing
-    its elements and reading the word back stalls on store-to-load forwarding); then the
-    chunk's words are mixed in a loop of their own, which the compiler vectorizes. About 2x
-    faster than mixing each word as it is walked (bench: 1 % of 100M bf16 elements)."""
+    """`pull_put` whose word w is word `base` + w of its tensor: the pulls, then the puts,
+    each a `_put_phase`. A word both touch moves by (after pulls - before) + (after puts -
+    after pulls), which is what it moves in all."""
+    a, b = _put_phase(target, tw, source, ppos, val[:0], True, sh, width, base)
+    c, d = _put_phase(target, tw, source, pos, val, False, sh, width, base)
+    return a + c, b + d
+
+
+CHUNK = 4096
+"""Positions `_put_phase` handles per step (two arrays of this many words)."""
+
+
+@njit(nogil=True, cache=True)
+def _put_phase(target, tw, source, pos, val, pulled, sh, width, base):
+    """target[pos] = source[pos] (`pulled`) or val, pos sorted; the digest change. A chunk of
+    positions at a time, each step a straight loop the compiler vectorizes: read every
+    position's word, write the elements, read the words again, then mix each distinct word
+    once (a word split over two chunks moves by its change in each, which adds up). Walking
+    word by word with the reads, writes and mixing interleaved was 6x slower (1 % of 100M
+    bf16: 81 ms, now 12.5 ms); the scatter alone takes 2.5 ms."""
     a = np.uint64(0)
     b = np.uint64(0)
-    i = 0
-    j = 0
-    ni = ppos.size
-    nj = pos.size
-    big = np.int64(1) << 62
-    emask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - width)
-    widx = np.empty(CHUNK_TOUCHED, np.uint64)
-    xo = np.empty(CHUNK_TOUCHED, np.uint64)
-    xn = np.empty(CHUNK_TOUCHED, np.uint64)
-    while i < ni or j < nj:
-        c = 0
-        while c < CHUNK_TOUCHED and (i < ni or j < nj):
-            wi = ppos[i] >> sh if i < ni else big
-            wj = pos[j] >> sh if j < nj else big
-            w = min(wi, wj)
-            lo = w << sh
-            if w < tw.size:
-                old = tw[w]
-                new = old
-                while i < ni and (ppos[i] >> sh) == w:
-                    s = np.uint64(width * (ppos[i] - lo))
-                    new = (new & ~(emask << s)) | (np.uint64(source[ppos[i]]) << s)
-                    i += 1
-                while j < nj and (pos[j] >> sh) == w:
-                    s = np.uint64(width * (pos[j] - lo))
-                    new = (new & ~(emask << s)) | (np.uint64(val[j]) << s)
-                    j += 1
-                tw[w] = new
-            else:  # the array's last, partial word
-                old = _word(target, tw, w, sh, width)
-                while i < ni and (ppos[i] >> sh) == w:
-                    target[ppos[i]] = source[ppos[i]]
-                    i += 1
-                while j < nj and (pos[j] >> sh) == w:
-                    target[pos[j]] = val[j]
-                    j += 1
-                new = _word(target, tw, w, sh, width)
-            widx[c] = w + base
-            xo[c] = old
-            xn[c] = new
-            c += 1
-        for k in range(c):
-            a += _mix0(widx[k], xn[k]) - _mix0(widx[k], xo[k])
-            b += _mix1(widx[k], xn[k]) - _mix1(widx[k], xo[k])
+    n = pos.size
+    m = _whole(pos, tw.size, sh)
+    xo = np.empty(CHUNK, np.uint64)
+    xn = np.empty(CHUNK, np.uint64)
+    for c0 in range(0, m, CHUNK):
+        c1 = min(m, c0 + CHUNK)
+        for k in range(c0, c1):
+            xo[k - c0] = tw[pos[k] >> sh]
+        if pulled:
+            for k in range(c0, c1):
+                target[pos[k]] = source[pos[k]]
+        else:
+            for k in range(c0, c1):
+                target[pos[k]] = val[k]
+        for k in range(c0, c1):
+            xn[k - c0] = tw[pos[k] >> sh]
+        prev = (pos[c0] >> sh) - 1
+        for k in range(c0, c1):
+            w = pos[k] >> sh
+            first = np.uint64(w != prev)
+            prev = w
+            uw = np.uint64(w + base)
+            a += first * (_mix0(uw, xn[k - c0]) - _mix0(uw, xo[k - c0]))
+            b += first * (_mix1(uw, xn[k - c0]) - _mix1(uw, xo[k - c0]))
+    if m < n:  # positions in the array's last, partial word
+        w = pos[m] >> sh
+        old = _word(target, tw, w, sh, width)
+        for k in range(m, n):
+            target[pos[k]] = source[pos[k]] if pulled else val[k]
+        new = _word(target, tw, w, sh, width)
+        uw = np.uint64(w + base)
+        a += _mix0(uw, new) - _mix0(uw, old)
+        b += _mix1(uw, new) - _mix1(uw, old)
     return a, b
 
 
@@ -189,59 +203,98 @@ def pull(target, tw, source, pos, sh, width):
 @njit(nogil=True, cache=True)
 def put_unwritten(old, oldw, pos, val, sh, width):
     """The digest change that `old[pos] = val` (pos sorted) would make, without writing `old`
-    (it may be a read-only map): each touched word is rebuilt in a register."""
+    (it may be a read-only map). A chunk of positions at a time (never splitting a word):
+    each position's word with its own change put in, in one straight loop; then, backwards,
+    a position whose word has later changes takes them on (rarely: at 1 % density most
+    words hold one change); then each distinct word is mixed once, straight again."""
     a = np.uint64(0)
     b = np.uint64(0)
-    j = 0
-    n = pos.size
-    ones = np.uint64(0xFFFFFFFFFFFFFFFF)
-    while j < n:
-        w = pos[j] >> sh
-        xo = _word(old, oldw, w, sh, width)
-        xn = xo
-        while j < n and (pos[j] >> sh) == w:
-            if width == 64:
-                xn = np.uint64(val[j])
-            else:
-                s = np.uint64(width * (pos[j] - (w << sh)))
-                m = (ones >> np.uint64(64 - width)) << s
-                xn = (xn & ~m) | (np.uint64(val[j]) << s)
-            j += 1
+    m = _whole(pos, oldw.size, sh)
+    emask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - width)
+    low = (np.int64(1) << sh) - 1
+    xo = np.empty(CHUNK + 8, np.uint64)
+    xn = np.empty(CHUNK + 8, np.uint64)
+    c0 = 0
+    while c0 < m:
+        c1 = min(m, c0 + CHUNK)
+        while c1 < m and (pos[c1] >> sh) == (pos[c1 - 1] >> sh):
+            c1 += 1
+        for k in range(c0, c1):
+            x = oldw[pos[k] >> sh]
+            s = np.uint64(width * (pos[k] & low))
+            xo[k - c0] = x
+            xn[k - c0] = (x & ~(emask << s)) | (np.uint64(val[k]) << s)
+        for k in range(c1 - 2, c0 - 1, -1):
+            if (pos[k] >> sh) == (pos[k + 1] >> sh):
+                s = np.uint64(width * (pos[k] & low))
+                xn[k - c0] = (xn[k + 1 - c0] & ~(emask << s)) | (np.uint64(val[k]) << s)
+        for k in range(c0, c1):
+            w = pos[k] >> sh
+            first = np.uint64(k == c0 or w != (pos[k - 1] >> sh))
+            uw = np.uint64(w)
+            a += first * (_mix0(uw, xn[k - c0]) - _mix0(uw, xo[k - c0]))
+            b += first * (_mix1(uw, xn[k - c0]) - _mix1(uw, xo[k - c0]))
+        c0 = c1
+    if m < pos.size:  # the last, partial word
+        w = pos[m] >> sh
+        xo0 = _word(old, oldw, w, sh, width)
+        x = xo0
+        for k in range(m, pos.size):
+            s = np.uint64(width * (pos[k] & low))
+            x = (x & ~(emask << s)) | (np.uint64(val[k]) << s)
         uw = np.uint64(w)
-        a += _mix0(uw, xn) - _mix0(uw, xo)
-        b += _mix1(uw, xn) - _mix1(uw, xo)
+        a += _mix0(uw, x) - _mix0(uw, xo0)
+        b += _mix1(uw, x) - _mix1(uw, xo0)
     return a, b
+
+
+@njit(nogil=True, cache=True)
+def _wide_word(target, lo, per, s, width):
+    """The narrow patterns of target[lo:lo + per] (each target[i] >> s) as one word."""
+    x = np.uint64(0)
+    for k in range(per):
+        x |= (np.uint64(target[lo + k]) >> s) << np.uint64(width * k)
+    return x
 
 
 @njit(nogil=True, cache=True)
 def put_wide(target, pos, val, sh, width, shift):
     """`put` into a copy held widened: element i's `width`-bit pattern is target[i] >> shift
     (bf16 held as fp32: the top 16 bits); writes val << shift, returns the digest change of
-    the narrow patterns, from the touched words before and after."""
+    the narrow patterns, from the touched words before and after. Chunked like `_put_phase`
+    (reads, writes, reads, then mixing: straight loops), the last partial word on its own."""
     a = np.uint64(0)
     b = np.uint64(0)
-    j = 0
-    n = pos.size
-    size = target.size
     per = 1 << sh
     s = np.uint64(shift)
-    while j < n:
-        w = pos[j] >> sh
+    m = _whole(pos, target.size >> sh, sh)
+    xo = np.empty(CHUNK, np.uint64)
+    xn = np.empty(CHUNK, np.uint64)
+    for c0 in range(0, m, CHUNK):
+        c1 = min(m, c0 + CHUNK)
+        for k in range(c0, c1):
+            xo[k - c0] = _wide_word(target, (pos[k] >> sh) << sh, per, s, width)
+        for k in range(c0, c1):
+            target[pos[k]] = np.uint64(val[k]) << s
+        for k in range(c0, c1):
+            xn[k - c0] = _wide_word(target, (pos[k] >> sh) << sh, per, s, width)
+        for k in range(c0, c1):
+            w = pos[k] >> sh
+            first = np.uint64(k == c0 or w != (pos[k - 1] >> sh))
+            uw = np.uint64(w)
+            a += first * (_mix0(uw, xn[k - c0]) - _mix0(uw, xo[k - c0]))
+            b += first * (_mix1(uw, xn[k - c0]) - _mix1(uw, xo[k - c0]))
+    if m < pos.size:  # the last, partial word
+        w = pos[m] >> sh
         lo = w << sh
-        xo = np.uint64(0)
-        for k in range(per):
-            if lo + k < size:
-                xo |= (np.uint64(target[lo + k]) >> s) << np.uint64(width * k)
-        while j < n and (pos[j] >> sh) == w:
-            target[pos[j]] = np.uint64(val[j]) << s
-            j += 1
-        xn = np.uint64(0)
-        for k in range(per):
-            if lo + k < size:
-                xn |= (np.uint64(target[lo + k]) >> s) << np.uint64(width * k)
+        tail = target.size - lo
+        old = _wide_word(target, lo, tail, s, width)
+        for k in range(m, pos.size):
+            target[pos[k]] = np.uint64(val[k]) << s
+        new = _wide_word(target, lo, tail, s, width)
         uw = np.uint64(w)
-        a += _mix0(uw, xn) - _mix0(uw, xo)
-        b += _mix1(uw, xn) - _mix1(uw, xo)
+        a += _mix0(uw, new) - _mix0(uw, old)
+        b += _mix1(uw, new) - _mix1(uw, old)
     return a, b
 
 
@@ -274,21 +327,20 @@ def gather(source, pos, out):
 @njit(nogil=True, cache=True)
 def moved_words(oldw, neww, first, pos, sh, w0, w1):
     """Lane-sum move of the tensor's words [w0, w1) where `pos` (sorted, local) changed;
-    oldw[i] and neww[i] are the tensor's word first + i, before and after."""
+    oldw[i] and neww[i] are the tensor's word first + i, before and after. One straight
+    loop (a word's later positions and words outside [w0, w1) add nothing)."""
     a = np.uint64(0)
     b = np.uint64(0)
-    last = -1
+    if oldw.size == 0:
+        return a, b
     for j in range(pos.size):
         w = first + (pos[j] >> sh)
-        if w == last:
-            continue
-        last = w
-        if w < w0 or w >= w1:
-            continue
+        keep = (j == 0 or (pos[j] >> sh) != (pos[j - 1] >> sh)) and w >= w0 and w < w1
+        i = min(max(w - first, 0), oldw.size - 1)
         uw = np.uint64(w)
-        xo, xn = oldw[w - first], neww[w - first]
-        a += _mix0(uw, xn) - _mix0(uw, xo)
-        b += _mix1(uw, xn) - _mix1(uw, xo)
+        f = np.uint64(keep)
+        a += f * (_mix0(uw, neww[i]) - _mix0(uw, oldw[i]))
+        b += f * (_mix1(uw, neww[i]) - _mix1(uw, oldw[i]))
     return a, b
 
 

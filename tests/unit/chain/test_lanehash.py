@@ -11,7 +11,7 @@ from chain.digest import tensor_digest, tensor_digests
 
 @pytest.mark.parametrize(("uint", "dtype"), [(np.uint8, "int8"), (np.uint16, "bfloat16"),
                                              (np.uint32, "float32"), (np.uint64, "int64")])
-@pytest.mark.parametrize("n", [0, 1, 3, 1001, 4099])
+@pytest.mark.parametrize("n", [0, 1, 3, 1001, 4099, 40_003])
 def test_moving_a_digest_by_the_changes_equals_hashing_the_new_tensor(uint, dtype, n):
     rng = np.random.default_rng(n)
     old = rng.integers(0, np.iinfo(uint).max, n, dtype=uint, endpoint=True)
@@ -20,6 +20,9 @@ def test_moving_a_digest_by_the_changes_equals_hashing_the_new_tensor(uint, dtyp
     new[pos] ^= uint(1)
     moved = lanehash.add(tensor_digest(dtype, [n], old), lanehash.moved_between(old, new, pos))
     assert moved == tensor_digest(dtype, [n], new)
+    unwritten = lanehash.add(tensor_digest(dtype, [n], old),
+                             lanehash.moved_by_changes(old, pos, new[pos]))
+    assert unwritten == moved
     target = old.copy()
     put = lanehash.add(tensor_digest(dtype, [n], old),
                        lanehash.moved_by_put(target, pos, new[pos]))
@@ -51,6 +54,20 @@ def test_a_put_into_a_row_block_moves_the_whole_tensors_digest(uint, dtype):
     moved = lanehash.moved_by_put_at(block, pos, val, 16 * 1024 // per)
     assert np.array_equal(block[pos], val)
     assert lanehash.add(before, moved) == tensor_digest(dtype, [64, 1024], whole.reshape(-1))
+
+
+@pytest.mark.parametrize("n", [5, 4099, 40_003])
+def test_a_put_into_a_widened_copy_moves_the_digest_as_a_narrow_put_does(n):
+    """bf16 held as fp32 (the torch engine on CPU): put_wide moves the bf16 digest exactly as
+    a put into the bf16 array does, across chunks and a ragged last word."""
+    rng = np.random.default_rng(n)
+    narrow = rng.integers(0, 2**16 - 1, n, dtype=np.uint16, endpoint=True)
+    wide = narrow.astype(np.uint32) << np.uint32(16)
+    pos = np.unique(rng.integers(0, n, n // 5 + 1))
+    val = (narrow[pos] ^ np.uint16(5)).astype(np.uint16)
+    want = lanehash.moved_by_put(narrow, pos, val)
+    assert lanehash.moved_by_put_wide(wide, pos, val, 16) == want
+    assert np.array_equal(wide >> np.uint32(16), narrow.astype(np.uint32))
 
 
 def test_any_flipped_byte_dtype_or_shape_changes_the_digest():
