@@ -75,6 +75,7 @@ def run(args: argparse.Namespace, work: Path) -> dict:
         "code": code_rev(), "scan_s": scan, "serve_s": med, "serve_over_scan": med / scan,
         "serve_s_all": [r["serve_s"] for r in rows],
         "decode_s_all": [r["decoded_s"] for r in rows],
+        "patch_written_s_all": [r["patch_written_s"] for r in rows],
         "publish_to_serve_s": statistics.median(r["publish_to_serve_s"] for r in rows),
         "first_apply_cold_s": cold.get("patch_written_s"),
         "first_apply_cold_disk_s": cold.get("disk_current_s"),

@@ -12,11 +12,12 @@ The same changes then bring the directory on disk forward later (chain.weights.W
 .apply_changes, merged over several versions by `merge`), never decoding twice.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from chain import codec, lanehash
+from chain.codec.api import run_jobs
 from chain.digest import state_digest
 from chain.dtypes import BY_NAME
 from chain.errors import BadDelta, ChainError, DigestMismatch
@@ -57,6 +58,8 @@ class _Decode(Fill):
     """Fill's record reading and decoding, but nothing written: each tensor ends as a
     TensorPatch checked against its manifest digest."""
 
+    moves = True
+
     def __init__(self, m: Manifest, base: TensorFiles, digests: dict[str, str],
                  overlay: dict[str, list[TensorPatch]]) -> None:
         super().__init__(_Buffers(m), m.tensors, m.artifact, base, digests)  # type: ignore
@@ -78,23 +81,32 @@ class _Decode(Fill):
 
     def _batch(self, batch: list[_Item]) -> None:
         self._decode(batch)
+        found: list[codec.Changes | None] = []
         for it in batch:
             t = it.t
             if it.op == "full":
                 new = self.out.bits(t.name)
-                old = self._base_of(t)
-                pos = np.flatnonzero(old != new).astype(np.int64)
-                ch = codec.Changes(pos, new[pos])
-            elif it.changes is not None:
-                ch = it.changes
+                pos = np.flatnonzero(self._base_of(t) != new).astype(np.int64)
+                found.append(codec.Changes(pos, new[pos]))
             else:
-                ch = None
+                found.append(it.changes)
+        moved: list[tuple[int, int] | None] = [
+            None if ch is None else ch.digest for ch in found]
+
+        def job(i: int, old: np.ndarray, ch: codec.Changes) -> Callable[[], None]:
+            def run() -> None:
+                moved[i] = lanehash.moved_by_changes(old, ch.pos, ch.val)
+            return run
+
+        # the decoder moved most digests as it went; the rest (full records, a tensor in
+        # several parts) are checked here, spread over the codec's threads
+        run_jobs([(ch.pos.size, job(i, self._base_of(it.t), ch))
+                  for i, (it, ch) in enumerate(zip(batch, found, strict=True))
+                  if ch is not None and ch.pos.size and moved[i] is None])
+        for it, ch, mv in zip(batch, found, moved, strict=True):
+            t = it.t
             parent = self.base_digests[t.name]
-            if ch is None or not ch.pos.size:
-                digest = parent
-            else:
-                digest = lanehash.add(parent, lanehash.moved_by_changes(self._base_of(t),
-                                                                        ch.pos, ch.val))
+            digest = parent if mv is None or not ch.pos.size else lanehash.add(parent, mv)
             if digest != t.digest:
                 raise DigestMismatch(f"tensor {t.name} of {self.what} does not match its digest "
                                      "after decoding; the artifact is bad and was not applied")

@@ -49,6 +49,10 @@ class Fill:
     """Fills `out` with `tensors` from a record stream against `base` (a read-only version
     whose tensor digests are `base_digests`), journaling finished tensors to `journal`."""
 
+    moves = False
+    """Whether decoding also moves each tensor's digest (chain/decode.py checks a patch from
+    it; the fill here checks what it wrote instead)."""
+
     def __init__(self, out: WritableFiles, tensors: list[TensorEntry], what: str,
                  base: TensorFiles | None, base_digests: dict[str, str],
                  progress: Callable[[str, int, int], None] | None = None,
@@ -178,7 +182,7 @@ class Fill:
         if coded:
             decoded = iter(codec.decode_many([
                 (self._base_of(it.t)[at:at + count], payload, it.t.dtype)
-                for it in coded for at, count, payload in it.payloads]))
+                for it in coded for at, count, payload in it.payloads], moves=self.moves))
             for it in coded:
                 parts = sorted(((at, next(decoded)) for at, _, _ in it.payloads),
                                key=lambda p: p[0])

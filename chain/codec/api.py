@@ -241,11 +241,11 @@ def encode_tensor_delta(old: np.ndarray, new: np.ndarray, dtype: str) -> bytes:
 
 
 def _decode_all(items: Sequence[tuple[np.ndarray, bytes | memoryview, str]], threads: int,
-                write: bool) -> list:
+                write: bool, moves: bool = False) -> list:
     decoded = []
     jobs = []
     for t, (target, payload, dtype) in enumerate(items):
-        plan = _plan_apply(t, target, payload, dtype, jobs, write)
+        plan = _plan_apply(t, target, payload, dtype, jobs, write, moves)
         if plan is not None:
             decoded.append(plan)
     run_jobs(jobs, threads)
@@ -261,17 +261,27 @@ def _decode_all(items: Sequence[tuple[np.ndarray, bytes | memoryview, str]], thr
 
 
 def decode_many(items: Sequence[tuple[np.ndarray, bytes | memoryview, str]],
-                threads: int = THREADS) -> list[Changes]:
+                threads: int = THREADS, moves: bool = False) -> list[Changes]:
     """The Changes each (base, payload, dtype) makes, decoded against `base` without writing
-    it (it may be a read-only map of the current version). BadDelta as for apply_many."""
+    it (it may be a read-only map of the current version). BadDelta as for apply_many.
+    `moves`: each Changes also carries how `base`'s digest moves (chain.lanehash, word 0 of
+    `base` as word 0), computed by the thread that decoded each segment while the segment
+    is still in cache: a separate pass afterwards misses the cache at every change."""
     out = [Changes.none(hdr.coding(dtype).dtype.uint) for _, _, dtype in items]
-    for t, _, base, kind, data, _ in _decode_all(items, threads, write=False):
+    for t, errs, base, kind, data, _ in _decode_all(items, threads, write=False, moves=moves):
         if kind == hdr.RAW:
             pos = np.flatnonzero(base != data).astype(np.int64)
-            out[t] = Changes(pos, data[pos])
+            out[t] = Changes(pos, data[pos], lanehash.moved_by_changes(base, pos, data[pos])
+                             if moves else None)
         else:
+            digest = None
+            if moves:
+                ma = mb = 0
+                for e in errs:
+                    ma, mb = ma + e[2], mb + e[3]
+                digest = (ma & lanehash.M64, mb & lanehash.M64)
             out[t] = Changes(np.concatenate([pos[a:b] + np.int64(lo) for lo, pos, _, a, b in data]),
-                             np.concatenate([val[a:b] for _, _, val, a, b in data]))
+                             np.concatenate([val[a:b] for _, _, val, a, b in data]), digest)
     return out
 
 
@@ -302,7 +312,8 @@ def _scatter_job(target, lo, pos, val, a, b) -> Callable[[], None]:
     return job
 
 
-def _plan_apply(t: int, target: np.ndarray, payload, dtype: str, jobs: list, write: bool):
+def _plan_apply(t: int, target: np.ndarray, payload, dtype: str, jobs: list, write: bool,
+                moves: bool = False):
     c = hdr.coding(dtype)
     if target.ndim != 1 or target.dtype != c.dtype.uint or not target.flags.c_contiguous \
             or (write and not target.flags.writeable):
@@ -322,31 +333,36 @@ def _plan_apply(t: int, target: np.ndarray, payload, dtype: str, jobs: list, wri
     seg, words = 1 << h.log2_seg, _words(target)
     pos = np.empty(h.k, np.int32)
     val = np.empty(h.k, c.dtype.uint)
-    errs = [(0, 0)] * len(h.seg_k)
+    errs = [(0, 0, 0, 0)] * len(h.seg_k)
     segs = []
     start, base = h.body_start, 0
     for s, (ks, lens) in enumerate(zip(h.seg_k, h.seg_len, strict=True)):
         lo, hi = s * seg, min(h.n, (s + 1) * seg)
         bounds = tuple(start + sum(lens[:i]) for i in range(hdr.STREAMS + 1))
         if ks:
-            job = _decode_job(target, lo, hi, words, buf, bounds, ks, c, pos, val, base, errs, s)
+            job = _decode_job(target, lo, hi, words, buf, bounds, ks, c, pos, val, base, errs, s,
+                              moves)
             jobs.append((hi - lo + _CHANGE_COST * ks, job))
             segs.append((lo, pos, val, base, base + ks))
         elif sum(lens):
-            errs[s] = (ERR_STREAM, 0)
+            errs[s] = (ERR_STREAM, 0, 0, 0)
         start = bounds[-1]
         base += ks
     return t, errs, target, hdr.CODED, segs, h.result
 
 
 def _decode_job(target, lo, hi, words, buf, bounds, ks, c: hdr.Coding, pos, val, base, errs,
-                s) -> Callable[[], None]:
+                s, moves: bool) -> Callable[[], None]:
     def job() -> None:
         ws = _ws()
         err, hsh = decode_segment(target, lo, hi, words, buf, *bounds, ks, c.shift,
                                   c.cmask, c.nctx, c.dtype.bits, c.is_float, ws.models,
                                   *ws.ctx[:5], *ws.changes(ks + c.nctx)[:2], pos, val, base)
-        errs[s] = (int(err), int(hsh))
+        ma = mb = 0
+        if moves and not err:
+            at = pos[base:base + ks].astype(np.int64) + np.int64(lo)
+            ma, mb = lanehash.moved_by_changes(target, at, val[base:base + ks])
+        errs[s] = (int(err), int(hsh), int(ma), int(mb))
     return job
 
 

@@ -109,3 +109,6 @@ def test_the_encoder_reports_exactly_the_changed_positions_values_and_digest_mov
     ro = old.copy()
     ro.flags.writeable = False  # decoding needs no write access to its base
     assert np.array_equal(codec.decode_many([(ro, payload, "bfloat16")])[0].pos, ch.pos)
+    (moved,) = codec.decode_many([(ro, payload, "bfloat16")], moves=True)
+    assert moved.digest == ch.digest  # summed over its 48 segments, each moved by its thread
+    assert codec.decode_many([(old, payload, "bfloat16")])[0].digest is None
