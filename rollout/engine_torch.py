@@ -12,6 +12,7 @@ read back from the live parameter in the checkpoint's dtype (chain.lanehash, add
 that does not land exactly leaves the engine without a version, so it reloads a directory.
 """
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from chain import lanehash
+from chain.codec.api import run_jobs
 from chain.digest import state_digest
 from chain.dtypes import lookup
 from chain.errors import ChainError
@@ -130,12 +132,22 @@ class TorchEngine:
                                    "engine holds")
         digests = dict(self.digests)
         self._version = None  # until every tensor is checked
-        with torch.no_grad():
-            for t in patch.tensors:
-                digests[t.name] = self._patch_one(params[t.name], t)
-                if digests[t.name] != t.digest:
-                    raise PatchMismatch(f"{t.name} does not match patch v{patch.version}'s "
-                                        "digest after patching; reload a directory")
+        moved: dict[str, str] = {}
+
+        def job(t: TensorPatch) -> Callable[[], None]:
+            def run() -> None:
+                with torch.no_grad():
+                    moved[t.name] = self._patch_one(params[t.name], t)
+            return run
+
+        # tensors spread over the codec's threads: the kernels release the GIL, and a patch
+        # is one scattered pass over memory whose misses two threads overlap
+        run_jobs([(int(t.indices.size), job(t)) for t in patch.tensors])
+        for t in patch.tensors:
+            digests[t.name] = moved[t.name]
+            if digests[t.name] != t.digest:
+                raise PatchMismatch(f"{t.name} does not match patch v{patch.version}'s "
+                                    "digest after patching; reload a directory")
         if state_digest(digests) != patch.state_digest:
             raise PatchMismatch(f"the state after patch v{patch.version} does not match its "
                                 "state digest; reload a directory")
