@@ -22,6 +22,7 @@ from chain.digest import state_digest
 from chain.dtypes import BY_NAME
 from chain.errors import BadDelta, ChainError, DigestMismatch
 from chain.fill import Fill, _Item
+from chain.gcpause import without_gc
 from chain.manifest import Manifest
 from chain.patchfile import Patch, TensorPatch
 from chain.safetensors_io import TensorFiles
@@ -120,6 +121,7 @@ class _Decode(Fill):
                 self.base.release(t.name)
 
 
+@without_gc
 def decode_patch(m: Manifest, base: TensorFiles, base_version: int, base_digests: dict[str, str],
                  overlay: Sequence[Patch], get_block: GetBlock) -> Patch:
     """The verified Patch that delta `m` makes over version `base_version` (in `base`, whose

@@ -36,6 +36,7 @@ from chain.codec import Changes
 from chain.digest import state_digest, tensor_digests
 from chain.errors import ChainError, DigestMismatch
 from chain.fill import Fill
+from chain.gcpause import without_gc
 from chain.manifest import BlockEntry, Manifest
 from chain.safetensors_io import (
     TensorFiles,
@@ -99,6 +100,7 @@ class WeightsDir:
         return sorted(int(p.name[1:]) for p in self.root.glob("v[0-9]*")
                       if p.is_dir() and p.name[1:].isdigit())
 
+    @without_gc
     def apply(self, manifests: list[Manifest], get_block: GetBlock,
               progress: Progress | None = None) -> Current:
         """Apply a planned path of artifacts in order; each step leaves a verified version."""
@@ -118,6 +120,7 @@ class WeightsDir:
         assert cur is not None
         return cur
 
+    @without_gc
     def apply_changes(self, m: Manifest, parent: int, changes: dict[str, Changes],
                       get_block: GetBlock, progress: Progress | None = None) -> Current:
         """Bring the directory on disk forward from version `parent` (current) to `m`'s, with

@@ -17,6 +17,7 @@ from chain import codec, lanehash
 from chain.blocks import DEFAULT_BLOCK, BlockStore
 from chain.codec import header as hdr
 from chain.digest import pieces_root, state_digest, tensor_digests
+from chain.gcpause import without_gc
 from chain.manifest import FORMAT, BasePin, BlockEntry, FileEntry, Manifest, Parent, TensorEntry
 from chain.sources import TensorSource
 from chain.stream import BlockWriter, RecordHeader
@@ -129,6 +130,7 @@ def _needs_hash(name: str, old: np.ndarray | None, digests: Mapping[str, str] | 
     return old is None or parent_digests is None or name not in parent_digests
 
 
+@without_gc
 def write_artifact(
     blocks: BlockStore,
     key: Ed25519PrivateKey,

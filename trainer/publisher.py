@@ -39,6 +39,7 @@ from chain.adapters import ADAPTER_CONFIG, check_config
 from chain.blocks import DEFAULT_BLOCK
 from chain.errors import ChainError
 from chain.follow import publisher_retain
+from chain.gcpause import without_gc
 from chain.manifest import BasePin, Manifest
 from chain.policy import Retention, SnapshotPolicy
 from chain.sizes import Sizes
@@ -127,6 +128,7 @@ class Publisher:
         self._last = state
         return head
 
+    @without_gc
     def publish(self, version: int, state_dict: Mapping[str, torch.Tensor],
                 files: Mapping[str, bytes] | None = None) -> Published:
         head = self.store.head()
