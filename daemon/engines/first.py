@@ -48,12 +48,19 @@ class Pending:
 class EngineFirst:
     """The versions verified and patched but not yet on disk, and their disk catch-up."""
 
+    ENGINES_FIRST_S = 5.0
+    """How long a due disk pass waits for the engines that follow this region to serve the
+    newest verified version: the pass reads and writes the whole model, and run alongside an
+    engine's patch it slowed that version's serving by half (bench/engine.py, at 1B)."""
+
     def __init__(self, weights: WeightsDir, patch_dir: Path, get_block: GetBlock, *,
                  enabled: bool = True, batch: int = 4, idle_s: float = 1.0) -> None:
         self.weights = weights
         self.patch_dir = Path(patch_dir)
         self.get_block = get_block
         self.enabled, self.batch, self.idle_s = enabled, max(1, batch), idle_s
+        self.engines: set[str] = set()
+        """Engines that have said they serve a version of this region (they follow it)."""
         self.pending: list[Pending] = []
         self.phases: OrderedDict[int, dict] = OrderedDict()
         self.lock = asyncio.Lock()
@@ -123,6 +130,26 @@ class EngineFirst:
     def served(self, engine: str, version: int, how: str) -> None:
         ph = self._phase(version)
         ph["served"][engine] = {"s": self._since(version), "how": how, "at": time.time()}
+        self.engines.add(engine)
+        self.wake.set()  # a disk pass may have been waiting for this engine
+
+    def _engines_behind(self) -> float | None:
+        """Seconds left to wait for an engine that follows this region and has not yet
+        served the newest verified version (at most ENGINES_FIRST_S after it verified);
+        None when none is behind."""
+        top = self.verified()
+        if top is None or not self.engines:
+            return None
+        ph = self.phases.get(top.patch.version)
+        if ph is None or self.engines <= set(ph["served"]):
+            return None
+        left = self.ENGINES_FIRST_S - (time.time() - ph["verified_at"])
+        return left if left > 0 else None
+
+    def _batch_ready(self) -> bool:
+        return bool(self.pending) and (
+            len(self.pending) >= self.batch
+            or time.monotonic() - self.last_verified >= self.idle_s)
 
     def serving_doc(self) -> dict | None:
         """What a polling engine needs to follow the verified version before the disk does."""
@@ -135,9 +162,7 @@ class EngineFirst:
 
     # --- disk ------------------------------------------------------------------------------
     def due(self) -> bool:
-        return bool(self.pending) and (
-            len(self.pending) >= self.batch
-            or time.monotonic() - self.last_verified >= self.idle_s)
+        return self._batch_ready() and self._engines_behind() is None
 
     async def catch_up(self, progress: Progress | None = None) -> Current | None:
         """Bring the directory on disk to the newest verified version now (one pass)."""
@@ -168,8 +193,11 @@ class EngineFirst:
         while True:
             self.wake.clear()
             if not self.due():
-                wait = self.idle_s - (time.monotonic() - self.last_verified) \
-                    if self.pending else None
+                wait = None  # nothing pending: a new version wakes the loop
+                if self.pending and not self._batch_ready():
+                    wait = self.idle_s - (time.monotonic() - self.last_verified)
+                elif self.pending:
+                    wait = self._engines_behind() or 0.05  # served() wakes it sooner
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.wake.wait(), None if wait is None
                                            else max(0.05, wait))
