@@ -244,7 +244,6 @@ class Patcher:
         memory is the device here, each word read before and after its write."""
         dt = chain_dtypes.lookup(tp.dtype)
         values = np.ascontiguousarray(tp.values, dt.uint)
-        sh, _ = lanehash.word_layout(values)
         da = db = 0
         words = 0
         assert m.flat is not None
@@ -254,9 +253,8 @@ class Patcher:
                 continue
             flat = self.params[a.param].view(-1).view(_SAME_WIDTH_INT[dt.bits])
             arr = flat.numpy().view(dt.uint)[a.start + a.shift : a.end + a.shift]
-            local = pos[lo:hi] - a.start
-            ra, rb = lanehash.moved_by_put_at(arr, local, values[lo:hi], a.start // per)
-            da, db, words = da + int(ra), db + int(rb), words + _distinct(local >> sh).size
+            ra, rb, n = lanehash.moved_by_put_at(arr, pos[lo:hi], values[lo:hi], a.start)
+            da, db, words = da + int(ra), db + int(rb), words + int(n)
         moved = lanehash.add(tp.parent_digest, (da, db))
         return TensorResult(tp.name, int(pos.size), words, moved, moved == tp.digest)
 

@@ -51,9 +51,11 @@ def test_a_put_into_a_row_block_moves_the_whole_tensors_digest(uint, dtype):
     pos = np.unique(rng.integers(0, block.size, 9000))
     val = (block[pos] ^ uint(3)).astype(uint)
     per = 8 // block.itemsize
-    moved = lanehash.moved_by_put_at(block, pos, val, 16 * 1024 // per)
+    off = 16 * 1024  # the block's first element, as a position of the whole tensor
+    a, b, touched = lanehash.moved_by_put_at(block, pos + off, val, off)
     assert np.array_equal(block[pos], val)
-    assert lanehash.add(before, moved) == tensor_digest(dtype, [64, 1024], whole.reshape(-1))
+    assert lanehash.add(before, (a, b)) == tensor_digest(dtype, [64, 1024], whole.reshape(-1))
+    assert touched == np.unique(pos // per).size
 
 
 @pytest.mark.parametrize("n", [5, 4099, 40_003])
