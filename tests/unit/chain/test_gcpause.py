@@ -4,6 +4,8 @@ it was when the last one ends, and never turned on where the caller had it off."
 import gc
 import threading
 
+import pytest
+
 from chain.gcpause import gc_paused, without_gc
 
 
@@ -33,10 +35,8 @@ def test_a_caller_that_had_it_off_keeps_it_off_and_errors_still_restore_it() -> 
         assert not gc.isenabled()
         raise ValueError("bad block")
 
-    try:
+    with pytest.raises(ValueError, match="bad block"):
         fails()
-    except ValueError:
-        pass
     assert gc.isenabled()
     gc.disable()
     try:
