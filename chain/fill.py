@@ -186,7 +186,10 @@ class Fill:
             for it in coded:
                 parts = sorted(((at, next(decoded)) for at, _, _ in it.payloads),
                                key=lambda p: p[0])
-                it.changes = parts[0][1] if len(parts) == 1 and parts[0][0] == 0 else \
+                whole = len(parts) == 1 and it.payloads[0][:2] == (0, it.t.numel)
+                # a digest move decoded against a part is not the tensor's (its last word
+                # may hold the next part's elements): only a whole-tensor record keeps one
+                it.changes = parts[0][1] if whole else \
                     codec.Changes(np.concatenate([c.pos + np.int64(at) for at, c in parts]),
                                   np.concatenate([c.val for _, c in parts]))
                 it.payloads = []

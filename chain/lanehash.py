@@ -220,8 +220,8 @@ def put_unwritten(old, oldw, pos, val, sh, width):
     c0 = 0
     while c0 < m:
         c1 = min(m, c0 + CHUNK)
-        while c1 < m and (pos[c1] >> sh) == (pos[c1 - 1] >> sh):
-            c1 += 1
+        while c1 < m and c1 - c0 < CHUNK + 8 and (pos[c1] >> sh) == (pos[c1 - 1] >> sh):
+            c1 += 1  # (distinct positions: at most 7 more in one word; the cap guards memory)
         for k in range(c0, c1):
             x = oldw[pos[k] >> sh]
             s = np.uint64(width * (pos[k] & low))

@@ -91,9 +91,20 @@ def run_jobs(jobs: list[tuple[int, Callable[[], None]]], threads: int = THREADS)
             _pool = ThreadPoolExecutor(max_workers=THREADS - 1, thread_name_prefix="codec")
     shared = iter(ordered)  # next() on a list iterator is atomic under the GIL
     futures = [_pool.submit(_run_all, shared) for _ in range(min(threads, THREADS) - 1)]
-    _run_all(shared)
+    error: BaseException | None = None
+    try:
+        _run_all(shared)
+    except BaseException as e:
+        error = e
+    # every job has ended before this returns or raises: a caller handling the error must not
+    # race a worker still writing (an engine reloading while a patch job runs)
     for f in futures:
-        f.result()
+        try:
+            f.result()
+        except BaseException as e:
+            error = error or e
+    if error is not None:
+        raise error
 
 
 def _run_all(jobs) -> None:

@@ -49,9 +49,14 @@ class EngineFirst:
     """The versions verified and patched but not yet on disk, and their disk catch-up."""
 
     ENGINES_FIRST_S = 5.0
-    """How long a due disk pass waits for the engines that follow this region to serve the
-    newest verified version: the pass reads and writes the whole model, and run alongside an
-    engine's patch it slowed that version's serving by half (bench/engine.py, at 1B)."""
+    """How long a due disk pass waits, at most, for the engines that follow this region to
+    serve the newest verified version: the pass reads and writes the whole model, and run
+    alongside an engine's patch it slowed that version's serving by half (bench/engine.py, at
+    1B). The wait starts when the pass falls due, not per version, so versions arriving faster
+    than an engine follows them cannot hold the disk back for longer."""
+    FOLLOWING_S = 120.0
+    """An engine counts as following this region while it reported serving within this long
+    (one that went away stops holding the disk back)."""
 
     def __init__(self, weights: WeightsDir, patch_dir: Path, get_block: GetBlock, *,
                  enabled: bool = True, batch: int = 4, idle_s: float = 1.0) -> None:
@@ -59,8 +64,10 @@ class EngineFirst:
         self.patch_dir = Path(patch_dir)
         self.get_block = get_block
         self.enabled, self.batch, self.idle_s = enabled, max(1, batch), idle_s
-        self.engines: set[str] = set()
-        """Engines that have said they serve a version of this region (they follow it)."""
+        self.engines: dict[str, float] = {}
+        """Engine -> when (monotonic) it last said it serves a version of this region."""
+        self.held_since: float | None = None
+        """When the due disk pass began to wait for the engines (monotonic)."""
         self.pending: list[Pending] = []
         self.phases: OrderedDict[int, dict] = OrderedDict()
         self.lock = asyncio.Lock()
@@ -130,20 +137,22 @@ class EngineFirst:
     def served(self, engine: str, version: int, how: str) -> None:
         ph = self._phase(version)
         ph["served"][engine] = {"s": self._since(version), "how": how, "at": time.time()}
-        self.engines.add(engine)
+        self.engines[engine] = time.monotonic()
         self.wake.set()  # a disk pass may have been waiting for this engine
 
     def _engines_behind(self) -> float | None:
         """Seconds left to wait for an engine that follows this region and has not yet
-        served the newest verified version (at most ENGINES_FIRST_S after it verified);
-        None when none is behind."""
+        served the newest verified version (at most ENGINES_FIRST_S from when the pass fell
+        due); None when none is behind or the wait is over."""
         top = self.verified()
-        if top is None or not self.engines:
+        now = time.monotonic()
+        following = {e for e, at in self.engines.items() if now - at < self.FOLLOWING_S}
+        ph = self.phases.get(top.patch.version) if top is not None else None
+        if ph is None or following <= set(ph["served"]):
             return None
-        ph = self.phases.get(top.patch.version)
-        if ph is None or self.engines <= set(ph["served"]):
-            return None
-        left = self.ENGINES_FIRST_S - (time.time() - ph["verified_at"])
+        if self.held_since is None:
+            self.held_since = now
+        left = self.ENGINES_FIRST_S - (now - self.held_since)
         return left if left > 0 else None
 
     def _batch_ready(self) -> bool:
@@ -177,6 +186,7 @@ class EngineFirst:
             cur = await asyncio.to_thread(self.weights.apply_changes, todo[-1].manifest,
                                           disk.version, changes, self.get_block, progress)
             self.catch_ups += 1
+            self.held_since = None
             del self.pending[: len(todo)]
             for p in todo:
                 ph = self._phase(p.patch.version)

@@ -108,7 +108,13 @@ def test_a_damaged_patch_file_is_a_clear_error(tmp_path, signing_key):
     with pytest.raises(BadPatch):
         read_patch(path)
     t = p.tensors[0]
-    t.indices = t.indices.copy()
+    good = t.indices.copy()
+    t.indices = good.copy()
     t.indices[-1] = np.int64(10**9)
     with pytest.raises(BadPatch, match="outside"):
         read_patch(write_patch(tmp_path / "q", p))
+    assert good.size >= 3
+    t.indices = good.copy()
+    t.indices[1] = np.int64(-5)  # ends in range, a wild position inside: the kernels would write it
+    with pytest.raises(BadPatch, match="not strictly ascending"):
+        read_patch(write_patch(tmp_path / "r", p))

@@ -37,8 +37,18 @@ def test_an_engine_that_never_serves_holds_the_disk_back_only_a_bounded_time(
     ef = _first(tmp_path, 2)
     ef.served("w1", 1, "patch")
     assert not ef.due()
-    ef.phases[2]["verified_at"] = time.time() - EngineFirst.ENGINES_FIRST_S - 0.1
+    # new versions keep arriving faster than w1 follows: the wait still ends, counted from
+    # when the pass fell due, not from the newest version
+    ef.pending.append(Pending(None, Patch(3, 2, "p", "s", []),  # type: ignore[arg-type]
+                              tmp_path / "v3.patch"))
+    ef._phase(3)
+    assert not ef.due()
+    ef.held_since = time.monotonic() - EngineFirst.ENGINES_FIRST_S - 0.1
     assert ef._engines_behind() is None and ef.due()
+    gone = _first(tmp_path / "gone", 2)
+    gone.served("w1", 1, "patch")
+    gone.engines["w1"] -= EngineFirst.FOLLOWING_S + 1  # w1 has not reported for long: gone
+    assert gone.due()
     one = _first(tmp_path / "one", 1)
     one.served("w1", 1, "patch")
     assert not one.due()  # below the batch and not idle: not due, engines or not
