@@ -136,6 +136,26 @@ CHUNK = 4096
 """Positions `_put_phase` handles per step (two arrays of this many words)."""
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _mix_chunk(pos, c0, c1, sh, xo, xn):
+    """Lane-sum move of the distinct words of pos[c0:c1] (sorted), each word's value before
+    in xo[k - c0] and after in xn[k - c0] at its first position k, and how many words: one
+    straight loop the compiler vectorizes. A word continuing from the chunk before counts
+    here too (its move in this chunk), so chunks add up."""
+    a = np.uint64(0)
+    b = np.uint64(0)
+    n = 0
+    for k in range(c0, c1):
+        w = pos[k] >> sh
+        first = k == c0 or w != (pos[k - 1] >> sh)
+        n += first
+        uw = np.uint64(w)
+        f = np.uint64(first)
+        a += f * (_mix0(uw, xn[k - c0]) - _mix0(uw, xo[k - c0]))
+        b += f * (_mix1(uw, xn[k - c0]) - _mix1(uw, xo[k - c0]))
+    return a, b, n
+
+
 @njit(nogil=True, cache=True)
 def _put_phase(target, tw, source, pos, val, pulled, sh, width, off):
     """target[pos - off] = source[pos - off] (`pulled`) or val, pos sorted; the digest change
@@ -165,16 +185,8 @@ def _put_phase(target, tw, source, pos, val, pulled, sh, width, off):
                 target[pos[k] - off] = val[k]
         for k in range(c0, c1):
             xn[k - c0] = tw[(pos[k] - off) >> sh]
-        prev = (pos[c0] >> sh) - 1
-        for k in range(c0, c1):
-            w = pos[k] >> sh
-            first = w != prev
-            prev = w
-            touched += first
-            uw = np.uint64(w)
-            f = np.uint64(first)
-            a += f * (_mix0(uw, xn[k - c0]) - _mix0(uw, xo[k - c0]))
-            b += f * (_mix1(uw, xn[k - c0]) - _mix1(uw, xo[k - c0]))
+        ca, cb, words = _mix_chunk(pos, c0, c1, sh, xo, xn)
+        a, b, touched = a + ca, b + cb, touched + words
         if c0 and (pos[c0] >> sh) == (pos[c0 - 1] >> sh):
             touched -= 1  # a word split over two chunks is one word touched
     if m < n:  # positions in the array's last, partial word
@@ -231,12 +243,8 @@ def put_unwritten(old, oldw, pos, val, sh, width):
             if (pos[k] >> sh) == (pos[k + 1] >> sh):
                 s = np.uint64(width * (pos[k] & low))
                 xn[k - c0] = (xn[k + 1 - c0] & ~(emask << s)) | (np.uint64(val[k]) << s)
-        for k in range(c0, c1):
-            w = pos[k] >> sh
-            first = np.uint64(k == c0 or w != (pos[k - 1] >> sh))
-            uw = np.uint64(w)
-            a += first * (_mix0(uw, xn[k - c0]) - _mix0(uw, xo[k - c0]))
-            b += first * (_mix1(uw, xn[k - c0]) - _mix1(uw, xo[k - c0]))
+        ca, cb, _ = _mix_chunk(pos, c0, c1, sh, xo, xn)
+        a, b = a + ca, b + cb
         c0 = c1
     if m < pos.size:  # the last, partial word
         w = pos[m] >> sh
@@ -273,6 +281,17 @@ def _bf16_word(pairs, w):
     return lo | (hi << np.uint64(32))
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _wide_words(target, pairs, bf16, pos, c0, c1, sh, width, s, out):
+    """out[k - c0] = the narrow word holding pos[k], for k in [c0, c1)."""
+    if bf16:
+        for k in range(c0, c1):
+            out[k - c0] = _bf16_word(pairs, pos[k] >> sh)
+    else:
+        for k in range(c0, c1):
+            out[k - c0] = _wide_word(target, (pos[k] >> sh) << sh, 1 << sh, s, width)
+
+
 @njit(nogil=True, cache=True)
 def put_wide(target, pairs, pos, val, sh, width, shift):
     """`put` into a copy held widened: element i's `width`-bit pattern is target[i] >> shift
@@ -290,26 +309,12 @@ def put_wide(target, pairs, pos, val, sh, width, shift):
     xn = np.empty(CHUNK, np.uint64)
     for c0 in range(0, m, CHUNK):
         c1 = min(m, c0 + CHUNK)
-        if bf16:
-            for k in range(c0, c1):
-                xo[k - c0] = _bf16_word(pairs, pos[k] >> sh)
-        else:
-            for k in range(c0, c1):
-                xo[k - c0] = _wide_word(target, (pos[k] >> sh) << sh, per, s, width)
+        _wide_words(target, pairs, bf16, pos, c0, c1, sh, width, s, xo)
         for k in range(c0, c1):
             target[pos[k]] = np.uint64(val[k]) << s
-        if bf16:
-            for k in range(c0, c1):
-                xn[k - c0] = _bf16_word(pairs, pos[k] >> sh)
-        else:
-            for k in range(c0, c1):
-                xn[k - c0] = _wide_word(target, (pos[k] >> sh) << sh, per, s, width)
-        for k in range(c0, c1):
-            w = pos[k] >> sh
-            first = np.uint64(k == c0 or w != (pos[k - 1] >> sh))
-            uw = np.uint64(w)
-            a += first * (_mix0(uw, xn[k - c0]) - _mix0(uw, xo[k - c0]))
-            b += first * (_mix1(uw, xn[k - c0]) - _mix1(uw, xo[k - c0]))
+        _wide_words(target, pairs, bf16, pos, c0, c1, sh, width, s, xn)
+        ca, cb, _ = _mix_chunk(pos, c0, c1, sh, xo, xn)
+        a, b = a + ca, b + cb
     if m < pos.size:  # the last, partial word
         w = pos[m] >> sh
         lo = w << sh
