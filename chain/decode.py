@@ -12,12 +12,12 @@ The same changes then bring the directory on disk forward later (chain.weights.W
 .apply_changes, merged over several versions by `merge`), never decoding twice.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from chain import codec, lanehash
-from chain.codec.api import run_jobs
+from chain.codec.api import map_jobs
 from chain.digest import state_digest
 from chain.dtypes import BY_NAME
 from chain.errors import BadDelta, ChainError, DigestMismatch
@@ -91,19 +91,18 @@ class _Decode(Fill):
                 found.append(codec.Changes(pos, new[pos]))
             else:
                 found.append(it.changes)
-        moved: list[tuple[int, int] | None] = [
-            None if ch is None else ch.digest for ch in found]
-
-        def job(i: int, old: np.ndarray, ch: codec.Changes) -> Callable[[], None]:
-            def run() -> None:
-                moved[i] = lanehash.moved_by_changes(old, ch.pos, ch.val)
-            return run
-
         # the decoder moved most digests as it went; the rest (full records, a tensor in
-        # several parts) are checked here, spread over the codec's threads
-        run_jobs([(ch.pos.size, job(i, self._base_of(it.t), ch))
-                  for i, (it, ch) in enumerate(zip(batch, found, strict=True))
-                  if ch is not None and ch.pos.size and moved[i] is None])
+        # several parts) are moved here, spread over the codec's threads
+        moved = [None if ch is None else ch.digest for ch in found]
+        rest = [i for i, ch in enumerate(found)
+                if ch is not None and ch.pos.size and ch.digest is None]
+        olds = {i: self._base_of(batch[i].t) for i in rest}
+
+        def move(i: int) -> tuple[int, int]:
+            return lanehash.moved_by_changes(olds[i], found[i].pos, found[i].val)
+
+        for i, mv in zip(rest, map_jobs(move, rest, lambda i: found[i].pos.size), strict=True):
+            moved[i] = mv
         for it, ch, mv in zip(batch, found, moved, strict=True):
             t = it.t
             parent = self.base_digests[t.name]

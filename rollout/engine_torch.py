@@ -12,7 +12,6 @@ read back from the live parameter in the checkpoint's dtype (chain.lanehash, add
 that does not land exactly leaves the engine without a version, so it reloads a directory.
 """
 
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from chain import lanehash
-from chain.codec.api import run_jobs
+from chain.codec.api import map_jobs
 from chain.digest import state_digest
 from chain.dtypes import lookup
 from chain.errors import ChainError
@@ -132,20 +131,17 @@ class TorchEngine:
                                    "engine holds")
         digests = dict(self.digests)
         self._version = None  # until every tensor is checked
-        moved: dict[str, str] = {}
 
-        def job(t: TensorPatch) -> Callable[[], None]:
-            def run() -> None:
-                with torch.no_grad():
-                    moved[t.name] = self._patch_one(params[t.name], t)
-            return run
+        def patched(t: TensorPatch) -> str:
+            with torch.no_grad():  # per thread
+                return self._patch_one(params[t.name], t)
 
         # tensors spread over the codec's threads: the kernels release the GIL, and a patch
         # is one scattered pass over memory whose misses two threads overlap
-        run_jobs([(int(t.indices.size), job(t)) for t in patch.tensors])
-        for t in patch.tensors:
-            digests[t.name] = moved[t.name]
-            if digests[t.name] != t.digest:
+        moved = map_jobs(patched, patch.tensors, lambda t: int(t.indices.size))
+        for t, digest in zip(patch.tensors, moved, strict=True):
+            digests[t.name] = digest
+            if digest != t.digest:
                 raise PatchMismatch(f"{t.name} does not match patch v{patch.version}'s "
                                     "digest after patching; reload a directory")
         if state_digest(digests) != patch.state_digest:

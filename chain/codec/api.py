@@ -11,6 +11,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
@@ -20,6 +21,9 @@ from chain.codec import kernels
 from chain.codec.aot import bind
 from chain.codec.kernels import ERR_COUNT, ERR_GAP, ERR_STREAM, ERR_VALUE, model_size
 from chain.errors import BadDelta
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 LOG2_SEG = 20
 THREADS = 2
@@ -105,6 +109,21 @@ def run_jobs(jobs: list[tuple[int, Callable[[], None]]], threads: int = THREADS)
             error = error or e
     if error is not None:
         raise error
+
+
+def map_jobs(fn: Callable[[T], R], items: Sequence[T], weight: Callable[[T], int],
+             threads: int = THREADS) -> list[R]:
+    """[fn(x) for x in items], spread over the codec's threads as `run_jobs` does (`weight`
+    orders them, heaviest first): for work whose kernels release the GIL."""
+    out: list = [None] * len(items)
+
+    def job(i: int, x: T) -> Callable[[], None]:
+        def run() -> None:
+            out[i] = fn(x)
+        return run
+
+    run_jobs([(weight(x), job(i, x)) for i, x in enumerate(items)], threads)
+    return out
 
 
 def _run_all(jobs) -> None:

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from chain.codec.api import run_jobs
+from chain.codec.api import map_jobs, run_jobs
 
 
 def test_an_error_reaches_the_caller_only_after_the_pool_threads_job_ended() -> None:
@@ -25,3 +25,16 @@ def test_an_error_reaches_the_caller_only_after_the_pool_threads_job_ended() -> 
     with pytest.raises(ValueError, match="bad patch"):
         run_jobs([(1 << 20, job), (1 << 20, job)], threads=2)
     assert done.is_set()
+
+
+def test_map_jobs_returns_each_result_in_the_items_order_whichever_thread_ran_it() -> None:
+    seen: set[str] = set()
+
+    def square(x: int) -> int:
+        seen.add(threading.current_thread().name)
+        time.sleep(0.01)
+        return x * x
+
+    items = list(range(40))
+    assert map_jobs(square, items, lambda x: 1 << 20) == [x * x for x in items]
+    assert len(seen) == 2  # both of the codec's threads took some
