@@ -100,7 +100,8 @@ def _ascending(idx: np.ndarray, step: int = 1 << 20) -> bool:
 
 def read_patch(path: Path) -> Patch:
     """The patch in `path`, checked for shape: every tensor has positions and values of one
-    length, positions inside the tensor; a BadPatch names what does not fit.
+    length, positions strictly ascending and inside the tensor; a BadPatch names what does not
+    fit.
 
     The arrays are a private (copy-on-write) map of the file, not a copy: reading 100 MB into
     fresh memory cost 0.25 s of page faults here, more than the patch itself. A map is safe

@@ -64,7 +64,6 @@ class WorkerConfig(Section):
     """With `pace_per_version`: versions of credit beyond the latest one seen, so the next
     batch is generated while the trainer trains (0 = strictly one share per version)."""
 
-
     @model_validator(mode="after")
     def _engine_reachable(self) -> "WorkerConfig":
         if self.engine == "vllm" and self.vllm_url is None:

@@ -89,20 +89,23 @@ def test_worker_flags_override_the_config_file():
     assert cfg.group_size == 4 and cfg.region == "eu-west"
 
 
-def test_worker_config_with_unknown_field_is_refused(tmp_path, capsys):
+def _refused_worker(tmp_path, capsys, extra: str) -> tuple[Path, str]:
+    """A worker config of the required fields plus `extra`, refused: its path and the error."""
     bad = tmp_path / "w.yaml"
-    bad.write_text("daemon: http://x:1\ntoken: t\nsurprise: 1\n")
+    bad.write_text("daemon: http://x:1\ntoken: t\n" + extra)
     with pytest.raises(SystemExit):
         parse_args(["--config", str(bad)])
-    assert "surprise" in capsys.readouterr().err
+    return bad, capsys.readouterr().err
+
+
+def test_worker_config_with_unknown_field_is_refused(tmp_path, capsys):
+    _, err = _refused_worker(tmp_path, capsys, "surprise: 1\n")
+    assert "surprise" in err
 
 
 def test_a_vllm_worker_needs_its_servers_url_and_passes_it_to_the_engine(tmp_path, capsys):
-    bad = tmp_path / "w.yaml"
-    bad.write_text("daemon: http://x:1\ntoken: t\nengine: vllm\n")
-    with pytest.raises(SystemExit):
-        parse_args(["--config", str(bad)])
-    assert "engine: vllm needs vllm_url" in capsys.readouterr().err
+    bad, err = _refused_worker(tmp_path, capsys, "engine: vllm\n")
+    assert "engine: vllm needs vllm_url" in err
     cfg, _ = parse_args(["--config", str(bad), "--vllm-url", "http://127.0.0.1:8000"])
     assert cfg.engine_kwargs() == {"base_url": "http://127.0.0.1:8000", "model": "deltaswarm"}
     from rollout.engine import make_engine
