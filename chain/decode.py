@@ -23,7 +23,7 @@ from chain.dtypes import BY_NAME
 from chain.errors import BadDelta, ChainError, DigestMismatch
 from chain.fill import Fill, _Item
 from chain.gcpause import without_gc
-from chain.manifest import Manifest
+from chain.manifest import Manifest, TensorEntry
 from chain.patchfile import Patch, TensorPatch
 from chain.safetensors_io import TensorFiles
 from chain.stream import BlockReader
@@ -68,10 +68,21 @@ class _Decode(Fill):
         self.olds: dict[str, np.ndarray] = {}
         self.out_patches: list[TensorPatch] = []
 
-    def _base_of(self, t):
+    def _source(self, t: TensorEntry, at: int, count: int
+                ) -> tuple[np.ndarray, codec.Layers]:
+        """A whole-tensor record decodes against the version on disk with the patches since
+        laid over it segment by segment in the decoder's threads; a part of a tensor against
+        an overlaid copy (rare: only a sharded publisher's tensors come in parts)."""
+        layers = self.overlay.get(t.name)
+        if layers and (at, count) == (0, t.numel) and t.name not in self.olds:
+            return self._base_of(t), [(p.indices, p.values) for p in layers]
+        return self._old(t)[at:at + count], ()
+
+    def _old(self, t: TensorEntry) -> np.ndarray:
+        """Tensor `t` as the parent version holds it: the disk's, overlaid in a copy."""
         arr = self.olds.get(t.name)
         if arr is None:
-            arr = super()._base_of(t)
+            arr = self._base_of(t)
             layers = self.overlay.get(t.name)
             if layers:
                 arr = arr.copy()
@@ -87,7 +98,7 @@ class _Decode(Fill):
             t = it.t
             if it.op == "full":
                 new = self.out.bits(t.name)
-                pos = np.flatnonzero(self._base_of(t) != new).astype(np.int64)
+                pos = np.flatnonzero(self._old(t) != new).astype(np.int64)
                 found.append(codec.Changes(pos, new[pos]))
             else:
                 found.append(it.changes)
@@ -96,7 +107,7 @@ class _Decode(Fill):
         moved = [None if ch is None else ch.digest for ch in found]
         rest = [i for i, ch in enumerate(found)
                 if ch is not None and ch.pos.size and ch.digest is None]
-        olds = {i: self._base_of(batch[i].t) for i in rest}
+        olds = {i: self._old(batch[i].t) for i in rest}
 
         def move(i: int) -> tuple[int, int]:
             return lanehash.moved_by_changes(olds[i], found[i].pos, found[i].val)

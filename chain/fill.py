@@ -174,15 +174,25 @@ class Fill:
                            "tensor)")
         return b.bits(t.name)
 
+    def _source(self, t: TensorEntry, at: int, count: int
+                ) -> tuple[np.ndarray, codec.Layers]:
+        """What a delta record for elements at..at+count of `t` decodes against: the base's
+        elements, and changes the decoder lays over them first (none here)."""
+        return self._base_of(t)[at:at + count], ()
+
     def _decode(self, batch: list[_Item]) -> None:
         """Decode the batch's delta payloads against the base into each item's changes."""
         coded = [it for it in batch if it.payloads]
         for it in coded:
             self.base.prefault(it.t.name)
         if coded:
-            decoded = iter(codec.decode_many([
-                (self._base_of(it.t)[at:at + count], payload, it.t.dtype)
-                for it in coded for at, count, payload in it.payloads], moves=self.moves))
+            records = [(it.t, at, count, payload) for it in coded
+                       for at, count, payload in it.payloads]
+            sources = [self._source(t, at, count) for t, at, count, _ in records]
+            decoded = iter(codec.decode_many(
+                [(base, payload, t.dtype) for (t, _, _, payload), (base, _) in
+                 zip(records, sources, strict=True)],
+                moves=self.moves, overlays=[layers for _, layers in sources]))
             for it in coded:
                 parts = sorted(((at, next(decoded)) for at, _, _ in it.payloads),
                                key=lambda p: p[0])

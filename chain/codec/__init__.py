@@ -4,6 +4,7 @@ entropy of (tensor segment, old exponent) contexts. See chain/codec/kernels.py f
 
 from chain.codec.api import (
     Changes,
+    Layers,
     apply_many,
     apply_tensor_delta,
     decode_many,
@@ -13,5 +14,5 @@ from chain.codec.api import (
     payload_stats,
 )
 
-__all__ = ["Changes", "apply_many", "apply_tensor_delta", "decode_many", "encode_changes",
+__all__ = ["Changes", "Layers", "apply_many", "apply_tensor_delta", "decode_many", "encode_changes",
            "encode_many", "encode_tensor_delta", "payload_stats"]

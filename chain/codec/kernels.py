@@ -496,12 +496,12 @@ def _hit(i, x, e, lo, slack, ptr, gp, gaps, steps, out_pos, out_val, m, width, i
 @njit(nogil=True, cache=True)
 def decode_segment(target, lo, hi, words, buf, tstart, gstart, vstart, sstart, send, kseg,
                    shift, cmask, nctx, width, is_float, models, slack, kk, rpar, ptr, gp, gaps,
-                   steps, out_pos, out_val, obase):
+                   steps, out_pos, out_val, obase, toff):
     """Decode one segment's streams (table buf[tstart:gstart], gaps [gstart:vstart],
-    magnitudes [vstart:sstart], signs [sstart:send]) against target[lo:hi] (read only;
-    `words`: as for encoding) into out_pos/out_val[obase:obase+kseg], in position order
-    (`gaps`, `steps`: scratch of kseg + nctx entries). Returns (error code, OK = 0; result
-    hash)."""
+    magnitudes [vstart:sstart], signs [sstart:send]) against elements lo..hi of the old
+    tensor, which `target` holds from element `toff` on (read only; `words`: as for encoding)
+    into out_pos/out_val[obase:obase+kseg], in position order (`gaps`, `steps`: scratch of
+    kseg + nctx entries). Returns (error code, OK = 0; result hash)."""
     sh = np.uint64(shift)
     cm = np.uint64(cmask)
     seglen = hi - lo
@@ -577,7 +577,7 @@ def decode_segment(target, lo, hi, words, buf, tstart, gstart, vstart, sstart, s
     tail = lo
     if words:
         n4 = seglen // 4
-        wt = target[lo:lo + 4 * n4].view(np.uint64)
+        wt = target[lo - toff:lo - toff + 4 * n4].view(np.uint64)
         ff = np.uint64(0xFFFF)
         for u in range(n4):
             v = wt[u]
@@ -592,7 +592,7 @@ def decode_segment(target, lo, hi, words, buf, tstart, gstart, vstart, sstart, s
                     m += 1
         tail = lo + 4 * n4
     for i in range(tail, hi):
-        x = target[i]
+        x = target[i - toff]
         e = _ctx(x, sh, cm)
         s = slack[e]
         slack[e] = s - 1
