@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# Rebuild the compiled kernels (after editing chain/codec/kernels.py or chain/lanehash.py).
+# Rebuild the compiled kernels (after editing chain/codec/kernels.py, aot.py or chain/lanehash.py).
 aot: $(STAMP)
 	$(PY) -m chain.codec.build_aot
 

@@ -89,7 +89,10 @@ def served(d, version: int, engine: str) -> dict | None:
     return phases(d).get(version, {}).get("served", {}).get(engine)
 
 
-def wait(pred, timeout: float, what: str, interval: float = 0.05):
+def wait(pred, timeout: float, what: str, interval: float = 0.25):
+    """Poll `pred` until it returns something true. The figures are the daemons' own
+    timestamps, so the interval sets no resolution; polling every 50 ms (status documents
+    from every daemon) took CPU from the decode being measured."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         got = pred()

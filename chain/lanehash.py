@@ -344,8 +344,8 @@ def sum_at(widx, wvals):
 def moved_by_words(widx: np.ndarray, old: np.ndarray, new: np.ndarray) -> tuple[int, int]:
     """The digest change when the words at indices `widx` go from `old` to `new` (uint64):
     what an engine that patched its own copy reads back around the positions it wrote."""
-    a0, b0 = sum_at(widx, old)
-    a1, b1 = sum_at(widx, new)
+    a0, b0 = _sum_at(widx, old)
+    a1, b1 = _sum_at(widx, new)
     return (int(a1) - int(a0)) & M64, (int(b1) - int(b0)) & M64
 
 
@@ -388,6 +388,8 @@ _pull_put = bind(pull_put, "pull_put")
 _put = bind(put, "put")
 _put_at = bind(put_at, "put_at")
 _put_unwritten = bind(put_unwritten, "put_unwritten")
+_put_wide = bind(put_wide, "put_wide")
+_sum_at = bind(sum_at, "sum_at")
 _pull = bind(pull, "pull")
 fast_gather = bind(gather, "gather")
 fast_moved_words = bind(moved_words, "moved_words")
@@ -421,7 +423,7 @@ def moved_by_put_wide(target: np.ndarray, pos: np.ndarray, val: np.ndarray,
     sh, width = word_layout(val)
     pairs = words(target) if target.itemsize == 4 and sys.byteorder == "little" \
         else np.empty(0, np.uint64)
-    return put_wide(target, pairs, pos, val, sh, width, shift)
+    return _put_wide(target, pairs, pos, val, sh, width, shift)
 
 
 def moved_by_changes(old: np.ndarray, pos: np.ndarray, val: np.ndarray) -> tuple[int, int]:

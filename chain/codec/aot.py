@@ -1,6 +1,6 @@
-"""The codec and digest kernels compiled ahead of time, at install, so neither a region applying
-its first delta nor a publisher encoding its first version waits on numba's JIT (the engines'
-small helpers, lanehash.put_wide and sum_at, still compile on first use).
+"""The codec and digest kernels compiled ahead of time, at install, so no region applying its
+first delta, publisher encoding its first version or engine patching its first version waits
+on numba's JIT (even a warm JIT cache cost an engine 0.16 s loading put_wide at its first patch).
 
 `make install` runs `python -m chain.codec.build_aot`: numba's AOT compiler (`numba.pycc`)
 builds the same kernel functions (chain/codec/kernels.py, chain/lanehash.py) into extension
@@ -33,8 +33,10 @@ MODULE = "_aot"
 STAMP = HERE / f"{MODULE}.json"
 """Written last by a build: the modules it made and what they were built from."""
 SOURCES = (HERE / "kernels.py", HERE / "rangecoder.py", HERE.parent / "lanehash.py",
-           HERE / "build_aot.py")
-"""What the compiled code depends on: any edit makes the module stale (the JIT runs instead)."""
+           HERE / "build_aot.py", HERE / "aot.py")
+"""What the compiled code depends on: any edit makes the module stale (the JIT runs instead).
+This file too: its SPEC says what each module exports, and a module built before a kernel
+joined SPEC lacks it."""
 
 ELEMS = ("u1", "u2", "u4", "u8")
 """Element widths: every dtype the chain carries is handled as one of these (chain/dtypes.py)."""
@@ -59,6 +61,8 @@ SPEC: dict[str, tuple[str, list[str]]] = {
     "gather": ("chain.lanehash", ["W", "i8", "W"]),
     "moved_words": ("chain.lanehash", ["u8", "u8", "i", "i8", "i", "i", "i"]),
     "sum_words": ("chain.lanehash", ["u8", "i"]),
+    "put_wide": ("chain.lanehash", ["u4", "u8", "i8", "u2", "i", "i", "i"]),
+    "sum_at": ("chain.lanehash", ["i8", "u8"]),
 }
 _DT = {"u1": np.uint8, "u2": np.uint16, "u4": np.uint32, "u8": np.uint64, "i4": np.int32,
        "i8": np.int64}

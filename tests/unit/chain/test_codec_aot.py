@@ -44,7 +44,7 @@ def _digest_parts(arr: np.ndarray) -> list[tuple[int, int]]:
 def _jit_only(monkeypatch: pytest.MonkeyPatch) -> None:
     for k in (api.encode_segment, api.decode_segment, api.scatter, lanehash._put,
               lanehash._pull, lanehash._pull_put, lanehash._diff_pairs, lanehash._sum_words,
-              lanehash._put_unwritten,
+              lanehash._put_unwritten, lanehash._put_wide, lanehash._sum_at,
               lanehash.fast_gather):
         monkeypatch.setattr(k, "_table", {})
 
@@ -83,6 +83,26 @@ def test_compiled_and_jit_kernels_agree_bit_for_bit(dtype: str,
     api.apply_many([(jit_target, payload, dtype)])
     assert np.array_equal(jit_target, target)
     assert parts == _digest_parts(new)
+
+
+def test_the_engines_helpers_run_compiled_and_agree_with_the_jit(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine's first patch (bf16 changes into an fp32 copy, and the read-back word check)
+    must not wait on numba: both helpers have compiled variants, equal to the JIT's."""
+    old, new = _pair("bfloat16", 40_000, seed=3)
+    pos = np.flatnonzero(old != new).astype(np.int64)
+    widx = np.unique(pos >> 2)
+    w_old, w_new = lanehash.words(old)[widx].copy(), lanehash.words(new)[widx].copy()
+    wide = old.astype(np.uint32) << 16
+    before = dict(aot.status()["jit_fallbacks"])
+    put = lanehash.moved_by_put_wide(wide, pos, new[pos], 16)
+    summed = lanehash.moved_by_words(widx, w_old, w_new)
+    assert aot.status()["jit_fallbacks"] == before, "an engine helper missed its variant"
+    assert np.array_equal(wide >> 16, new)
+    assert put == summed == lanehash.moved_between(old, new, pos)
+    _jit_only(monkeypatch)
+    assert lanehash.moved_by_put_wide(old.astype(np.uint32) << 16, pos, new[pos], 16) == put
+    assert lanehash.moved_by_words(widx, w_old, w_new) == summed
 
 
 def test_stale_stamp_falls_back_to_the_jit(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
