@@ -46,7 +46,6 @@ import json
 import logging
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,6 +66,7 @@ from vllm.model_executor.model_loader.reload import (
     initialize_layerwise_reload,
 )
 
+from chain.codec.api import map_jobs
 from chain.digest import state_digest
 from chain.dtypes import lookup as chain_dtype
 from chain.patchfile import BadPatch, Patch, TensorPatch, read_patch
@@ -356,9 +356,10 @@ class DeltaswarmWeightTransferEngine(WeightTransferEngine[DeltaswarmInitInfo,
             ready.append((m, tp))
             s.loaded_bytes += tp.indices.size * (8 + tp.values.itemsize)
         # tensors are independent (fused blocks are word-aligned row ranges): the host kernels
-        # release the GIL, so a few threads share the walk
-        with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
-            s.results = list(pool.map(lambda a: patcher.apply(*a, check=info.check), ready))
+        # release the GIL, so the codec's threads share the walk, largest tensors first (a
+        # pool of four made per update took 97-109 ms for 1 % of 1B bf16, these 82 ms)
+        s.results = map_jobs(lambda a: patcher.apply(*a, check=info.check), ready,
+                             lambda a: int(a[1].indices.size))
         s.loaded = sorted(t.name for t in patch.tensors)
         if slow:
             s.mode = "patch+reload"

@@ -22,8 +22,9 @@ class FakeBackend:
     """Records (route, query, body); `verdicts` says per round whether the check passes
     (None: the worker writes no report). The last verdict repeats."""
 
-    def __init__(self, verdicts: list[bool | None]) -> None:
+    def __init__(self, verdicts: list[bool | None], refuse_patches: bool = False) -> None:
         self.verdicts = verdicts
+        self.refuse_patches = refuse_patches
         self.calls: list[tuple[str, dict, dict]] = []
         self.report_dir: Path | None = None
         self.update: dict = {}
@@ -35,6 +36,8 @@ class FakeBackend:
             self.report_dir = Path(body["init_info"]["report_dir"])
         elif request.path == "/update_weights":
             self.update = body["update_info"]
+            if self.refuse_patches and "patch" in self.update:
+                return web.json_response({"error": "cannot patch in place"}, status=400)
         elif request.path == "/finish_weight_update":
             ok = self.verdicts[0] if len(self.verdicts) == 1 else self.verdicts.pop(0)
             if ok is not None:
@@ -58,7 +61,9 @@ class FakeBackend:
         return [c[2]["update_info"]["mode"] for c in self.calls if c[0] == "/update_weights"]
 
 
-async def run_hook(fake: FakeBackend, tmp_path: Path, version: int = 5) -> VllmBackendHook:
+async def run_hook(fake: FakeBackend, tmp_path: Path, version: int = 5,
+                   versions: int = 1, patches: bool = False) -> VllmBackendHook:
+    """Notify `versions` versions from `version` on, each with a patch file if `patches`."""
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", fake.handle)
     runner = web.AppRunner(app)
@@ -66,14 +71,20 @@ async def run_hook(fake: FakeBackend, tmp_path: Path, version: int = 5) -> VllmB
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     port = runner.addresses[0][1]
-    vdir = tmp_path / "weights" / f"v{version:08d}"
-    vdir.mkdir(parents=True)
     cfg = VllmHook(type="vllm", url=f"http://127.0.0.1:{port}", timeout_s=10)
     try:
         async with aiohttp.ClientSession() as session:
             hook = VllmBackendHook(cfg, session, tmp_path / "state")
             try:
-                await hook.notify(version, vdir, "digest")
+                for v in range(version, version + versions):
+                    vdir = tmp_path / "weights" / f"v{v:08d}"
+                    vdir.mkdir(parents=True)
+                    (vdir / "VERSION.json").write_text("{}")  # on disk: a refusal's fallback
+                    patch = tmp_path / "patches" / f"v{v:08d}.patch" if patches else None
+                    if patch is not None:
+                        patch.parent.mkdir(exist_ok=True)
+                        patch.write_bytes(b"")
+                    await hook.notify(v, vdir, "digest", patch=patch)
             finally:
                 fake.hook = hook
             return hook
@@ -96,6 +107,25 @@ async def test_an_update_names_the_version_and_resumes_once_the_check_passes(
     c = hook.check
     assert (c.ok, c.last_version, c.checks, c.checked, c.unreadable) == (True, 5, 1, 20, 1)
     assert (c.mismatches, c.repairs) == (0, 0)
+
+
+async def test_the_backend_is_told_where_things_are_once_until_a_round_fails(
+        tmp_path: Path) -> None:
+    """init_weight_transfer_engine costs every version 11-16 ms: it is sent once, and again
+    after a refused patch (a restarted vLLM has forgotten it) before the directory round."""
+    fake = FakeBackend([True])
+    await run_hook(fake, tmp_path, versions=3, patches=True)
+    assert fake.routes().count("/init_weight_transfer_engine") == 1
+    assert fake.routes().count("/update_weights") == 3
+    refused = FakeBackend([True], refuse_patches=True)
+    await run_hook(refused, tmp_path / "again", versions=2, patches=True)
+    routes = refused.routes()
+    assert routes.count("/init_weight_transfer_engine") == 3  # first, then after each refusal
+    first_retry = routes.index("/update_weights") + 1
+    assert routes[first_retry:first_retry + 3] == [
+        "/init_weight_transfer_engine", "/start_weight_update", "/update_weights"]
+    assert [c[2]["update_info"].get("patch") is None for c in refused.calls
+            if c[0] == "/update_weights"] == [False, True, False, True]
 
 
 async def test_a_mismatch_sets_off_a_full_reload_and_is_reported(tmp_path: Path) -> None:
