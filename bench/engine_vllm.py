@@ -103,13 +103,16 @@ async def run_versions(url: str, root: Path, state: dict, digests: dict, files: 
             prep = time.perf_counter() - t0
             up = await patch_update(hook, v, vdir, patch)
             c = hook.check.as_dict()
+            backend = [json.loads(f.read_text()).get("seconds")
+                       for f in (root / "state" / "engine-reports").glob("*.json")]
             rl = await reload_update(url, v, vdir)
             row = {"version": v, "warmup": v == 1, "update_s": round(up, 3),
                    "reload_s": round(rl, 3), "ratio": round(rl / up, 2), "mode": c["mode"],
                    "ok": c["ok"], "kind": c["kind"], "state_digest_ok": c["state_digest_ok"],
                    "words": c["words"], "verdict_s": round(c["check_s"], 3),
                    "patch_bytes": patch.stat().st_size, "prepare_s": round(prep, 1),
-                   "phases": {k: round(x, 3) for k, x in c["phases"].items()}}
+                   "phases": {k: round(x, 3) for k, x in c["phases"].items()},
+                   "backend_s": [{k: round(x, 3) for k, x in b.items()} for b in backend if b]}
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
             old_dir = weights / f"v{v - 1:08d}"

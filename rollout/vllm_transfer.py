@@ -316,10 +316,12 @@ class DeltaswarmWeightTransferEngine(WeightTransferEngine[DeltaswarmInitInfo,
         ppath = self._confined(info.patch, "patch")
         if info.path:
             self._confined(info.path, "path")
+        t0 = time.perf_counter()
         try:
             patch = read_patch(ppath)
         except BadPatch as e:
             raise ValueError(str(e)) from None
+        s.seconds["read_patch"] = time.perf_counter() - t0
         if patch.version != info.version or patch.parent != info.version - 1:
             raise ValueError(f"{ppath} patches v{patch.parent} to v{patch.version}, not "
                              f"v{info.version - 1} to v{info.version}")
@@ -332,8 +334,11 @@ class DeltaswarmWeightTransferEngine(WeightTransferEngine[DeltaswarmInitInfo,
             raise ValueError(f"cannot patch v{info.version} in place: the engine's "
                              f"{stale[:3]} are not v{patch.parent}'s")
         s.mode, s.patch = "patch", patch
+        t1 = time.perf_counter()
+        s.seconds["base"] = t1 - t0 - s.seconds["read_patch"]
         try:
             self._write_patch(s, info, patch)
+            s.seconds["write_patch"] = time.perf_counter() - t1
         except BaseException:
             self.loaded_version = None  # written in part: only a full round can tell now
             raise

@@ -6,6 +6,7 @@ reused, so a call allocates only its output and an exact-size scratch for the de
 Guarantee on refusal: `apply_*` raises BadDelta before writing anything to any target.
 """
 
+import os
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -88,6 +89,15 @@ def _ws() -> _Workspace:
     return ws
 
 
+def usable_cpus() -> int:
+    """CPUs this thread may run on: a process pinned to one core (vLLM's CPU worker on a
+    2-core host, a service with CPUAffinity=) gains nothing from a second thread."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def run_jobs(jobs: list[tuple[int, Callable[[], None]]], threads: int = THREADS) -> None:
     """Run (weight, job) pairs, heaviest first, on `threads` workers that each take the next
     job when done with one: the weights only order the work, so a segment that turns out
@@ -95,6 +105,7 @@ def run_jobs(jobs: list[tuple[int, Callable[[], None]]], threads: int = THREADS)
     global _pool
     total = sum(w for w, _ in jobs)
     ordered = [job for _, job in sorted(jobs, key=lambda j: -j[0])]
+    threads = min(threads, usable_cpus())
     if threads < 2 or len(jobs) < 2 or total < _PARALLEL_MIN:
         _run_all(iter(ordered))
         return

@@ -38,3 +38,23 @@ def test_map_jobs_returns_each_result_in_the_items_order_whichever_thread_ran_it
     items = list(range(40))
     assert map_jobs(square, items, lambda x: 1 << 20) == [x * x for x in items]
     assert len(seen) == 2  # both of the codec's threads took some
+
+
+def test_a_thread_pinned_to_one_cpu_runs_every_job_itself() -> None:
+    """vLLM's CPU worker on a 2-core host is pinned to one core: a second thread there only
+    takes turns with the first."""
+    import os
+
+    seen: set[str] = set()
+    got: list = []
+
+    def pinned() -> None:
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # this thread only
+        got.append(map_jobs(lambda x: seen.add(threading.current_thread().name) or x, range(8),
+                            lambda x: 1 << 20))
+
+    t = threading.Thread(target=pinned, name="pinned")
+    t.start()
+    t.join(30)
+    assert got == [list(range(8))]
+    assert seen == {"pinned"}
