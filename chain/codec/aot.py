@@ -52,6 +52,7 @@ SPEC: dict[str, tuple[str, list[str]]] = {
         "W", "i", "i", "b", "u1", "i", "i", "i", "i", "i", "i", "i", "i", "i", "i", "b", "i4",
         *_I8, "i8", "i8", "i4", "W", "i", "i"]),
     "scatter": ("chain.codec.kernels", ["W", "i", "i4", "W", "i", "i"]),
+    "scatter_from": ("chain.codec.kernels", ["W", "i8", "W", "i", "i", "i"]),
     "diff_pairs": ("chain.lanehash", ["W", "u8", "W", "u8", "i8", "i", "i"]),
     "pull_put": ("chain.lanehash", ["W", "u8", "W", "i8", "i8", "W", "i", "i"]),
     "put": ("chain.lanehash", ["W", "u8", "i8", "W", "i", "i"]),

@@ -77,6 +77,7 @@ _NO_KEEP = np.empty(0, np.int64)
 encode_segment = bind(kernels.encode_segment, "encode_segment")
 decode_segment = bind(kernels.decode_segment, "decode_segment")
 scatter = bind(kernels.scatter, "scatter")
+scatter_from = bind(kernels.scatter_from, "scatter_from")
 _local = threading.local()
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -403,6 +404,9 @@ def _plan_apply(t: int, target: np.ndarray, payload, dtype: str, jobs: list, wri
         data = buf[h.body_start:h.body_end].view(c.dtype.uint)
         return t, [], target, hdr.RAW, data, 0
     seg, words = 1 << h.log2_seg, _words(target)
+    # where each segment's changes begin in each overlay layer, found once per tensor
+    starts = np.arange(0, h.n + seg, seg, dtype=np.int64)
+    cuts = [np.searchsorted(lpos, starts) for lpos, _ in layers]
     pos = np.empty(h.k, np.int32)
     val = np.empty(h.k, c.dtype.uint)
     errs = [(0, 0, 0, 0)] * len(h.seg_k)
@@ -412,8 +416,10 @@ def _plan_apply(t: int, target: np.ndarray, payload, dtype: str, jobs: list, wri
         lo, hi = s * seg, min(h.n, (s + 1) * seg)
         bounds = tuple(start + sum(lens[:i]) for i in range(hdr.STREAMS + 1))
         if ks:
+            over = [(lpos, lval, int(cut[s]), int(cut[s + 1]))
+                    for (lpos, lval), cut in zip(layers, cuts, strict=True)]
             job = _decode_job(target, lo, hi, words, buf, bounds, ks, c, pos, val, base, errs, s,
-                              moves, layers)
+                              moves, over)
             jobs.append((hi - lo + _CHANGE_COST * ks, job))
             segs.append((lo, pos, val, base, base + ks))
         elif sum(lens):
@@ -424,17 +430,16 @@ def _plan_apply(t: int, target: np.ndarray, payload, dtype: str, jobs: list, wri
 
 
 def _decode_job(target, lo, hi, words, buf, bounds, ks, c: hdr.Coding, pos, val, base, errs,
-                s, moves: bool, layers: Layers) -> Callable[[], None]:
+                s, moves: bool, over: list[tuple[np.ndarray, np.ndarray, int, int]]
+                ) -> Callable[[], None]:
     def job() -> None:
         ws = _ws()
         old, toff = target, 0
-        if len(layers):  # the segment's old elements, brought forward in this thread's buffer
+        if over:  # the segment's old elements, brought forward in this thread's buffer
             old, toff = ws.segment(hi - lo, target.dtype), lo
             old[:] = target[lo:hi]
-            for lpos, lval in layers:
-                a, b = (int(x) for x in np.searchsorted(lpos, (lo, hi)))
-                if b > a:
-                    lanehash.moved_by_put_at(old, lpos[a:b], lval[a:b], lo)
+            for lpos, lval, a, b in over:  # this segment's share of each layer, in order
+                scatter_from(old, lpos, lval, lo, a, b)
         err, hsh = decode_segment(old, lo, hi, words and _words(old), buf, *bounds, ks,
                                   c.shift, c.cmask, c.nctx, c.dtype.bits, c.is_float, ws.models,
                                   *ws.ctx[:5], *ws.changes(ks + c.nctx)[:2], pos, val, base,

@@ -612,3 +612,11 @@ def decode_segment(target, lo, hi, words, buf, tstart, gstart, vstart, sstart, s
 def scatter(target, lo, pos, val, start, stop):
     for j in range(start, stop):
         target[lo + pos[j]] = val[j]
+
+
+@njit(nogil=True, cache=True)
+def scatter_from(target, pos, val, off, start, stop):
+    """target[pos[j] - off] = val[j] for j in start..stop: tensor positions written into a
+    buffer holding the tensor's elements from `off` on (a decode's overlaid segment)."""
+    for j in range(start, stop):
+        target[pos[j] - off] = val[j]

@@ -42,7 +42,8 @@ def _digest_parts(arr: np.ndarray) -> list[tuple[int, int]]:
 
 
 def _jit_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    for k in (api.encode_segment, api.decode_segment, api.scatter, lanehash._put,
+    for k in (api.encode_segment, api.decode_segment, api.scatter, api.scatter_from,
+              lanehash._put,
               lanehash._pull, lanehash._pull_put, lanehash._diff_pairs, lanehash._sum_words,
               lanehash._put_unwritten, lanehash._put_wide, lanehash._sum_at,
               lanehash.fast_gather):
@@ -59,6 +60,13 @@ def test_compiled_kernels_round_trip_every_width_without_the_jit(dtype: str) -> 
     assert np.array_equal(target, new)
     decoded = api.decode_many([(old, payload, dtype)])[0]
     assert np.array_equal(decoded.pos, changes.pos) and np.array_equal(decoded.val, changes.val)
+    # a region's decode over patches its disk lacks: here a layer that brings `old` back
+    # from a copy with some elements zeroed
+    gone = changes.pos[::7].copy()
+    behind = old.copy()
+    behind[gone] = 0
+    overlaid = api.decode_many([(behind, payload, dtype)], overlays=[[(gone, old[gone])]])[0]
+    assert np.array_equal(overlaid.pos, changes.pos)
     moved = lanehash.moved_by_put(old.copy(), decoded.pos, decoded.val)
     assert (moved[0] & lanehash.M64, moved[1] & lanehash.M64) == changes.digest
     assert lanehash.moved_by_changes(old, decoded.pos, decoded.val) == \
