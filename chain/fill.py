@@ -28,7 +28,6 @@ from chain.stream import BlockReader, RecordHeader
 from chain.versiondir import VersionInfo
 
 BATCH = 1 << 24
-_NONE = codec.Changes(np.empty(0, np.int64), np.empty(0, np.uint8))
 
 
 @dataclass
@@ -237,7 +236,9 @@ class Fill:
         def job() -> None:
             name = it.t.name
             slot, src = self.out.bits(name), self._base_of(it.t)
-            ch = it.changes if it.changes is not None else _NONE
+            # no changes: still typed as the tensor, or the kernels below miss their compiled
+            # variant and JIT-compile in the middle of a region's disk pass
+            ch = it.changes if it.changes is not None else codec.Changes.none(slot.dtype)
             digest = None
             if not self.resumed and self.own is not None and name in self.own and self.steps \
                     and all(s is not None and s.get(name) is not None for s in self.steps):

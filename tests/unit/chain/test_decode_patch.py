@@ -118,3 +118,24 @@ def test_a_damaged_patch_file_is_a_clear_error(tmp_path, signing_key):
     t.indices[1] = np.int64(-5)  # ends in range, a wild position inside: the kernels would write it
     with pytest.raises(BadPatch, match="not strictly ascending"):
         read_patch(write_patch(tmp_path / "r", p))
+
+
+def test_the_disk_catch_up_takes_the_compiled_kernels_for_unchanged_tensors(tmp_path,
+                                                                           signing_key):
+    """A tensor no patch changed (here `step.count`) must not send the catch-up's digest move
+    to numba's JIT (an empty change set typed uint8 once did: a compile mid-pass on a fresh
+    host, 0.16 s from a warm cache)."""
+    from chain.codec import aot
+
+    if aot.status()["kernels"] != "aot":
+        pytest.skip(f"compiled kernels not in use here: {aot.status()['reason']}")
+    store = ChainStore(tmp_path / "chain", signing_key.public_key())
+    build_chain(store, signing_key, 3)
+    w = WeightsDir(tmp_path / "w")
+    w.apply(store.plan(None, 1), getter(store))
+    patches = _patches(store, w, 3)
+    assert "step.count" not in {t.name for p in patches for t in p.tensors}
+    before = dict(aot.status()["jit_fallbacks"])
+    cur = w.apply_changes(store.manifest("v00000003.delta"), 1, merge(patches), getter(store))
+    assert cur.version == 3
+    assert aot.status()["jit_fallbacks"] == before
