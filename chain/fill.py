@@ -28,6 +28,8 @@ from chain.stream import BlockReader, RecordHeader
 from chain.versiondir import VersionInfo
 
 BATCH = 1 << 24
+PART = 1 << 22
+"""Elements one write job covers: a multiple of every dtype's elements per 64-bit word."""
 
 
 @dataclass
@@ -41,7 +43,10 @@ class _Item:
     changes: codec.Changes | None = None
     digest: str | None = None
     repaired: bool = False
-    pulled: list = field(default_factory=list)
+    forward: bool = False
+    """The slot is brought forward from its older version (else copied from the base)."""
+    moves: list = field(default_factory=list)
+    """Each write job's digest move (lane sums), summed into `digest` at the end."""
 
 
 class Fill:
@@ -205,9 +210,18 @@ class Fill:
 
     def _batch(self, batch: list[_Item]) -> None:
         self._decode(batch)
-        jobs = [(it.t.numel, self._job(it)) for it in batch
-                if not it.done and it.op != "full"]
-        run_jobs(jobs)
+        work = [it for it in batch if not it.done and it.op != "full"]
+        for it in work:
+            it.forward = self._can_pull(it)
+        run_jobs([job for it in work for job in self._parts(it)])
+        # a tensor brought forward whose older version was not what VERSION.json says:
+        # copied whole from the base instead, then patched
+        redo = [it for it in work if not self._finish(it)]
+        for it in redo:
+            it.forward, it.repaired = False, True
+        run_jobs([job for it in redo for job in self._parts(it)])
+        for it in redo:
+            self._finish(it)
         full = [it for it in batch if not it.done and it.op == "full"]
         for it, d in zip(full, tensor_digests([(it.t.dtype, it.t.shape,
                                                 self.out.bits(it.t.name)) for it in full]),
@@ -232,32 +246,57 @@ class Fill:
             if self.progress:
                 self.progress(self.what, it.index + 1, len(self.tensors))
 
-    def _job(self, it: _Item) -> Callable[[], None]:
-        def job() -> None:
-            name = it.t.name
-            slot, src = self.out.bits(name), self._base_of(it.t)
-            # no changes: still typed as the tensor, or the kernels below miss their compiled
-            # variant and JIT-compile in the middle of a region's disk pass
-            ch = it.changes if it.changes is not None else codec.Changes.none(slot.dtype)
-            digest = None
-            if not self.resumed and self.own is not None and name in self.own and self.steps \
-                    and all(s is not None and s.get(name) is not None for s in self.steps):
-                if ch.pos.size or any(s[name].size for s in self.steps):
-                    self.out.prefault(name)
-                d = (0, 0)
-                for s in self.steps[:-1]:
-                    a, b = lanehash.moved_by_pull(slot, src, s[name])
-                    d = (d[0] + int(a), d[1] + int(b))
-                a, b = lanehash.moved_by_pull_put(slot, src, self.steps[-1][name], ch.pos,
-                                                  ch.val)
-                digest = lanehash.add(self.own[name], (d[0] + int(a), d[1] + int(b)))
-            if digest != it.t.digest:
-                # not brought forward, or its older version was not what VERSION.json says:
-                # copy the tensor whole from the base, then patch
-                it.repaired = digest is not None
-                self.out.prefault(name)
-                slot[:] = src
-                digest = lanehash.add(self.base_digests[name],
-                                      lanehash.moved_by_put(slot, ch.pos, ch.val))
-            it.digest = digest
-        return job
+    def _can_pull(self, it: _Item) -> bool:
+        """Whether the slot holds an older version that the recorded steps bring forward (only
+        the positions changed since are written), rather than being copied whole."""
+        name = it.t.name
+        return not self.resumed and self.own is not None and name in self.own \
+            and bool(self.steps) \
+            and all(s is not None and s.get(name) is not None for s in self.steps)
+
+    def _parts(self, it: _Item) -> list[tuple[int, Callable[[], None]]]:
+        """Jobs writing tensor `it` in ranges of PART elements (whole 64-bit words, so their
+        digest moves add up), each filling its share of `it.moves`: a large tensor no longer
+        keeps one thread busy while the other waits (a 1B model's embedding is 65 M elements,
+        four batches' worth)."""
+        name, n = it.t.name, it.t.numel
+        slot, src = self.out.bits(name), self._base_of(it.t)
+        # no changes: still typed as the tensor, or the kernels below miss their compiled
+        # variant and JIT-compile in the middle of a region's disk pass
+        ch = it.changes if it.changes is not None else codec.Changes.none(slot.dtype)
+        steps = [s[name] for s in self.steps] if it.forward else []
+        spans = [(lo, min(n, lo + PART)) for lo in range(0, n, PART)]
+        it.moves = [(0, 0)] * len(spans)
+
+        def part(k: int, lo: int, hi: int) -> Callable[[], None]:
+            def job() -> None:
+                a, b = np.searchsorted(ch.pos, (lo, hi))
+                pos, val = ch.pos[a:b], ch.val[a:b]
+                cut = [np.searchsorted(p, (lo, hi)) for p in steps]
+                if not steps:  # a copy of the base's range, then the changes
+                    self.out.prefault(name, lo, hi)
+                    slot[lo:hi] = src[lo:hi]
+                    it.moves[k] = lanehash.moved_by_put(slot, pos, val)
+                    return
+                if b > a or any(y > x for x, y in cut):
+                    self.out.prefault(name, lo, hi)
+                da = db = 0
+                for p, (x, y) in zip(steps[:-1], cut[:-1], strict=True):
+                    ma, mb = lanehash.moved_by_pull(slot, src, p[x:y])
+                    da, db = da + int(ma), db + int(mb)
+                x, y = cut[-1]
+                ma, mb = lanehash.moved_by_pull_put(slot, src, steps[-1][x:y], pos, val)
+                it.moves[k] = (da + int(ma), db + int(mb))
+            return job
+
+        return [(hi - lo, part(k, lo, hi)) for k, (lo, hi) in enumerate(spans)]
+
+    def _finish(self, it: _Item) -> bool:
+        """Sum the parts' digest moves into `it.digest`; False if a tensor brought forward
+        does not reach its digest (the caller copies it whole instead)."""
+        name = it.t.name
+        start = self.own[name] if it.forward else self.base_digests[name]  # type: ignore
+        a = sum(int(m[0]) for m in it.moves)
+        b = sum(int(m[1]) for m in it.moves)
+        it.digest = lanehash.add(start, (a, b))
+        return not it.forward or it.digest == it.t.digest

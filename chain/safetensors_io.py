@@ -148,21 +148,25 @@ def _view(maps: dict[str, _Map], slot: Slot) -> np.ndarray:
 MADV_POPULATE_READ, MADV_POPULATE_WRITE = 22, 23  # Linux 5.14+; older kernels skip them
 
 
-def _advise(maps: dict[str, _Map], slot: Slot, advice: int) -> None:
+def _advise(maps: dict[str, _Map], slot: Slot, advice: int,
+            span: tuple[int, int] | None = None) -> None:
     """madvise a tensor's pages. DONTNEED drops them from this process's mappings (its
     resident memory) while the data stays in the page cache, written pages included (the
     mappings are shared): it bounds the footprint while walking a model. POPULATE_* maps them
     in one call: a write fault per page on ext4 costs microseconds (page_mkwrite), and a
-    version touches every page of the model at 1 % density."""
+    version touches every page of the model at 1 % density. `span`: only these bytes of the
+    tensor (from its start)."""
     if slot.end == slot.start or slot.file not in maps:
         return
     mm, base, _ = maps[slot.file]
     raw = getattr(mm, "_mmap", None)
     if raw is None:
         return
+    start, end = (slot.start, slot.end) if span is None else \
+        (slot.start + span[0], min(slot.end, slot.start + span[1]))
     page = mmap.PAGESIZE
-    lo = (base + slot.start) // page * page
-    hi = min(len(raw), -(-(base + slot.end) // page) * page)
+    lo = (base + start) // page * page
+    hi = min(len(raw), -(-(base + end) // page) * page)
     if hi > lo:
         try:
             raw.madvise(advice, lo, hi - lo)
@@ -322,8 +326,13 @@ class WritableFiles:
     def release(self, name: str) -> None:
         _advise(self._maps, self.slots[name], mmap.MADV_DONTNEED)
 
-    def prefault(self, name: str) -> None:
-        _advise(self._maps, self.slots[name], MADV_POPULATE_WRITE)
+    def prefault(self, name: str, lo: int = 0, hi: int | None = None) -> None:
+        """Map elements lo..hi (default: all) of tensor `name` for writing, in one call."""
+        slot = self.slots[name]
+        size = lookup(slot.dtype).itemsize
+        _advise(self._maps, slot, MADV_POPULATE_WRITE,
+                None if (lo, hi) == (0, None) else (lo * size, (slot.end - slot.start)
+                                                    if hi is None else hi * size))
 
     def flush(self, name: str | None = None) -> None:
         """msync to disk: the shard holding tensor `name`, or every shard."""

@@ -31,6 +31,7 @@ def _patches(store: ChainStore, w: WeightsDir, upto: int) -> list:
 def test_patches_over_the_disk_version_rebuild_every_later_version(tmp_path, signing_key,
                                                                     monkeypatch):
     monkeypatch.setattr("chain.fill.BATCH", 1)  # a batch per tensor, as at model sizes
+    monkeypatch.setattr("chain.fill.PART", 64)  # and written in several jobs
     store = ChainStore(tmp_path / "chain", signing_key.public_key())
     states = build_chain(store, signing_key, 5)
     w = WeightsDir(tmp_path / "w")

@@ -23,6 +23,14 @@ from tests.unit.chain.test_weights import getter, same
 SHARD = "model.safetensors"
 
 
+@pytest.fixture(autouse=True, params=["whole", "parts"])
+def write_parts(request, monkeypatch) -> None:
+    """Every case twice: each tensor written by one job, and in parts of 64 elements (what a
+    tensor over chain.fill.PART gets), whose digest moves must add up to the same."""
+    if request.param == "parts":
+        monkeypatch.setattr("chain.fill.PART", 64)
+
+
 def _fingerprint(d: Path) -> dict[str, tuple[int, int, bytes]]:
     return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns, p.read_bytes())
             for p in sorted(d.iterdir())}
