@@ -187,3 +187,38 @@ def test_ranks_sharing_a_host_split_its_cores_between_their_codec_threads(monkey
     assert local_codec_threads() == 1
     monkeypatch.setattr("os.sched_getaffinity", lambda _: set(range(64)))
     assert local_codec_threads() == 2  # the codec's most
+
+
+def test_an_engine_first_region_decodes_sharded_deltas_over_the_patches_its_disk_lacks(
+        tmp_path):
+    """Ranks' records cover parts of a tensor; a region decoding them engine-first (chain/
+    decode.py) against its disk version overlaid with the patches verified since must reach
+    every version's digests, and its disk catch-up from the merged patches the last one."""
+    from chain.decode import decode_patch, merge
+    from chain.safetensors_io import TensorFiles
+    from chain.versiondir import read_info
+
+    key = keys.generate(tmp_path / "k")
+    store = ChainStore(tmp_path / "chain", key.public_key())
+    encs = [RankEncoder(store.blocks, tmp_path / "chain" / "parts", r, 4096) for r in range(3)]
+    state, states, made = make_state(0, scale=3), [], []
+    for v in range(4):
+        states.append(state)
+        made.append(_publish(store, key, encs, v, state, snapshot=v == 0)[1][0])
+        state = perturb(state, v)
+    assert len(made[1].substreams) == 3  # a stream per rank, most tensors cut between them
+    get = lambda b: store.blocks.get(b.id, b.size)  # noqa: E731
+    wd = WeightsDir(tmp_path / "w")
+    disk = wd.apply(made[:1], get)
+    files, digests = TensorFiles(disk.path), read_info(disk.path).tensors
+    patches = []
+    for v in (1, 2, 3):
+        p = decode_patch(made[v], files, 0, digests, patches, get)
+        assert p.state_digest == made[v].state_digest
+        for t in p.tensors:  # the patch turns the parent's tensor into this version's
+            flat = dtypes.bits_view(states[v - 1][t.name].reshape(-1)).copy()
+            flat[t.indices] = t.values
+            assert np.array_equal(flat, dtypes.bits_view(states[v][t.name].reshape(-1))), t.name
+        patches.append(p)
+    cur = wd.apply_changes(made[3], 0, merge(patches), get)
+    assert cur.state_digest == made[3].state_digest and wd.verify().version == 3
