@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from chain import codec, lanehash
-from chain.codec.api import map_jobs
+from chain.codec.api import map_jobs, merge_changes
 from chain.digest import state_digest
 from chain.dtypes import BY_NAME
 from chain.errors import BadDelta, ChainError, DigestMismatch
@@ -164,19 +164,9 @@ def decode_patch(m: Manifest, base: TensorFiles, base_version: int, base_digests
 
 def merge(patches: Sequence[Patch]) -> dict[str, codec.Changes]:
     """The changes of several consecutive patches as one set per tensor (the later wins)."""
-    by: dict[str, list[TensorPatch]] = {}
+    out: dict[str, codec.Changes] = {}
     for p in patches:
         for t in p.tensors:
-            by.setdefault(t.name, []).append(t)
-    out = {}
-    for name, ts in by.items():
-        if len(ts) == 1:
-            out[name] = codec.Changes(ts[0].indices, ts[0].values)
-            continue
-        pos = np.concatenate([t.indices for t in ts])
-        val = np.concatenate([t.values for t in ts])
-        # the last write of each position wins: unique over the reversed order
-        rpos = pos[::-1]
-        keep, first = np.unique(rpos, return_index=True)
-        out[name] = codec.Changes(keep.astype(np.int64), val[::-1][first])
+            ch = codec.Changes(t.indices, t.values)
+            out[t.name] = ch if t.name not in out else merge_changes(out[t.name], ch)
     return out

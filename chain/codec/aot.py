@@ -53,6 +53,7 @@ SPEC: dict[str, tuple[str, list[str]]] = {
         *_I8, "i8", "i8", "i4", "W", "i", "i"]),
     "scatter": ("chain.codec.kernels", ["W", "i", "i4", "W", "i", "i"]),
     "scatter_from": ("chain.codec.kernels", ["W", "i8", "W", "i", "i", "i"]),
+    "merge_sorted": ("chain.codec.kernels", ["i8", "W", "i8", "W", "i8", "W"]),
     "diff_pairs": ("chain.lanehash", ["W", "u8", "W", "u8", "i8", "i", "i"]),
     "pull_put": ("chain.lanehash", ["W", "u8", "W", "i8", "i8", "W", "i", "i"]),
     "put": ("chain.lanehash", ["W", "u8", "i8", "W", "i", "i"]),

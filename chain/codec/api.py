@@ -78,6 +78,7 @@ encode_segment = bind(kernels.encode_segment, "encode_segment")
 decode_segment = bind(kernels.decode_segment, "decode_segment")
 scatter = bind(kernels.scatter, "scatter")
 scatter_from = bind(kernels.scatter_from, "scatter_from")
+_merge_sorted = bind(kernels.merge_sorted, "merge_sorted")
 _local = threading.local()
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -174,6 +175,18 @@ def _check_pair(old: np.ndarray, new: np.ndarray, dtype: str) -> hdr.Coding:
     if old.shape != new.shape:
         raise ValueError(f"old has {old.size} elements, new has {new.size}")
     return c
+
+
+def merge_changes(earlier: Changes, later: Changes) -> Changes:
+    """Two versions' changes of one tensor as one set (positions ascending, the later value
+    where both change an element), in one linear walk; no digest move."""
+    pos = np.empty(earlier.pos.size + later.pos.size, np.int64)
+    val = np.empty(pos.size, later.val.dtype)
+    n = _merge_sorted(np.ascontiguousarray(earlier.pos, np.int64),
+                      np.ascontiguousarray(earlier.val, later.val.dtype),
+                      np.ascontiguousarray(later.pos, np.int64), np.ascontiguousarray(later.val),
+                      pos, val)
+    return Changes(pos[:n], val[:n])
 
 
 def encode_many(pairs: Sequence[tuple[np.ndarray, np.ndarray, str]],

@@ -620,3 +620,36 @@ def scatter_from(target, pos, val, off, start, stop):
     buffer holding the tensor's elements from `off` on (a decode's overlaid segment)."""
     for j in range(start, stop):
         target[pos[j] - off] = val[j]
+
+
+@njit(nogil=True, cache=True)
+def merge_sorted(pa, va, pb, vb, out_p, out_v):
+    """The union of two sets of changes with ascending, distinct positions (pa/va then the later
+    pb/vb, whose value wins at a position both hold) into out_p/out_v, ascending; returns how
+    many. One linear walk: np.unique over the concatenation sorted 40 M positions in 1 s for a
+    region's batch of four versions at 1B."""
+    i = j = n = 0
+    while i < pa.size and j < pb.size:
+        a, b = pa[i], pb[j]
+        if a < b:
+            out_p[n] = a
+            out_v[n] = va[i]
+            i += 1
+        else:
+            out_p[n] = b
+            out_v[n] = vb[j]
+            j += 1
+            if a == b:
+                i += 1
+        n += 1
+    while i < pa.size:
+        out_p[n] = pa[i]
+        out_v[n] = va[i]
+        i += 1
+        n += 1
+    while j < pb.size:
+        out_p[n] = pb[j]
+        out_v[n] = vb[j]
+        j += 1
+        n += 1
+    return n
