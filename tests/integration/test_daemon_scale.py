@@ -1,7 +1,8 @@
 """Real daemons with models of real shape counts: thousands of tensors through publish, swarm
 and apply, and a region bootstrapping from a manifest of 50,000 tensors and a torrent above
-1 MB. Both need every reply a daemon reads from a peer to arrive whole (issue 9: a reply of
-more than ~128 KiB used to be cut short, so a region refused the manifest as bad JSON)."""
+1 MB, then taking a delta of all 50,000. Both need every reply a daemon reads from a peer to
+arrive whole (issue 9: a reply of more than ~128 KiB used to be cut short, so a region refused
+the manifest as bad JSON)."""
 
 import shutil
 import tempfile
@@ -64,7 +65,8 @@ def test_a_region_bootstraps_from_a_manifest_of_50000_tensors_and_a_torrent_over
         # past 1 MB
         pub = Publisher(chain_dir=trainer.state_dir / "chain", key_path=c.key_path, run=c.run,
                         daemon_url=trainer.url, token=TOKEN, block_size=300)
-        out = pub.publish(0, tiny_model(0, tensors=50_000, rows=1, cols=32))
+        state = tiny_model(0, tensors=50_000, rows=1, cols=32)
+        out = pub.publish(0, state)
         m = out.snapshot
         assert out.notified and m is not None and len(m.tensors) == 50_000
         assert len(m.to_bytes()) > 2 << 20
@@ -81,3 +83,13 @@ def test_a_region_bootstraps_from_a_manifest_of_50000_tensors_and_a_torrent_over
         assert region.status()["state_digest"] == m.state_digest
         cur = WeightsDir(region.state_dir / "weights").verify()
         assert cur.version == 0 and cur.state_digest == m.state_digest
+        # then a delta of the 50,000 tensors through the swarm: decoded, verified, patched and
+        # brought to disk tensor by tensor between real daemons
+        state = step(state, 1, density=0.1)
+        out = pub.publish(1, state)
+        d = out.delta
+        assert d is not None and len(d.tensors) == 50_000 and out.changed_elements > 50_000
+        c.wait_all_at(1, 120, names=["r1"])
+        assert region.status()["state_digest"] == d.state_digest
+        cur = WeightsDir(region.state_dir / "weights").verify()
+        assert cur.version == 1 and cur.state_digest == d.state_digest
