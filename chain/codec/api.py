@@ -417,7 +417,12 @@ def _plan_apply(t: int, target: np.ndarray, payload, dtype: str, jobs: list, wri
         data = buf[h.body_start:h.body_end].view(c.dtype.uint)
         return t, [], target, hdr.RAW, data, 0
     seg, words = 1 << h.log2_seg, _words(target)
-    # where each segment's changes begin in each overlay layer, found once per tensor
+    # where each segment's changes begin in each overlay layer, found once per tensor; the
+    # compiled scatter checks no bounds, so a layer must lie inside the tensor
+    for lpos, lval in layers:
+        if lpos.size != lval.size or (lpos.size and (lpos[0] < 0 or lpos[-1] >= h.n)):
+            raise BadDelta(f"tensor delta #{t}: an overlay of {lpos.size} positions does not "
+                           f"fit its {h.n} elements")
     starts = np.arange(0, h.n + seg, seg, dtype=np.int64)
     cuts = [np.searchsorted(lpos, starts) for lpos, _ in layers]
     pos = np.empty(h.k, np.int32)
@@ -430,7 +435,8 @@ def _plan_apply(t: int, target: np.ndarray, payload, dtype: str, jobs: list, wri
         bounds = tuple(start + sum(lens[:i]) for i in range(hdr.STREAMS + 1))
         if ks:
             over = [(lpos, lval, int(cut[s]), int(cut[s + 1]))
-                    for (lpos, lval), cut in zip(layers, cuts, strict=True)]
+                    for (lpos, lval), cut in zip(layers, cuts, strict=True)
+                    if cut[s + 1] > cut[s]]  # a segment no layer touches is read in place
             job = _decode_job(target, lo, hi, words, buf, bounds, ks, c, pos, val, base, errs, s,
                               moves, over)
             jobs.append((hi - lo + _CHANGE_COST * ks, job))

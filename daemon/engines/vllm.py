@@ -208,7 +208,9 @@ class VllmBackendHook:
             "mismatched": sorted({n for k in checks for n in k.get("mismatched", [])})[:20],
             "seconds": max((k.get("seconds", 0.0) for k in checks), default=0.0)}
 
-    async def _init(self, weights_dir: Path, patch: Path | None) -> None:
+    async def _init(self, weights_dir: Path, patch: Path | None) -> bool:
+        """Tell the backend where versions, patches and reports are; True if it was sent now
+        (False: the backend was told this already)."""
         self.report_dir.mkdir(parents=True, exist_ok=True)
         init: dict[str, str] = {"weights_dir": str(weights_dir),
                                 "report_dir": str(self.report_dir)}
@@ -216,9 +218,23 @@ class VllmBackendHook:
                 Path(weights_dir).resolve()):
             init["patches_dir"] = str(Path(patch).parent)
         if init == self.inited:
-            return
+            return False
         await self._post("/init_weight_transfer_engine", {"init_info": init})
         self.inited = init
+        return True
+
+    async def _told_round(self, told: bool, weights_dir: Path, patch: Path | None,
+                          version: int, path: Path | None, mode: str) -> list[dict]:
+        """`_round`; if it fails when the init was skipped (`told` False), vLLM may have
+        restarted and forgotten where things are: it is told again and the round repeated once."""
+        try:
+            return await self._round(version, path, mode)
+        except EngineRoundFailed:
+            self.inited = None
+            if told:
+                raise
+        await self._init(weights_dir, patch)
+        return await self._round(version, path, mode)
 
     async def notify(self, version: int, path: Path, state_digest: str,
                      patch: Path | None = None) -> None:
@@ -235,7 +251,7 @@ class VllmBackendHook:
         every = getattr(self.cfg, "full_check_every", 0)
         full = bool(patch is not None and every and self.updates % every == 0)
         on_disk = (path / "VERSION.json").exists()
-        await self._init(path.parent, patch)
+        told = await self._init(path.parent, patch)
         await self._post("/pause", params={"mode": "keep"})
         try:
             reports = None
@@ -247,11 +263,12 @@ class VllmBackendHook:
                     log.info("v%d: the backend refused the patch (%s); loading %s", version,
                              e, path)
                     self.inited = None  # perhaps a restarted vLLM: tell it again
-                    await self._init(path.parent, patch)
+                    told = await self._init(path.parent, patch)
             if reports is None:
                 if patch is not None:  # engine first: the directory follows the patch
                     await self._on_disk(version, path)
-                reports = await self._round(version, path, self.cfg.mode)
+                reports = await self._told_round(told, path.parent, patch, version, path,
+                                                 self.cfg.mode)
             self._record(version, reports)
             if patch is None:
                 self.check.reason = self.check.reason or "no patch file given"
@@ -276,8 +293,8 @@ class VllmBackendHook:
             if self.held is None:
                 raise EngineRoundFailed("no verified update yet: nothing to check against")
             version, weights_dir = self.held
-            await self._init(weights_dir, None)
-            reports = await self._round(version, None, "check")
+            told = await self._init(weights_dir, None)
+            reports = await self._told_round(told, weights_dir, None, version, None, "check")
             checks = [r["check"] for r in reports if r.get("check")]
             if not checks:
                 raise EngineRoundFailed(f"no check came back: {verdict(reports)[1]}")

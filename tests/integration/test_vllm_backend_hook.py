@@ -25,6 +25,8 @@ class FakeBackend:
     def __init__(self, verdicts: list[bool | None], refuse_patches: bool = False) -> None:
         self.verdicts = verdicts
         self.refuse_patches = refuse_patches
+        self.told = False
+        """Whether init_weight_transfer_engine came since the last `restart()`."""
         self.calls: list[tuple[str, dict, dict]] = []
         self.report_dir: Path | None = None
         self.update: dict = {}
@@ -34,8 +36,11 @@ class FakeBackend:
         self.calls.append((request.path, dict(request.query), body))
         if request.path == "/init_weight_transfer_engine":
             self.report_dir = Path(body["init_info"]["report_dir"])
+            self.told = True
         elif request.path == "/update_weights":
             self.update = body["update_info"]
+            if not self.told:  # as the backend refuses a path before it knows its weights_dir
+                return web.json_response({"error": "no weights_dir yet"}, status=400)
             if self.refuse_patches and "patch" in self.update:
                 return web.json_response({"error": "cannot patch in place"}, status=400)
         elif request.path == "/finish_weight_update":
@@ -54,6 +59,10 @@ class FakeBackend:
             return web.json_response({"success": True})
         return web.json_response({"status": "ok"})
 
+    def restart(self) -> None:
+        """vLLM restarted: it no longer knows where the weights are."""
+        self.told = False
+
     def routes(self) -> list[str]:
         return [c[0] for c in self.calls]
 
@@ -62,7 +71,8 @@ class FakeBackend:
 
 
 async def run_hook(fake: FakeBackend, tmp_path: Path, version: int = 5,
-                   versions: int = 1, patches: bool = False) -> VllmBackendHook:
+                   versions: int = 1, patches: bool = False,
+                   between=None) -> VllmBackendHook:
     """Notify `versions` versions from `version` on, each with a patch file if `patches`."""
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", fake.handle)
@@ -85,6 +95,8 @@ async def run_hook(fake: FakeBackend, tmp_path: Path, version: int = 5,
                         patch.parent.mkdir(exist_ok=True)
                         patch.write_bytes(b"")
                     await hook.notify(v, vdir, "digest", patch=patch)
+                    if between is not None:
+                        await between(hook)
             finally:
                 fake.hook = hook
             return hook
@@ -126,6 +138,26 @@ async def test_the_backend_is_told_where_things_are_once_until_a_round_fails(
         "/init_weight_transfer_engine", "/start_weight_update", "/update_weights"]
     assert [c[2]["update_info"].get("patch") is None for c in refused.calls
             if c[0] == "/update_weights"] == [False, True, False, True]
+
+
+async def test_a_vllm_restarted_between_versions_is_told_again_and_the_round_repeated(
+        tmp_path: Path) -> None:
+    """No round failed before the restart, so the hook still believes vLLM knows its
+    directories: the refused round tells it again and runs once more, for an update and for a
+    requested full check."""
+    fake = FakeBackend([True])
+    checks: list = []
+
+    async def restart_then_check(hook: VllmBackendHook) -> None:
+        fake.restart()
+        checks.append(await hook.full_check())
+        fake.restart()
+
+    hook = await run_hook(fake, tmp_path, versions=2, between=restart_then_check)
+    # v5 tells it; after each of three restarts a refused round (check, v6, check) tells again
+    assert fake.routes().count("/init_weight_transfer_engine") == 4
+    assert [c["ok"] for c in checks] == [True, True]
+    assert hook.check.last_version == 6 and hook.check.ok
 
 
 async def test_a_mismatch_sets_off_a_full_reload_and_is_reported(tmp_path: Path) -> None:

@@ -62,3 +62,19 @@ def test_without_the_overlay_the_decode_is_refused_not_wrong():
     payload = encode_tensor_delta(parent, new, "bfloat16")
     with pytest.raises(BadDelta):
         decode_many([(disk, payload, "bfloat16")], moves=True)
+
+
+def test_an_overlay_outside_the_tensor_is_refused_before_anything_runs():
+    """The segment buffer's scatter is compiled without bounds checks: a layer that does not
+    fit the tensor must be a clear error, never a write past the buffer."""
+    from chain.errors import BadDelta
+
+    rng = np.random.default_rng(9)
+    old = rng.integers(0, 1 << 16, SEG + 10, dtype=np.uint16)
+    new = old.copy()
+    new[::1000] += 1
+    payload = encode_tensor_delta(old, new, "bfloat16")
+    for pos in ([5, SEG + 10], [-1, 3]):
+        bad = (np.array(pos, np.int64), np.zeros(2, np.uint16))
+        with pytest.raises(BadDelta, match="overlay"):
+            decode_many([(old, payload, "bfloat16")], overlays=[[bad]])
