@@ -124,8 +124,10 @@ def test_watch_refuses_each_bad_checkpoint_says_why_and_publishes_the_next(tmp_p
     log = tmp_path / "watch.log"
     watcher = _start(["watch", str(ckpts), "--config", str(cfg)], log)
     try:
-        wait_until(lambda: _head(tmp_path / "chain") == 0 or watcher.poll() is not None, 120,
-                   "step 7 to be published")
+        # the ledger is written after the chain's head moves: wait for both (a CI run read
+        # the ledger in between)
+        wait_until(lambda: (_head(tmp_path / "chain") == 0 and _ledger(tmp_path).get("published"))
+                   or watcher.poll() is not None, 120, "step 7 to be published")
         assert watcher.poll() is None, log.read_text()  # it goes on watching
         refused = {r["step"]: r["reason"] for r in _ledger(tmp_path)["refused"]}
         assert sorted(refused) == [1, 2, 3, 4, 5, 6], log.read_text()

@@ -45,10 +45,9 @@ def test_swarm_in_namespaces_reaches_every_node_with_trainer_sending_about_once(
     assert swarm["verified"]
     assert len(swarm["per_node"]) == 3
     # the trainer's rotating unchokes (daemon.bittorrent.swarm SEED_SETTINGS) sent 1.01-1.32x F in
-    # 8 runs of
-    # this setup on a 2-core VM (earlier builds up to 1.50x); a star, every node fetching from
-    # the trainer, sends 3x F.
-    assert size <= swarm["seed_payload"] <= 1.6 * size
+    # 8 runs of this setup on a 2-core VM (earlier builds up to 1.50x, a loaded CI run 1.63x); a
+    # star, every node fetching from the trainer, sends 3x F: the bound sits between
+    assert size <= swarm["seed_payload"] <= 2.0 * size
     assert swarm["peer_upload"] > 0.5 * size
     # the time over the shaped ideal is bench/swarm.py's figure, not a test's: a loaded host
     # moves it; the bench's own --timeout bounds the run
