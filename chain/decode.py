@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from chain import codec, lanehash
-from chain.codec.api import map_jobs, merge_changes
+from chain.codec.api import map_jobs, merge_changes, overlaid
 from chain.digest import state_digest
 from chain.dtypes import BY_NAME
 from chain.errors import BadDelta, ChainError, DigestMismatch
@@ -82,13 +82,8 @@ class _Decode(Fill):
         """Tensor `t` as the parent version holds it: the disk's, overlaid in a copy."""
         arr = self.olds.get(t.name)
         if arr is None:
-            arr = self._base_of(t)
-            layers = self.overlay.get(t.name)
-            if layers:
-                arr = arr.copy()
-                for p in layers:
-                    arr[p.indices] = p.values
-            self.olds[t.name] = arr
+            arr = self.olds[t.name] = overlaid(
+                self._base_of(t), [(p.indices, p.values) for p in self.overlay.get(t.name, ())])
         return arr
 
     def _batch(self, batch: list[_Item]) -> None:

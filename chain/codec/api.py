@@ -345,7 +345,7 @@ def decode_many(items: Sequence[tuple[np.ndarray, bytes | memoryview, str]],
     for t, errs, base, kind, data, _ in _decode_all(items, threads, write=False, moves=moves,
                                                     overlays=overlays):
         if kind == hdr.RAW:
-            base = _overlaid(base, overlays[t] if overlays else ())
+            base = overlaid(base, overlays[t] if overlays else ())
             pos = np.flatnonzero(base != data).astype(np.int64)
             out[t] = Changes(pos, data[pos], lanehash.moved_by_changes(base, pos, data[pos])
                              if moves else None)
@@ -361,7 +361,7 @@ def decode_many(items: Sequence[tuple[np.ndarray, bytes | memoryview, str]],
     return out
 
 
-def _overlaid(base: np.ndarray, layers: Layers) -> np.ndarray:
+def overlaid(base: np.ndarray, layers: Layers) -> np.ndarray:
     """`base` with `layers` written over it, in a copy (or `base` itself if none)."""
     if not len(layers):
         return base

@@ -40,10 +40,8 @@ def test_merged_changes_equal_the_sorted_union_with_the_later_value(data, dtype,
 
 def test_a_merge_at_model_size_takes_the_compiled_kernel():
     rng = np.random.default_rng(0)
-    chs = [Changes(np.unique(rng.integers(0, 1 << 24, 1 << 18)).astype(np.int64), None)
-           for _ in range(2)]
-    for c in chs:
-        c.val = rng.integers(0, 1 << 16, c.pos.size, dtype=np.uint16)
+    positions = [np.unique(rng.integers(0, 1 << 24, 1 << 18)).astype(np.int64) for _ in range(2)]
+    chs = [Changes(p, rng.integers(0, 1 << 16, p.size, dtype=np.uint16)) for p in positions]
     before = dict(aot.status()["jit_fallbacks"])
     merged = merge_changes(*chs)
     pos, val = _reference(chs)
