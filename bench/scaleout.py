@@ -20,7 +20,12 @@ sharded publishing costs against the single-process Publisher. One JSON line las
   regions of `--region-size`; per delta version, the trainer daemon's HTTP response body bytes
   (its per-route counters, daemon/observe/served.py) and CPU seconds (/proc) while every node
   reaches it, medians of `--fleet-versions`; `control_*_last_over_first` divide the largest N's
-  by the smallest's (goal: at most 1.5, flat in N).
+  by the smallest's (goal: at most 1.5, flat in N). Also per N: `version_window_s` (publish to
+  every node current, plus 1 s), `trainer_idle_cpu_s_per_s` (the trainer's CPU rate over 10 s
+  with no version moving: its once-a-second loops, reports, long-polls) and
+  `trainer_cpu_s_per_version_over_idle` (each version's CPU less that rate times its window),
+  because on this 2-core host a version's window itself grows with N (`control_cpu_over_idle_
+  last_over_first` divides those).
 """
 
 import argparse
@@ -206,6 +211,10 @@ NOT_CONTROL = ("/metrics", "/v1/publish")
 """Routes not counted as the control plane: this bench's own scrapes, the trainer's publisher."""
 
 
+IDLE_S = 10.0
+"""How long the trainer's idle CPU rate is sampled after the versions (10 ms clock ticks)."""
+
+
 def _trainer_sent(trainer) -> tuple[float, dict[str, float]]:
     """(the trainer daemon's CPU seconds so far, its response body bytes per route)."""
     from daemon.observe.served import route_counts
@@ -227,6 +236,8 @@ def fleet_costs(ns: list[int], region_size: int, n_versions: int) -> dict:
 
     out: dict = {"ns": ns, "region_size": region_size, "trainer_control_bytes_per_version": [],
                  "trainer_cpu_s_per_version": [], "trainer_bytes_by_route": [],
+                 "version_window_s": [], "trainer_idle_cpu_s_per_s": [],
+                 "trainer_cpu_s_per_version_over_idle": [],
                  "all_current": True}
     for n in ns:
         with tempfile.TemporaryDirectory(prefix="scaleout-fleet-", dir=_tmp_root()) as tmp, \
@@ -241,35 +252,52 @@ def fleet_costs(ns: list[int], region_size: int, n_versions: int) -> dict:
             state = tiny_model(0, tensors=8, rows=256, cols=512)
             c.publish(0, state, snapshot=True)
             c.wait_all_at(0, 300)
-            per_bytes, per_cpu, routes = [], [], {}
+            per_bytes, per_cpu, per_s, routes = [], [], [], {}
             for v in range(1, n_versions + 1):
                 cpu0, sent0 = _trainer_sent(trainer)
+                t0 = time.monotonic()
                 state = step(state, v, density=0.01)
                 c.publish(v, state)
                 c.wait_all_at(v, 300)
                 time.sleep(1.0)  # the last replies of this version (index re-reads) land
                 cpu1, sent1 = _trainer_sent(trainer)
+                per_s.append(time.monotonic() - t0)
                 per_bytes.append(sum(sent1[r] - sent0.get(r, 0.0) for r in sent1
                                      if r not in NOT_CONTROL))
                 per_cpu.append(cpu1 - cpu0)
                 for r in sent1:
                     routes.setdefault(r, []).append(sent1[r] - sent0.get(r, 0.0))
+            # the trainer's CPU with no version moving (its once-a-second loops, the fleet's
+            # reports and long-polls), per second: a version's window on a host this loaded
+            # grows with N (33 daemons on 2 cores), and so would this rate times the window
+            cpu0, _ = _trainer_sent(trainer)
+            time.sleep(IDLE_S)
+            idle = (_trainer_sent(trainer)[0] - cpu0) / IDLE_S
             digest = trainer.status()["state_digest"]
             current = all(d.status()["state_digest"] == digest
                           for d in c.daemons.values() if d.role == "region")
             out["all_current"] = out["all_current"] and current
             b, cpu = statistics.median(per_bytes), statistics.median(per_cpu)
+            window = statistics.median(per_s)
+            net = statistics.median(c_ - idle * w for c_, w in zip(per_cpu, per_s, strict=True))
             out["trainer_control_bytes_per_version"].append(round(b))
             out["trainer_cpu_s_per_version"].append(round(cpu, 3))
+            out["version_window_s"].append(round(window, 2))
+            out["trainer_idle_cpu_s_per_s"].append(round(idle, 4))
+            out["trainer_cpu_s_per_version_over_idle"].append(round(net, 3))
             out["trainer_bytes_by_route"].append(
                 {r: round(statistics.median(x)) for r, x in sorted(routes.items()) if any(x)})
             log(f"N={n}: trainer sent {b:,.0f} B and used {cpu:.3f} CPU s per version "
-                f"(median of {n_versions}); all current: {current}")
+                f"(median of {n_versions}; a version's window {window:.1f} s, the trainer's idle "
+                f"CPU {idle:.4f} s/s, above idle {net:.3f} s); all current: {current}")
     first, last = out["trainer_control_bytes_per_version"][0], \
         out["trainer_control_bytes_per_version"][-1]
     out["control_bytes_last_over_first"] = round(last / first, 3) if first else None
     c0, c1 = out["trainer_cpu_s_per_version"][0], out["trainer_cpu_s_per_version"][-1]
     out["control_cpu_last_over_first"] = round(c1 / c0, 3) if c0 else None
+    c0, c1 = (out["trainer_cpu_s_per_version_over_idle"][0],
+              out["trainer_cpu_s_per_version_over_idle"][-1])
+    out["control_cpu_over_idle_last_over_first"] = round(c1 / c0, 3) if c0 > 0 else None
     return out
 
 

@@ -230,7 +230,7 @@ class Node:
 
         watcher = HeadWatcher(self.book, self.client, syncer.on_head, self.store.head,
                               cfg.max_peers, cfg.long_poll_timeout_s, poller,
-                              elsewhere=syncer.hears_elsewhere)
+                              elsewhere=syncer.hears_elsewhere, through=syncer.upstream)
         return RegionRole(syncer, watcher, self.weights, self.store, self.artifacts,
                           self.cfg.node)
 
@@ -254,9 +254,26 @@ class Node:
         parts.reporter = Reporter(
             board=parts.board, client=self.client, directory=parts.directory,
             own=parts.own_report, interval_s=f.interval_s, tick=parts.tick,
-            upstreams=lambda: list(self.cfg.fleet.report_to if self.cfg.fleet.report_to
-                                   is not None else self.cfg.bootstrap))
+            upstreams=lambda: self._report_upstreams(parts))
         return parts
+
+    def _report_upstreams(self, parts: FleetParts) -> list[str]:
+        """Where this node's fleet reports go: `fleet.report_to` when set; else a region's
+        member sends them to its region's fetcher (which sends its region's, aggregated, on to
+        its own upstreams), falling back to the bootstrap list while that fetcher does not take
+        them; everyone else to the bootstrap list. So the trainer answers a report per region
+        per interval, not one per node (docs/SCALE.md 7.2)."""
+        f = self.cfg.fleet
+        if f.report_to is not None:
+            return list(f.report_to)
+        boot = list(self.cfg.bootstrap)
+        via = self.role.syncer.region_fetcher() if self.role.syncer is not None else None
+        if via is None:
+            return boot
+        sent = parts.reporter.state.get(via) if parts.reporter is not None else None
+        if sent is not None and sent.last_error:
+            return [via, *(u for u in boot if u != via)]
+        return [via]
 
     @property
     def syncer(self) -> Syncer | None:

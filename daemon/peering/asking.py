@@ -108,11 +108,15 @@ class HeadWatcher:
                  known_head: Callable[[], int | None], max_peers: int,
                  poll_timeout: float,
                  poller: Callable[[], dict[str, str]] | None = None,
-                 elsewhere: Callable[[Peer], bool] | None = None) -> None:
+                 elsewhere: Callable[[Peer], bool] | None = None,
+                 through: Callable[[], str | None] | None = None) -> None:
         self.book = book
         self.elsewhere = elsewhere
         """`elsewhere(peer)`: this node hears that peer's heads through others, so it does not
         watch it (a region's members do not watch the trainer: daemon/versions/sync.py)."""
+        self.through = through
+        """`through()`: the URL of the peer those heads come through, watched whatever its
+        standing among `max_peers` (at a large fleet it may rank below them)."""
         self.poller = poller
         self.client = client
         self.on_head = on_head
@@ -131,6 +135,9 @@ class HeadWatcher:
             while True:
                 wanted = {p.url for p in self.book.to_watch(self.max_peers)
                           if self.elsewhere is None or not self.elsewhere(p)}
+                via = self.through() if self.through is not None else None
+                if via is not None and via in self.book.peers:
+                    wanted.add(via)
                 for url in list(self._tasks):
                     if url not in wanted or self._tasks[url].done():
                         await self._stop(url)

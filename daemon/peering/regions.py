@@ -325,8 +325,16 @@ class RegionPeering:
         versions at a time (each of them then asking the trainer). A member that ranks first
         and never serves costs the others `sync.region_wait_s` per version, and is struck
         when it claims a head it does not serve."""
+        return self.fetchers(book)[0]
+
+    def fetchers(self, book: "PeerBook") -> tuple[str | None, str | None]:
+        """(this node's fetch role as `fetch_role` says, the URL of the node it hears the
+        trainer through): a member hears it through its region's fetcher, a region's fetcher
+        through the fleet's; the fleet's fetcher (and blind peering) hears the trainer itself
+        (None). Long-polls of the trainer's head and fleet reports go that way (daemon/versions/
+        sync.py `upstream`), so the trainer answers one node per version, not one per region."""
         if self.mode == "blind" or book.region is None:
-            return None
+            return None, None
         firsts: dict[str, Member] = {}
         trainer_regions = set()
         for m in self.members(book):
@@ -336,10 +344,12 @@ class RegionPeering:
                 firsts[m.region] = m
         mine = firsts.get(book.region)
         if mine is not None and mine.url is not None:
-            return "member"
+            return "member", mine.url
         pool = [m for r, m in firsts.items() if r in trainer_regions] or list(firsts.values())
         fleet = min(pool, key=lambda m: m.rank) if pool else None
-        return "fleet" if fleet is None or fleet.url is None else "region"
+        if fleet is None or fleet.url is None:
+            return "fleet", None
+        return "region", fleet.url
 
     # --- demotion ---------------------------------------------------------------------------
     def is_demoted(self, url: str, now: float) -> bool:

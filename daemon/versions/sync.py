@@ -63,8 +63,12 @@ log = logging.getLogger("deltaswarm.sync")
 Notify = Callable[..., Awaitable[object]]
 T = TypeVar("T")
 TRAINER_INDEX_S = 30.0
-"""A member of a region that another member fetches for re-reads the trainer's index at most
-this often; between reads the trainer is taken to hold what it published (refresh_holders)."""
+"""A node that hears the trainer through another (a region's member, a region's fetcher)
+re-reads the trainer's index at most this often per TRAINER_INDEX_READERS peers it knows;
+between reads the trainer is taken to hold what it published (refresh_holders). Scaled by the
+fleet so the trainer answers about TRAINER_INDEX_READERS such reads per TRAINER_INDEX_S however
+many nodes there are (docs/SCALE.md 7.3)."""
+TRAINER_INDEX_READERS = 8
 FIRST_ROUND_S = 5.0
 """Longest a version's manifests or torrent are asked of peers other than the trainer before
 the trainer is asked too (ask_sparing_trainer): a claimant that never answers costs this, not
@@ -275,15 +279,17 @@ class Syncer:
             except (PeerError, BadPeer) as e:
                 self.book.failed(peer, e)
 
-        spare = self._fetch_role() == "member"
+        spare = self.upstream() is not None
+        every_s = TRAINER_INDEX_S * max(1.0, len(self.book.peers) / TRAINER_INDEX_READERS)
         where = self.book.where
         now = time.monotonic()
         todo = []
         for p in self.book.by_head():
             if not self.holders.stale(p.url, p.head):
                 continue
-            if (spare and where(p)[1] == "trainer"
-                    and now - self._index_read.get(p.url, -TRAINER_INDEX_S) < TRAINER_INDEX_S):
+            last_read = self._index_read.get(p.url)
+            if (spare and where(p)[1] == "trainer" and last_read is not None
+                    and now - last_read < every_s):
                 # what the trainer published since it last listed, from our own store (this
                 # node does not poll the trainer's head: hears_elsewhere): it holds its new
                 # head (retention keeps the newest versions), and reading its index on every
@@ -425,15 +431,37 @@ class Syncer:
         return "any", 0.25 * w
 
     def hears_elsewhere(self, peer: Peer) -> bool:
-        """Whether this node need not long-poll `peer`'s head: the trainer, when this node is
-        a member its region's fetcher serves (RegionPeering.fetch_role; the fetcher hears
-        the trainer and this node hears the fetcher). Every node polling the trainer costs it
-        a held request and a reply per version per node (docs/SCALE.md 5.1); the trainer's
-        retention still learns these nodes' versions from their fleet reports."""
+        """Whether this node need not long-poll `peer`'s head: the trainer, when this node
+        hears it through another (`upstream`: a member through its region's fetcher, a
+        region's fetcher through the fleet's, which alone polls the trainer). Every node or
+        region polling the trainer costs it a held request and a reply per version each
+        (docs/SCALE.md 5.1); the trainer's retention still learns these nodes' versions from
+        their fleet reports, which travel the same way (daemon/node.py)."""
         region, role = self.book.where(peer)
-        return (self.settings.region_wait_s > 0 and role == "trainer" and region is not None
+        return (role == "trainer" and region is not None
                 and peer.bt is not None  # heard first-hand once: region, role and endpoint
-                and self._fetch_role() == "member")
+                and self.upstream() is not None)
+
+    def upstream(self) -> str | None:
+        """The URL of the peer this node hears the trainer through (RegionPeering.fetchers),
+        when it is known and not banned; None for the fleet's fetcher, blind peering, and when
+        `sync.region_wait_s` is 0 (every node asks the trainer itself)."""
+        return self._through()[1]
+
+    def region_fetcher(self) -> str | None:
+        """The URL of this region's fetcher when this node is one of its other members: where
+        its fleet reports go by default (daemon/node.py), aggregated there and passed on."""
+        role, url = self._through()
+        return url if role == "member" else None
+
+    def _through(self) -> tuple[str | None, str | None]:
+        fetchers = getattr(self.book.peering, "fetchers", None)
+        if self.settings.region_wait_s <= 0 or fetchers is None:
+            return None, None
+        role, url = fetchers(self.book)
+        peer = self.book.peers.get(url) if url is not None else None
+        return (role, url) if peer is not None and peer.trusted and not peer.banned() else \
+            (role, None)
 
     def _fetch_role(self) -> str | None:
         fetch_role = getattr(self.book.peering, "fetch_role", None)

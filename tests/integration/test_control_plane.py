@@ -55,3 +55,53 @@ def test_a_region_takes_new_versions_from_one_member_not_the_trainer(tmp_path) -
         _, body, _ = http(f"{trainer.url}/v1/chain/index?peers=0")
         _, full, _ = http(f"{trainer.url}/v1/chain/index")
         assert b'"peers": []' in body and b'"node": "eu1"' in full
+
+
+def test_only_the_fleets_fetcher_watches_the_trainer_and_reports_come_per_region(tmp_path) -> None:
+    """Two regions: once every node knows the others, the trainer's head long-polls come from
+    one node of the fleet (the fleet's fetcher; each other region's fetcher hears heads from
+    it), and every member's fleet report reaches the trainer through its region's fetcher
+    (aggregated there), so neither grows with the number of nodes or regions. On the code
+    before, every region's fetcher polled the trainer and every node reported to it."""
+    regions = {"eu": ["eu1", "eu2", "eu3"], "us": ["us1", "us2", "us3"]}
+    fleet = {"interval_s": 1.0, "forget_s": 30.0}
+    with Cluster(tmp_path) as c:
+        trainer = c.trainer(region="tr", fleet=fleet)
+        for region, names in regions.items():
+            for name in names:
+                c.region(name, region=region, fleet=fleet)
+        c.start_all()
+        state = tiny_model(0, tensors=6, rows=64, cols=256)
+        c.publish(0, state, snapshot=True)
+        c.wait_all_at(0, 120)
+        version = 0
+
+        def pollers() -> set[str]:  # a long-poll (5 s here) renews its node's entry
+            nodes = trainer.status()["retention"]["nodes"]
+            return {n["node"] for n in nodes if n["seen_s_ago"] <= 3.0}
+
+        def via() -> dict[str, str | None]:
+            rows = [row for reg in trainer.get("/v1/fleet")["regions"].values()
+                    for row in reg["nodes"]]
+            return {row["node"]: row["via"] for row in rows if row["role"] == "region"}
+
+        def settled() -> bool:
+            nonlocal state, version
+            version += 1  # keep versions coming: nodes learn their peers from them too
+            state = step(state, version, density=0.02)
+            c.publish(version, state)
+            c.wait_all_at(version, 60)
+            hops = via()
+            if len(hops) < 6 or len(pollers()) > 1:
+                return False
+            for names in regions.values():  # each region reports through one of its own
+                relays = {hops[n] or n for n in names}
+                if len(relays) != 1 or not relays <= set(names):
+                    return False
+            return True
+
+        wait_until(settled, 120, "one trainer poller and reports through each region's fetcher",
+                   interval=0.5)
+        digest = trainer.status()["state_digest"]
+        assert all(c.daemons[n].status()["state_digest"] == digest
+                   for names in regions.values() for n in names)
