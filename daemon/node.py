@@ -230,7 +230,8 @@ class Node:
 
         watcher = HeadWatcher(self.book, self.client, syncer.on_head, self.store.head,
                               cfg.max_peers, cfg.long_poll_timeout_s, poller,
-                              elsewhere=syncer.hears_elsewhere, through=syncer.upstream)
+                              elsewhere=syncer.hears_elsewhere, through=syncer.upstream,
+                              glance_s=syncer.glance_s)
         return RegionRole(syncer, watcher, self.weights, self.store, self.artifacts,
                           self.cfg.node)
 

@@ -7,6 +7,7 @@ peers hold the swarm token (`prove_loop`), head replies checked in our own words
 import asyncio
 import contextlib
 import logging
+import random
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import TypeVar
@@ -109,7 +110,8 @@ class HeadWatcher:
                  poll_timeout: float,
                  poller: Callable[[], dict[str, str]] | None = None,
                  elsewhere: Callable[[Peer], bool] | None = None,
-                 through: Callable[[], str | None] | None = None) -> None:
+                 through: Callable[[], str | None] | None = None,
+                 glance_s: Callable[[], float] | None = None) -> None:
         self.book = book
         self.elsewhere = elsewhere
         """`elsewhere(peer)`: this node hears that peer's heads through others, so it does not
@@ -117,6 +119,10 @@ class HeadWatcher:
         self.through = through
         """`through()`: the URL of the peer those heads come through, watched whatever its
         standing among `max_peers` (at a large fleet it may rank below them)."""
+        self.glance_s = glance_s
+        """`glance_s()`: a peer heard elsewhere is still asked its head (without holding the
+        request) this often, so two nodes whose views make each hear the trainer through the
+        other are not both left behind for good; None: never."""
         self.poller = poller
         self.client = client
         self.on_head = on_head
@@ -124,6 +130,7 @@ class HeadWatcher:
         self.max_peers = max_peers
         self.poll_timeout = poll_timeout
         self._tasks: dict[str, asyncio.Task] = {}
+        self._glancing: dict[str, bool] = {}
 
     def reconfigure(self, max_peers: int, poll_timeout: float) -> None:
         self.max_peers, self.poll_timeout = max_peers, poll_timeout
@@ -133,16 +140,22 @@ class HeadWatcher:
         changed = self.book.changed.subscribe()
         try:
             while True:
-                wanted = {p.url for p in self.book.to_watch(self.max_peers)
-                          if self.elsewhere is None or not self.elsewhere(p)}
+                wanted: dict[str, bool] = {}  # url → only glanced at (heard elsewhere)
+                for p in self.book.to_watch(self.max_peers):
+                    elsewhere = self.elsewhere is not None and self.elsewhere(p)
+                    if not elsewhere or self.glance_s is not None:
+                        wanted[p.url] = elsewhere
                 via = self.through() if self.through is not None else None
                 if via is not None and via in self.book.peers:
-                    wanted.add(via)
+                    wanted[via] = False
                 for url in list(self._tasks):
-                    if url not in wanted or self._tasks[url].done():
+                    if (url not in wanted or self._tasks[url].done()
+                            or self._glancing.get(url) != wanted[url]):
                         await self._stop(url)
-                for url in wanted - self._tasks.keys():
-                    self._tasks[url] = asyncio.create_task(self._watch(url), name=f"head:{url}")
+                for url in wanted.keys() - self._tasks.keys():
+                    self._glancing[url] = wanted[url]
+                    self._tasks[url] = asyncio.create_task(self._watch(url, wanted[url]),
+                                                           name=f"head:{url}")
                 changed.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(changed.wait(), 5.0)
@@ -151,12 +164,15 @@ class HeadWatcher:
                 await self._stop(url)
 
     async def _stop(self, url: str) -> None:
+        self._glancing.pop(url, None)
         task = self._tasks.pop(url)
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
 
-    async def _watch(self, url: str) -> None:
+    async def _watch(self, url: str, glance: bool = False) -> None:
+        if glance and self.glance_s is not None:  # spread the fleet's glances over the period
+            await asyncio.sleep(random.uniform(0.0, self.glance_s()))
         while True:
             peer = self.book.peers.get(url)
             if peer is None or peer.banned():
@@ -166,15 +182,17 @@ class HeadWatcher:
                 await asyncio.sleep(wait)
                 continue
             try:
-                await self._poll(peer)
+                await self._poll(peer, hold=not glance)
             except (PeerError, BadPeer) as e:
                 self.book.failed(peer, e)
                 log.debug("head poll of %s failed: %s", url, peer.last_error)
+            if glance and self.glance_s is not None:
+                await asyncio.sleep(self.glance_s())
 
-    async def _poll(self, peer: Peer) -> None:
+    async def _poll(self, peer: Peer, hold: bool = True) -> None:
         heads = [h for h in (self.known_head(), peer.head) if h is not None]
         after = max(heads, default=-1)
-        params = {"timeout": str(self.poll_timeout), "after": str(after),
+        params = {"timeout": str(self.poll_timeout if hold else 0), "after": str(after),
                   **(self.poller() if self.poller is not None else {})}
         reply = await self.client.get_json(f"{peer.url}/v1/chain/head", "head", params=params,
                                            timeout=self.poll_timeout + 10)
@@ -185,7 +203,7 @@ class HeadWatcher:
                             reply.get("role") if isinstance(reply.get("role"), str) else None)
         self.book.succeeded(peer)
         await self.on_head(peer, version)
-        if version is None or version <= after:
+        if hold and (version is None or version <= after):
             await asyncio.sleep(0.2)
 
 

@@ -64,10 +64,10 @@ Notify = Callable[..., Awaitable[object]]
 T = TypeVar("T")
 TRAINER_INDEX_S = 30.0
 """A node that hears the trainer through another (a region's member, a region's fetcher)
-re-reads the trainer's index at most this often per TRAINER_INDEX_READERS peers it knows;
-between reads the trainer is taken to hold what it published (refresh_holders). Scaled by the
-fleet so the trainer answers about TRAINER_INDEX_READERS such reads per TRAINER_INDEX_S however
-many nodes there are (docs/SCALE.md 7.3)."""
+re-reads the trainer's index, and asks its head, at most this often per TRAINER_INDEX_READERS
+peers it knows (`glance_s`); between reads the trainer is taken to hold what it published
+(refresh_holders). Scaled by the fleet so the trainer answers about TRAINER_INDEX_READERS such
+reads per TRAINER_INDEX_S however many nodes there are (docs/SCALE.md 7.3)."""
 TRAINER_INDEX_READERS = 8
 FIRST_ROUND_S = 5.0
 """Longest a version's manifests or torrent are asked of peers other than the trainer before
@@ -280,7 +280,7 @@ class Syncer:
                 self.book.failed(peer, e)
 
         spare = self.upstream() is not None
-        every_s = TRAINER_INDEX_S * max(1.0, len(self.book.peers) / TRAINER_INDEX_READERS)
+        every_s = self.glance_s()
         where = self.book.where
         now = time.monotonic()
         todo = []
@@ -441,6 +441,13 @@ class Syncer:
         return (role == "trainer" and region is not None
                 and peer.bt is not None  # heard first-hand once: region, role and endpoint
                 and self.upstream() is not None)
+
+    def glance_s(self) -> float:
+        """How often a node that hears the trainer through another still reads the trainer's
+        index or asks its head (without holding the request): TRAINER_INDEX_S per
+        TRAINER_INDEX_READERS peers known, so the fleet's reads of the trainer stay about
+        constant per period however many nodes there are."""
+        return TRAINER_INDEX_S * max(1.0, len(self.book.peers) / TRAINER_INDEX_READERS)
 
     def upstream(self) -> str | None:
         """The URL of the peer this node hears the trainer through (RegionPeering.fetchers),
