@@ -246,7 +246,24 @@ def head_doc(node: Parts) -> dict[str, Any]:
     book = getattr(node, "book", None)
     return {"version": head, "artifacts": arts, "bt": node.bt(), "node": node.node,
             "url": node.url, "key": ids.own.public if ids is not None else None,
-            "region": getattr(book, "region", None), "role": getattr(book, "role", None)}
+            "region": getattr(book, "region", None), "role": getattr(book, "role", None),
+            "nodes": live_nodes(node)}
+
+
+def live_nodes(node: Parts) -> int:
+    """How many nodes this daemon knows to be live: those polling it and those its fleet board
+    heard from (through gateways) within `retention.live_within_s`. The trainer's count tells
+    nodes that hear it through others how seldom to ask it themselves (Syncer.glance_s), so
+    those asks stay about constant per second however large the fleet."""
+    live = getattr(node, "live", None)
+    if live is None:
+        return 0
+    now = time.time()
+    names = set(live.held(now))
+    fleet = getattr(node, "fleet", None)
+    if fleet is not None:
+        names.update(e.report.node for e in fleet.board.live(now, live.within_s))
+    return len(names)
 
 
 def record_poller(request: web.Request, node: Parts) -> None:

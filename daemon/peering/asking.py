@@ -197,6 +197,9 @@ class HeadWatcher:
         reply = await self.client.get_json(f"{peer.url}/v1/chain/head", "head", params=params,
                                            timeout=self.poll_timeout + 10)
         version, bt, node = parse_head(reply, peer.url)
+        nodes = reply.get("nodes")
+        peer.fleet_nodes = bounded_int(nodes, peer.url, "head nodes", 10**8) if nodes is not None \
+            else None
         key, region = reply.get("key"), reply.get("region")
         self.book.learn_own(peer.url, node, key if is_key_hex(key) else None, bt, version,
                             region if isinstance(region, str) and _plain_name(region) else None,

@@ -90,6 +90,9 @@ class Peer:
     """The key came from the URL's own answer (hello or head reply), not from a header."""
     identified: bool = False
     """Its URL was asked who it is (hello) since it became known."""
+    fleet_nodes: int | None = None
+    """How many live nodes it said it knows in its last head reply (the trainer's count paces
+    how often nodes that hear it through others still ask it: Syncer.glance_s)."""
 
     @property
     def trusted(self) -> bool:

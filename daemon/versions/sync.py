@@ -69,6 +69,7 @@ peers it knows (`glance_s`); between reads the trainer is taken to hold what it 
 (refresh_holders). Scaled by the fleet so the trainer answers about TRAINER_INDEX_READERS such
 reads per TRAINER_INDEX_S however many nodes there are (docs/SCALE.md 7.3)."""
 TRAINER_INDEX_READERS = 8
+GLANCE_MAX_S = 600.0
 FIRST_ROUND_S = 5.0
 """Longest a version's manifests or torrent are asked of peers other than the trainer before
 the trainer is asked too (ask_sparing_trainer): a claimant that never answers costs this, not
@@ -445,9 +446,15 @@ class Syncer:
     def glance_s(self) -> float:
         """How often a node that hears the trainer through another still reads the trainer's
         index or asks its head (without holding the request): TRAINER_INDEX_S per
-        TRAINER_INDEX_READERS peers known, so the fleet's reads of the trainer stay about
-        constant per period however many nodes there are."""
-        return TRAINER_INDEX_S * max(1.0, len(self.book.peers) / TRAINER_INDEX_READERS)
+        TRAINER_INDEX_READERS nodes, counting the peers this node knows or, when more, the live
+        nodes the trainer's last head reply said it knows (a book holds at most `max_peers`),
+        so the fleet's reads of the trainer stay about constant per second however many nodes
+        there are (at most GLANCE_MAX_S apart)."""
+        where = self.book.where
+        fleet = max((p.fleet_nodes or 0 for p in self.book.peers.values()
+                     if where(p)[1] == "trainer"), default=0)
+        return min(GLANCE_MAX_S, TRAINER_INDEX_S
+                   * max(1.0, max(len(self.book.peers), fleet) / TRAINER_INDEX_READERS))
 
     def upstream(self) -> str | None:
         """The URL of the peer this node hears the trainer through (RegionPeering.fetchers),

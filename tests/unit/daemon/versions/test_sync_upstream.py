@@ -1,0 +1,54 @@
+"""Whom a region node hears the trainer through (daemon/versions/sync.py `Syncer.upstream`,
+RegionPeering.fetchers) and how seldom it still asks the trainer itself (`glance_s`): a region's
+member through its region's fetcher, a region's fetcher through the fleet's, the fleet's fetcher
+nobody; so only the fleet's fetcher long-polls the trainer, and the others' glances at it are
+paced by the fleet's size as the trainer counts it (a book holds at most `max_peers`)."""
+
+from daemon.config import SyncConfig
+from daemon.versions.sync import GLANCE_MAX_S, TRAINER_INDEX_READERS, TRAINER_INDEX_S, Syncer
+from tests.unit.daemon.peering.test_regions import MEMBERS, book_for, fleet, gateway
+
+
+def syncer(node: str, region: str, **settings) -> tuple[Syncer, dict]:
+    book = book_for(node, region)
+    fleet(book, MEMBERS)
+    urls = {p.node: p.url for p in book.peers.values()}
+    return Syncer(store=None, weights=None, book=book, client=None, artifacts=None, board=None,
+                  notify=None, keeper=None, settings=SyncConfig(**settings)), urls
+
+
+def test_members_hear_their_fetcher_fetchers_hear_the_fleets_and_it_the_trainer() -> None:
+    fleet_fetcher, b_fetcher = gateway("a", MEMBERS["a"]), gateway("b", MEMBERS["b"])
+    b_member = next(n for n in MEMBERS["b"] if n != b_fetcher)
+    member, urls = syncer(b_member, "b")
+    assert member.upstream() == member.region_fetcher() == urls[b_fetcher]
+    fetcher, urls = syncer(b_fetcher, "b")
+    assert fetcher.upstream() == urls[fleet_fetcher] and fetcher.region_fetcher() is None
+    first, _ = syncer(fleet_fetcher, "a")
+    assert first.upstream() is None and first.region_fetcher() is None
+    for s, polls_trainer in ((member, False), (fetcher, False), (first, True)):
+        trainer = next(p for p in s.book.peers.values() if p.node == "trainer")
+        assert s.hears_elsewhere(trainer) is not polls_trainer
+    off, _ = syncer(b_member, "b", region_wait_s=0)  # every node asks the trainer itself
+    assert off.upstream() is None
+
+
+def test_a_banned_upstream_is_not_heard_through() -> None:
+    b_fetcher = gateway("b", MEMBERS["b"])
+    member, urls = syncer(next(n for n in MEMBERS["b"] if n != b_fetcher), "b")
+    member.book.peers[urls[b_fetcher]].banned_until = 10**12
+    assert member.upstream() != urls[b_fetcher]
+
+
+def test_glances_at_the_trainer_are_paced_by_the_fleet_the_trainer_counts() -> None:
+    s, urls = syncer("b1", "b")
+    known = len(s.book.peers)
+    assert s.glance_s() == TRAINER_INDEX_S * max(1.0, known / TRAINER_INDEX_READERS)
+    trainer = s.book.peers[urls["trainer"]]
+    trainer.fleet_nodes = 100
+    assert s.glance_s() == TRAINER_INDEX_S * 100 / TRAINER_INDEX_READERS
+    trainer.fleet_nodes = 10_000  # at most GLANCE_MAX_S apart: 17 glances/s at the trainer
+    assert s.glance_s() == GLANCE_MAX_S
+    trainer.fleet_nodes = None
+    s.book.peers[urls["a1"]].fleet_nodes = 10**6  # only the trainer's own count is taken
+    assert s.glance_s() == TRAINER_INDEX_S * max(1.0, known / TRAINER_INDEX_READERS)
