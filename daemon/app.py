@@ -254,7 +254,7 @@ def live_nodes(node: Parts) -> int:
     """How many nodes this daemon knows to be live: those polling it and those its fleet board
     heard from (through gateways) within `retention.live_within_s`. The trainer's count tells
     nodes that hear it through others how seldom to ask it themselves (Syncer.glance_s), so
-    those asks stay about constant per second however large the fleet."""
+    those asks stay about constant per second up to that pacing's cap."""
     live = getattr(node, "live", None)
     if live is None:
         return 0

@@ -230,7 +230,7 @@ class Node:
 
         watcher = HeadWatcher(self.book, self.client, syncer.on_head, self.store.head,
                               cfg.max_peers, cfg.long_poll_timeout_s, poller,
-                              elsewhere=syncer.hears_elsewhere, through=syncer.upstream,
+                              elsewhere=syncer.hears_elsewhere, through=syncer.watched,
                               glance_s=syncer.glance_s)
         return RegionRole(syncer, watcher, self.weights, self.store, self.artifacts,
                           self.cfg.node)
@@ -259,22 +259,22 @@ class Node:
         return parts
 
     def _report_upstreams(self, parts: FleetParts) -> list[str]:
-        """Where this node's fleet reports go: `fleet.report_to` when set; else a region's
-        member sends them to its region's fetcher (which sends its region's, aggregated, on to
-        its own upstreams), falling back to the bootstrap list while that fetcher does not take
-        them; everyone else to the bootstrap list. So the trainer answers a report per region
-        per interval, not one per node (docs/SCALE.md 7.2)."""
+        """Where this node's fleet reports go: `fleet.report_to` when set; else where its fetch
+        role says (Syncer.report_targets: a member to its region's fetcher, a fetcher to the
+        trainer), with the bootstrap list too while one of those does not take them; else the
+        bootstrap list. So the trainer answers a report per region per interval, not one per
+        node (docs/SCALE.md 7.2)."""
         f = self.cfg.fleet
         if f.report_to is not None:
             return list(f.report_to)
         boot = list(self.cfg.bootstrap)
-        via = self.role.syncer.region_fetcher() if self.role.syncer is not None else None
-        if via is None:
+        targets = self.role.syncer.report_targets() if self.role.syncer is not None else []
+        if not targets:
             return boot
-        sent = parts.reporter.state.get(via) if parts.reporter is not None else None
-        if sent is not None and sent.last_error:
-            return [via, *(u for u in boot if u != via)]
-        return [via]
+        state = parts.reporter.state if parts.reporter is not None else {}
+        if any(state.get(u) is not None and state[u].last_error for u in targets):
+            return [*targets, *(u for u in boot if u not in targets)]
+        return targets
 
     @property
     def syncer(self) -> Syncer | None:

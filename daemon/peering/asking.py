@@ -110,15 +110,16 @@ class HeadWatcher:
                  poll_timeout: float,
                  poller: Callable[[], dict[str, str]] | None = None,
                  elsewhere: Callable[[Peer], bool] | None = None,
-                 through: Callable[[], str | None] | None = None,
+                 through: Callable[[], list[str]] | None = None,
                  glance_s: Callable[[], float] | None = None) -> None:
         self.book = book
         self.elsewhere = elsewhere
         """`elsewhere(peer)`: this node hears that peer's heads through others, so it does not
         watch it (a region's members do not watch the trainer: daemon/versions/sync.py)."""
         self.through = through
-        """`through()`: the URL of the peer those heads come through, watched whatever its
-        standing among `max_peers` (at a large fleet it may rank below them)."""
+        """`through()`: URLs long-polled whatever their standing among `max_peers` (at a large
+        fleet they may rank below them): the peer the trainer's heads come through, else the
+        trainer itself."""
         self.glance_s = glance_s
         """`glance_s()`: a peer heard elsewhere is still asked its head (without holding the
         request) this often, so two nodes whose views make each hear the trainer through the
@@ -142,12 +143,17 @@ class HeadWatcher:
             while True:
                 wanted: dict[str, bool] = {}  # url → only glanced at (heard elsewhere)
                 for p in self.book.to_watch(self.max_peers):
-                    elsewhere = self.elsewhere is not None and self.elsewhere(p)
-                    if not elsewhere or self.glance_s is not None:
-                        wanted[p.url] = elsewhere
-                via = self.through() if self.through is not None else None
-                if via is not None and via in self.book.peers:
-                    wanted[via] = False
+                    if self.elsewhere is None or not self.elsewhere(p):
+                        wanted[p.url] = False
+                for url in self.through() if self.through is not None else ():
+                    if url in self.book.peers:
+                        wanted[url] = False
+                if self.elsewhere is not None and self.glance_s is not None:
+                    now = time.monotonic()  # every such peer, ranked among max_peers or not
+                    for p in self.book.peers.values():
+                        if (p.url not in wanted and p.trusted and not p.banned(now)
+                                and self.elsewhere(p)):
+                            wanted[p.url] = True
                 for url in list(self._tasks):
                     if (url not in wanted or self._tasks[url].done()
                             or self._glancing.get(url) != wanted[url]):

@@ -331,8 +331,8 @@ class RegionPeering:
         """(this node's fetch role as `fetch_role` says, the URL of the node it hears the
         trainer through): a member hears it through its region's fetcher, a region's fetcher
         through the fleet's; the fleet's fetcher (and blind peering) hears the trainer itself
-        (None). Long-polls of the trainer's head and fleet reports go that way (daemon/versions/
-        sync.py `upstream`), so the trainer answers one node per version, not one per region."""
+        (None). Long-polls of the trainer's head go that way (daemon/versions/sync.py
+        `upstream`), so the trainer answers one node per version, not one per region."""
         if self.mode == "blind" or book.region is None:
             return None, None
         firsts: dict[str, Member] = {}

@@ -65,9 +65,9 @@ T = TypeVar("T")
 TRAINER_INDEX_S = 30.0
 """A node that hears the trainer through another (a region's member, a region's fetcher)
 re-reads the trainer's index, and asks its head, at most this often per TRAINER_INDEX_READERS
-peers it knows (`glance_s`); between reads the trainer is taken to hold what it published
+nodes (`glance_s`); between reads the trainer is taken to hold what it published
 (refresh_holders). Scaled by the fleet so the trainer answers about TRAINER_INDEX_READERS such
-reads per TRAINER_INDEX_S however many nodes there are (docs/SCALE.md 7.3)."""
+reads per TRAINER_INDEX_S up to GLANCE_MAX_S apart (docs/SCALE.md 7.3)."""
 TRAINER_INDEX_READERS = 8
 GLANCE_MAX_S = 600.0
 FIRST_ROUND_S = 5.0
@@ -437,7 +437,7 @@ class Syncer:
         region's fetcher through the fleet's, which alone polls the trainer). Every node or
         region polling the trainer costs it a held request and a reply per version each
         (docs/SCALE.md 5.1); the trainer's retention still learns these nodes' versions from
-        their fleet reports, which travel the same way (daemon/node.py)."""
+        their fleet reports (`report_targets`)."""
         region, role = self.book.where(peer)
         return (role == "trainer" and region is not None
                 and peer.bt is not None  # heard first-hand once: region, role and endpoint
@@ -447,9 +447,9 @@ class Syncer:
         """How often a node that hears the trainer through another still reads the trainer's
         index or asks its head (without holding the request): TRAINER_INDEX_S per
         TRAINER_INDEX_READERS nodes, counting the peers this node knows or, when more, the live
-        nodes the trainer's last head reply said it knows (a book holds at most `max_peers`),
-        so the fleet's reads of the trainer stay about constant per second however many nodes
-        there are (at most GLANCE_MAX_S apart)."""
+        nodes the trainer's last head reply said it knows (a book holds at most `max_peers`):
+        about TRAINER_INDEX_READERS such asks per TRAINER_INDEX_S over the whole fleet, until
+        the GLANCE_MAX_S cap (at 160 nodes), then N per GLANCE_MAX_S."""
         where = self.book.where
         fleet = max((p.fleet_nodes or 0 for p in self.book.peers.values()
                      if where(p)[1] == "trainer"), default=0)
@@ -462,11 +462,33 @@ class Syncer:
         `sync.region_wait_s` is 0 (every node asks the trainer itself)."""
         return self._through()[1]
 
-    def region_fetcher(self) -> str | None:
-        """The URL of this region's fetcher when this node is one of its other members: where
-        its fleet reports go by default (daemon/node.py), aggregated there and passed on."""
+    def watched(self) -> list[str]:
+        """URLs this node long-polls whatever their standing in its book (HeadWatcher): the
+        peer it hears the trainer through, else the trainer itself (the fleet's fetcher, and
+        every node with blind peering or `region_wait_s` 0, must not lose it from view when
+        the book holds more peers than it watches)."""
+        via = self.upstream()
+        return [via] if via is not None else self.trainers()
+
+    def report_targets(self) -> list[str]:
+        """Where this node's fleet reports go when `fleet.report_to` is unset (daemon/node.py):
+        a region's member to its region's fetcher, which holds its region's entries; a fetcher
+        (the region's or the fleet's) straight to the trainer as it heard it first-hand, so each
+        entry reaches the trainer once and a fetcher whose bootstrap list names only its own
+        region does not send its region's entries back to a member; [] (the bootstrap list)
+        with blind peering, or before the trainer is known."""
         role, url = self._through()
-        return url if role == "member" else None
+        if role == "member":
+            return [url] if url is not None else []
+        return self.trainers() if role in ("region", "fleet") else []
+
+    def trainers(self) -> list[str]:
+        """Trusted, unbanned peers that said first-hand they are the trainer."""
+        now = time.monotonic()
+        where = self.book.where
+        return sorted(p.url for p in self.book.peers.values()
+                      if where(p)[1] == "trainer" and p.bt is not None and p.trusted
+                      and not p.banned(now))
 
     def _through(self) -> tuple[str | None, str | None]:
         fetchers = getattr(self.book.peering, "fetchers", None)

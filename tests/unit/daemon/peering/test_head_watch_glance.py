@@ -7,6 +7,7 @@ long-polled. Without a glance period such a peer is never asked."""
 import asyncio
 
 import aiohttp
+import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
@@ -27,7 +28,8 @@ def head_app(version: int, asked: list[str]) -> web.Application:
     return app
 
 
-async def watch(glance_s: float | None, seconds: float) -> tuple[list[str], list[str], dict]:
+async def watch(glance_s: float | None, seconds: float, max_peers: int = 16
+                ) -> tuple[list[str], list[str], dict]:
     trainer_asked: list[str] = []
     fetcher_asked: list[str] = []
     heard: dict[str, int | None] = {}
@@ -42,8 +44,8 @@ async def watch(glance_s: float | None, seconds: float) -> tuple[list[str], list
         async def on_head(peer: Peer, version: int | None) -> None:
             heard[peer.url] = version
 
-        watcher = HeadWatcher(book, PeerClient(session, "t"), on_head, lambda: None, 16, 5.0,
-                              elsewhere=lambda p: p.url == t_url, through=lambda: f_url,
+        watcher = HeadWatcher(book, PeerClient(session, "t"), on_head, lambda: None, max_peers, 5.0,
+                              elsewhere=lambda p: p.url == t_url, through=lambda: [f_url],
                               glance_s=None if glance_s is None else (lambda: glance_s))
         task = asyncio.create_task(watcher.run())
         await asyncio.sleep(seconds)
@@ -53,8 +55,13 @@ async def watch(glance_s: float | None, seconds: float) -> tuple[list[str], list
                                           for u, v in heard.items()}
 
 
-async def test_a_peer_heard_elsewhere_is_glanced_at_without_holding_the_request() -> None:
-    trainer_asked, fetcher_asked, heard = await watch(glance_s=0.3, seconds=1.5)
+@pytest.mark.parametrize("max_peers", [16, 0])
+async def test_a_peer_heard_elsewhere_is_glanced_at_without_holding_the_request(
+        max_peers: int) -> None:
+    """Also when the book watches fewer peers than it knows (`max_peers` 0 here: at a large
+    fleet neither the trainer nor the upstream need rank among those watched)."""
+    trainer_asked, fetcher_asked, heard = await watch(glance_s=0.3, seconds=1.5,
+                                                      max_peers=max_peers)
     assert trainer_asked and set(trainer_asked) == {"0"}, trainer_asked
     assert 2 <= len(trainer_asked) <= 7, trainer_asked  # about every 0.3 s, not continuously
     assert fetcher_asked and set(fetcher_asked) == {"5.0"}, fetcher_asked

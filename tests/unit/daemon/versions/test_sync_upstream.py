@@ -21,23 +21,44 @@ def test_members_hear_their_fetcher_fetchers_hear_the_fleets_and_it_the_trainer(
     fleet_fetcher, b_fetcher = gateway("a", MEMBERS["a"]), gateway("b", MEMBERS["b"])
     b_member = next(n for n in MEMBERS["b"] if n != b_fetcher)
     member, urls = syncer(b_member, "b")
-    assert member.upstream() == member.region_fetcher() == urls[b_fetcher]
+    assert member.upstream() == urls[b_fetcher] and member.watched() == [urls[b_fetcher]]
     fetcher, urls = syncer(b_fetcher, "b")
-    assert fetcher.upstream() == urls[fleet_fetcher] and fetcher.region_fetcher() is None
+    assert fetcher.upstream() == urls[fleet_fetcher]
     first, _ = syncer(fleet_fetcher, "a")
-    assert first.upstream() is None and first.region_fetcher() is None
+    assert first.upstream() is None
+    assert first.watched() == [urls["trainer"]], "the fleet's fetcher always polls the trainer"
     for s, polls_trainer in ((member, False), (fetcher, False), (first, True)):
         trainer = next(p for p in s.book.peers.values() if p.node == "trainer")
         assert s.hears_elsewhere(trainer) is not polls_trainer
     off, _ = syncer(b_member, "b", region_wait_s=0)  # every node asks the trainer itself
-    assert off.upstream() is None
+    assert off.upstream() is None and off.watched() == [urls["trainer"]]
+
+
+def test_reports_go_to_the_regions_fetcher_and_from_fetchers_to_the_trainer() -> None:
+    """Not to a fetcher's bootstrap list: one that names only a member of its own region would
+    send the region's entries back to a member that reports to the fetcher (a loop that never
+    reaches the trainer)."""
+    b_fetcher = gateway("b", MEMBERS["b"])
+    member, urls = syncer(next(n for n in MEMBERS["b"] if n != b_fetcher), "b")
+    assert member.report_targets() == [urls[b_fetcher]]
+    fetcher, _ = syncer(b_fetcher, "b")
+    assert fetcher.report_targets() == [urls["trainer"]]
+    first, _ = syncer(gateway("a", MEMBERS["a"]), "a")
+    assert first.report_targets() == [urls["trainer"]]
+    blind, _ = syncer(b_fetcher, "b", region_wait_s=0)
+    assert blind.report_targets() == [], "the bootstrap list, as before fetch roles"
 
 
 def test_a_banned_upstream_is_not_heard_through() -> None:
     b_fetcher = gateway("b", MEMBERS["b"])
-    member, urls = syncer(next(n for n in MEMBERS["b"] if n != b_fetcher), "b")
+    name = next(n for n in MEMBERS["b"] if n != b_fetcher)
+    member, urls = syncer(name, "b")
     member.book.peers[urls[b_fetcher]].banned_until = 10**12
-    assert member.upstream() != urls[b_fetcher]
+    # the next member by rank fetches for the region now (or this node, hearing the fleet's)
+    rest = [n for n in MEMBERS["b"] if n != b_fetcher]
+    nxt = gateway("b", rest)
+    want = urls[gateway("a", MEMBERS["a"])] if nxt == name else urls[nxt]
+    assert member.upstream() == want
 
 
 def test_glances_at_the_trainer_are_paced_by_the_fleet_the_trainer_counts() -> None:
