@@ -473,14 +473,20 @@ class Syncer:
     def report_targets(self) -> list[str]:
         """Where this node's fleet reports go when `fleet.report_to` is unset (daemon/node.py):
         a region's member to its region's fetcher, which holds its region's entries; a fetcher
-        (the region's or the fleet's) straight to the trainer as it heard it first-hand, so each
-        entry reaches the trainer once and a fetcher whose bootstrap list names only its own
-        region does not send its region's entries back to a member; [] (the bootstrap list)
-        with blind peering, or before the trainer is known."""
+        (the region's or the fleet's) to its bootstrap peers outside its own region (a chain of
+        regions reports up the chain, as the operator laid it out), else to the trainer as it
+        heard it first-hand: a bootstrap peer in its own region reports to the fetcher, and
+        would get the region's entries back (a loop that never reaches the trainer). []: the
+        bootstrap list (blind peering, or before any of this is known)."""
         role, url = self._through()
         if role == "member":
             return [url] if url is not None else []
-        return self.trainers() if role in ("region", "fleet") else []
+        if role not in ("region", "fleet"):
+            return []
+        where = self.book.where
+        up = sorted(p.url for p in self.book.peers.values()
+                    if p.bootstrap and where(p)[0] != self.book.region)
+        return up or self.trainers()
 
     def trainers(self) -> list[str]:
         """Trusted, unbanned peers that said first-hand they are the trainer."""

@@ -34,17 +34,19 @@ def test_members_hear_their_fetcher_fetchers_hear_the_fleets_and_it_the_trainer(
     assert off.upstream() is None and off.watched() == [urls["trainer"]]
 
 
-def test_reports_go_to_the_regions_fetcher_and_from_fetchers_to_the_trainer() -> None:
-    """Not to a fetcher's bootstrap list: one that names only a member of its own region would
-    send the region's entries back to a member that reports to the fetcher (a loop that never
-    reaches the trainer)."""
+def test_reports_go_to_the_fetcher_and_from_fetchers_up_and_out_of_their_region() -> None:
+    """A fetcher reports to its bootstrap peers outside its region (a chain of regions stays a
+    chain), else to the trainer: not to a bootstrap peer in its own region, which reports to
+    the fetcher and would get the region's entries back (a loop never reaching the trainer)."""
     b_fetcher = gateway("b", MEMBERS["b"])
     member, urls = syncer(next(n for n in MEMBERS["b"] if n != b_fetcher), "b")
     assert member.report_targets() == [urls[b_fetcher]]
-    fetcher, _ = syncer(b_fetcher, "b")
+    fetcher, _ = syncer(b_fetcher, "b")  # every peer is a bootstrap peer in this book
+    outside = sorted(u for n, u in urls.items() if n not in MEMBERS["b"])
+    assert fetcher.report_targets() == outside
+    for p in fetcher.book.peers.values():  # its bootstrap list names its own region only
+        p.bootstrap, p.proven = p.node in MEMBERS["b"], True  # the others proven since
     assert fetcher.report_targets() == [urls["trainer"]]
-    first, _ = syncer(gateway("a", MEMBERS["a"]), "a")
-    assert first.report_targets() == [urls["trainer"]]
     blind, _ = syncer(b_fetcher, "b", region_wait_s=0)
     assert blind.report_targets() == [], "the bootstrap list, as before fetch roles"
 
