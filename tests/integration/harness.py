@@ -29,10 +29,20 @@ ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "integration-test-token"
 
 
+_HANDED_OUT: set[tuple[str, int]] = set()
+
+
 def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port free on `host` now and not handed out before in this process: the kernel may give
+    the same free port to two probes in a row (a daemon's HTTP and BitTorrent ports, then one
+    of them fails to bind: "address already in use", seen once in a CI run)."""
+    while True:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if (host, port) not in _HANDED_OUT:
+            _HANDED_OUT.add((host, port))
+            return port
 
 
 def tiny_model(seed: int = 0, tensors: int = 4, rows: int = 256, cols: int = 1024
