@@ -286,8 +286,9 @@ class FleetConfig(_Section):
     """Daemons this one sends its fleet report (and the ones it holds) to. Default (null): a
     region's member sends to its region's fetcher (the node that fetches new versions for the
     region; the bootstrap list too while that one does not take them), which sends its
-    region's reports on to its bootstrap list, and every other node to its bootstrap list; so
-    the trainer answers a report per region, not per node (docs/SCALE.md 7)."""
+    region's reports on to its bootstrap peers outside its region, else to the trainer; other
+    nodes send to their bootstrap list. So the trainer answers a report per region, not per
+    node (docs/SCALE.md 7)."""
     interval_s: float = Field(10.0, ge=1, le=3600)
     """Seconds between reports (jittered ±10 %); nodes older than 3x this show as stale."""
     forget_s: float = Field(120.0, ge=10, le=86_400)

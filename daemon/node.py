@@ -260,10 +260,10 @@ class Node:
 
     def _report_upstreams(self, parts: FleetParts) -> list[str]:
         """Where this node's fleet reports go: `fleet.report_to` when set; else where its fetch
-        role says (Syncer.report_targets: a member to its region's fetcher, a fetcher to the
-        trainer), with the bootstrap list too while one of those does not take them; else the
-        bootstrap list. So the trainer answers a report per region per interval, not one per
-        node (docs/SCALE.md 7.2)."""
+        role says (Syncer.report_targets: a member to its region's fetcher, a fetcher to its
+        bootstrap peers outside its region, else the trainer), with the bootstrap list too
+        while one of those does not take them; else the bootstrap list. So the trainer answers
+        a report per region per interval, not one per node (docs/SCALE.md 7.2)."""
         f = self.cfg.fleet
         if f.report_to is not None:
             return list(f.report_to)
