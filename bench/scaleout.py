@@ -290,14 +290,11 @@ def fleet_costs(ns: list[int], region_size: int, n_versions: int) -> dict:
             log(f"N={n}: trainer sent {b:,.0f} B and used {cpu:.3f} CPU s per version "
                 f"(median of {n_versions}; a version's window {window:.1f} s, the trainer's idle "
                 f"CPU {idle:.4f} s/s, above idle {net:.3f} s); all current: {current}")
-    first, last = out["trainer_control_bytes_per_version"][0], \
-        out["trainer_control_bytes_per_version"][-1]
-    out["control_bytes_last_over_first"] = round(last / first, 3) if first else None
-    c0, c1 = out["trainer_cpu_s_per_version"][0], out["trainer_cpu_s_per_version"][-1]
-    out["control_cpu_last_over_first"] = round(c1 / c0, 3) if c0 else None
-    c0, c1 = (out["trainer_cpu_s_per_version_over_idle"][0],
-              out["trainer_cpu_s_per_version_over_idle"][-1])
-    out["control_cpu_over_idle_last_over_first"] = round(c1 / c0, 3) if c0 > 0 else None
+    for ratio, series in (("control_bytes", "trainer_control_bytes_per_version"),
+                          ("control_cpu", "trainer_cpu_s_per_version"),
+                          ("control_cpu_over_idle", "trainer_cpu_s_per_version_over_idle")):
+        first, last = out[series][0], out[series][-1]
+        out[f"{ratio}_last_over_first"] = round(last / first, 3) if first > 0 else None
     return out
 
 
