@@ -152,7 +152,7 @@ def decode_patch(m: Manifest, base: TensorFiles, base_version: int, base_digests
         raise DigestMismatch(f"{m.artifact}'s parent digest differs from v{parent}'s")
     dec = _Decode(m, base, digests, layers)
     dec.run([BlockReader.of_blocks(b, get_block) for b in m.substreams])
-    if state_digest({t.name: t.digest for t in m.tensors}) != m.state_digest:
+    if state_digest(m.tensors.digest_map()) != m.state_digest:
         raise BadDelta(f"{m.artifact}: state digest mismatch")
     return Patch(m.version, parent, parent_state, m.state_digest, dec.out_patches)
 

@@ -12,9 +12,9 @@ from typing import BinaryIO
 
 from chain.digest import state_digest
 from chain.errors import BadDelta
-from chain.manifest import TensorEntry
 from chain.sources import TensorSource, source_digest
 from chain.stream import BlockReader, RecordHeader, encode_header
+from chain.tensortable import TensorTable
 from chain.writer import EncodeStats, encode_stream
 
 MAGIC = b"DSDELTA2"  # 2: tensor digests are additive lane hashes (1: xxh3)
@@ -36,8 +36,8 @@ def write_delta_file(path: Path, old: TensorSource, new: TensorSource) -> Encode
         tensors, stats = encode_stream(_FileSink(f), new, old, "delta")
     header = {
         "parent_state_digest": source_digest(old),
-        "state_digest": state_digest({t.name: t.digest for t in tensors}),
-        "tensors": [t.model_dump() for t in tensors],
+        "state_digest": state_digest(tensors.digest_map()),
+        "tensors": tensors.as_dicts(),
         "stats": stats.as_dict(),
     }
     raw = json.dumps(header, separators=(",", ":")).encode()
@@ -49,7 +49,7 @@ def write_delta_file(path: Path, old: TensorSource, new: TensorSource) -> Encode
     return stats
 
 
-def read_delta_file(path: Path) -> tuple[dict, list[TensorEntry], BlockReader]:
+def read_delta_file(path: Path) -> tuple[dict, TensorTable, BlockReader]:
     f = open(path, "rb")  # noqa: SIM115 - the returned reader streams from it
     head = f.read(len(MAGIC) + 4)
     if head[: len(MAGIC)] == b"DSDELTA1":
@@ -60,7 +60,7 @@ def read_delta_file(path: Path) -> tuple[dict, list[TensorEntry], BlockReader]:
     (n,) = struct.unpack("<I", head[len(MAGIC):])
     try:
         header = json.loads(f.read(n))
-        tensors = [TensorEntry.model_validate(t) for t in header["tensors"]]
+        tensors = TensorTable.of(header["tensors"])
     except (ValueError, KeyError) as e:
         raise BadDelta(f"{path}: delta header is malformed: {e}") from None
     return header, tensors, BlockReader(iter(lambda: f.read(CHUNK), b""))

@@ -7,6 +7,7 @@ tensors, its blocks and their BitTorrent pieces roots) is in here, so a lying pe
 hand out data that fails a check.
 """
 
+import itertools
 import json
 import re
 from typing import Annotated, Any, Literal
@@ -15,9 +16,11 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from chain import keys
+from chain.blocktable import MAX_SIZE, BlockTable
 from chain.digest import state_digest
 from chain.dtypes import BY_NAME
 from chain.errors import BadManifest, BadSignature, Unsigned
+from chain.tensortable import TensorTable, numel
 
 FORMAT = 2
 """2: tensor digests are additive lane hashes (chain/lanehash.py); 1 used xxh3-128."""
@@ -56,10 +59,7 @@ class TensorEntry(_Strict):
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return numel(self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -68,7 +68,7 @@ class TensorEntry(_Strict):
 
 class BlockEntry(_Strict):
     id: Hex32
-    size: int = Field(gt=0, le=64 * 1024 * 1024)
+    size: int = Field(gt=0, le=MAX_SIZE)
     root: Hex64
 
 
@@ -99,8 +99,10 @@ class Manifest(_Strict):
     kind: Literal["delta", "snapshot"]
     parent: Parent | None
     state_digest: Hex32
-    tensors: list[TensorEntry]
-    blocks: list[BlockEntry]
+    tensors: TensorTable
+    """Held as columns (chain/tensortable.py): reads as a list of TensorEntry."""
+    blocks: BlockTable
+    """Held as columns (chain/blocktable.py): reads as a list of BlockEntry."""
     files: list[FileEntry] = []
     stats: dict[str, int | float] = {}
     created: float = 0.0
@@ -118,15 +120,15 @@ class Manifest(_Strict):
             raise ValueError(f"delta v{self.version} must have parent v{self.version - 1}")
         if self.kind == "snapshot" and self.parent is not None:
             raise ValueError("a snapshot has no parent")
-        names = [t.name for t in self.tensors]
-        if names != sorted(set(names)):
+        names = self.tensors.names()
+        if any(a >= b for a, b in itertools.pairwise(names)):
             raise ValueError("tensors must be unique and sorted by name")
-        ids = [b.id for b in self.blocks]
+        ids = self.blocks.ids()
         if len(set(ids)) != len(ids):
             raise ValueError("duplicate block ids")
         if any(f.block not in ids for f in self.files):
             raise ValueError("every file's block must be listed in blocks")
-        if state_digest({t.name: t.digest for t in self.tensors}) != self.state_digest:
+        if state_digest(self.tensors.digest_map()) != self.state_digest:
             raise ValueError("state_digest does not match the tensor digests")
         if self.format == FORMAT and self.streams is not None:
             raise ValueError("format 2 has one stream: `streams` needs format 3")
@@ -142,7 +144,7 @@ class Manifest(_Strict):
 
     @property
     def payload_bytes(self) -> int:
-        return sum(b.size for b in self.blocks)
+        return self.blocks.total()
 
     @property
     def stream_blocks(self) -> list[BlockEntry]:

@@ -222,7 +222,7 @@ class ChainStore:
                 (self.manifest_dir / f"{a}.json").unlink(missing_ok=True)
             # Under the lock: a manifest added meanwhile must not lose the blocks it names,
             # nor a version being written (a write lease) those written so far.
-            live = {b.id for m in self._cache.values() for b in m.blocks}
+            live = {bid for m in self._cache.values() for bid in m.blocks.ids()}
             live |= self._blocks_on_disk_only()
             now = time.time()
             writing = sweep(self.root, now)

@@ -169,7 +169,7 @@ class WeightsDir:
             fill.run([BlockReader.of_blocks(b, get_block) for b in m.substreams], resumed)
         else:
             fill.run_changes(changes, resumed)
-        if state_digest({t.name: t.digest for t in m.tensors}) != m.state_digest:
+        if state_digest(m.tensors.digest_map()) != m.state_digest:
             raise ChainError(f"{m.artifact}: state digest mismatch")
         mode = _file_mode(staging)
         # changes merged over several versions are not the step from m.version - 1: record
@@ -178,7 +178,7 @@ class WeightsDir:
         write_changes(staging, m.version, fill.changes if one_step else {}, mode)
         _write_files(staging, m, get_block, mode)
         write_info(staging, VersionInfo(m.version, m.state_digest, m.run,
-                                        {t.name: t.digest for t in m.tensors}), mode)
+                                        m.tensors.digest_map()), mode)
         return self._commit(staging, m)
 
     def _spare(self, m: Manifest, cur: Current | None) -> Path | None:

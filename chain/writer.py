@@ -18,9 +18,10 @@ from chain.blocks import DEFAULT_BLOCK, BlockStore
 from chain.codec import header as hdr
 from chain.digest import pieces_root, state_digest, tensor_digests
 from chain.gcpause import without_gc
-from chain.manifest import FORMAT, BasePin, BlockEntry, FileEntry, Manifest, Parent, TensorEntry
+from chain.manifest import FORMAT, BasePin, BlockEntry, FileEntry, Manifest, Parent
 from chain.sources import TensorSource
 from chain.stream import BlockWriter, RecordHeader
+from chain.tensortable import DTYPE_CODE, TensorTable
 
 
 @dataclass
@@ -51,7 +52,7 @@ def encode_stream(
     digests: Mapping[str, str] | None = None,
     parent_digests: Mapping[str, str] | None = None,
     on_changes: OnChanges | None = None,
-) -> tuple[list[TensorEntry], EncodeStats]:
+) -> tuple[TensorTable, EncodeStats]:
     """Write the record stream for `new` against `parent` (None or kind=snapshot: all raw).
 
     Tensors whose dtype and shape are unchanged get a codec payload (no record at all when
@@ -63,7 +64,11 @@ def encode_stream(
     changes)`: called per tensor with what the delta changes (None: a full record)."""
     stats = EncodeStats()
     t0 = time.perf_counter()
-    entries: list[TensorEntry] = []
+    names: list[str] = []
+    dtypes = bytearray()
+    shapes: list[int] = []
+    ranks: list[int] = []
+    digest_list: list[str] = []
     parent_names = set(parent.names()) if parent is not None else set()
     pending: list[tuple[str, str, list[int], np.ndarray | None, np.ndarray]] = []
 
@@ -84,7 +89,11 @@ def encode_stream(
                 digest = digests[name]
             else:
                 digest = lanehash.add(parent_digests[name], changes.digest)
-            entries.append(TensorEntry(name=name, dtype=dtype, shape=shape, digest=digest))
+            names.append(name)
+            dtypes.append(DTYPE_CODE[dtype])
+            shapes.extend(shape)
+            ranks.append(len(shape))
+            digest_list.append(digest)
             if on_changes is not None:
                 on_changes(name, changes)
             if old is not None:
@@ -120,7 +129,7 @@ def encode_stream(
             queued = 0
     flush()
     stats.seconds = time.perf_counter() - t0
-    return entries, stats
+    return TensorTable.from_columns(names, bytes(dtypes), shapes, ranks, digest_list), stats
 
 
 def _needs_hash(name: str, old: np.ndarray | None, digests: Mapping[str, str] | None,
@@ -159,17 +168,17 @@ def write_artifact(
         raise ValueError("a delta needs the parent's tensors and manifest")
     digests = None
     if same_tensors_as is not None:
-        names = [t.name for t in same_tensors_as.tensors]
+        names = same_tensors_as.tensors.names()
         if same_tensors_as.version != version or names != list(new.names()):
             raise ValueError(f"same_tensors_as describes v{same_tensors_as.version} with "
                              f"{len(names)} tensors, but this is v{version} with "
                              f"{len(new.names())}: pass the manifest just written for these "
                              "same weights, or None to hash them")
-        digests = {t.name: t.digest for t in same_tensors_as.tensors}
+        digests = same_tensors_as.tensors.digest_map()
     writer = BlockWriter(blocks, block_size)
     parent_digests = None
     if kind == "delta" and trust_parent:
-        parent_digests = {t.name: t.digest for t in parent_manifest.tensors}
+        parent_digests = parent_manifest.tensors.digest_map()
     tensors, stats = encode_stream(writer, new, parent if kind == "delta" else None, kind,
                                    digests, parent_digests, on_changes)
     stream = writer.close()
@@ -179,7 +188,7 @@ def write_artifact(
         file_entries.append(FileEntry(name=fname, block=bid, size=len(data)))
         if all(b.id != bid for b in stream + file_blocks):
             file_blocks.append(BlockEntry(id=bid, size=len(data), root=pieces_root(data)))
-    digest = state_digest({t.name: t.digest for t in tensors})
+    digest = state_digest(tensors.digest_map())
     parent_ref = None
     if kind == "delta":
         parent_ref = Parent(version=parent_manifest.version,

@@ -13,7 +13,9 @@ import torch
 from safetensors.torch import load_file
 
 from chain.errors import BadBlock, DigestMismatch
+from chain.manifest import TensorEntry
 from chain.store import ChainStore
+from chain.tensortable import TensorTable
 from chain.weights import WeightsDir
 from tests.conftest import make_state, perturb
 from tests.unit.chain.test_store import build_chain
@@ -89,8 +91,8 @@ def test_a_bad_delta_that_passes_block_checks_is_caught_by_the_digest(tmp_path, 
     w = WeightsDir(tmp_path / "w")
     w.apply(store.plan(None, 1), getter(store))
     m2 = store.manifest("v00000002.delta")
-    wrong = m2.tensors[0].model_copy(update={"digest": "f" * 32})
-    m2_bad = m2.model_copy(update={"tensors": [wrong, *m2.tensors[1:]]})
+    wrong = TensorEntry.model_validate(m2.tensors[0].model_dump() | {"digest": "f" * 32})
+    m2_bad = m2.model_copy(update={"tensors": TensorTable.of([wrong, *m2.tensors[1:]])})
     with pytest.raises(DigestMismatch, match=wrong.name):
         w.apply([m2_bad], getter(store))
     assert w.current().version == 1

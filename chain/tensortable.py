@@ -1,0 +1,325 @@
+"""A manifest's tensor list held as columns, not as one object per tensor.
+
+A daemon keeps every retained manifest in memory, and a MoE checkpoint lists 18,000 to 69,000
+tensors: as pydantic objects each entry cost 610-850 bytes (its name, dtype and digest strings,
+its shape list, the model's dicts), ~450 MiB at a 1 TB model with 8 versions (docs/SCALE.md
+7.4). Here the names live in one string with offsets, dtypes as one byte each, shapes in one
+int64 array and digests as 16 raw bytes each; and the layout (names, dtypes, shapes), the
+same from version to version of a run, is shared between the tables that have it, so each
+further version costs about the 16 bytes of its digest per tensor.
+
+The table reads as the sequence of `TensorEntry` it replaces (index, iterate, len, ==), and a
+pydantic field typed `TensorTable` validates a JSON list of entries with the same rules as
+`TensorEntry` (a bad entry is re-checked by `TensorEntry` itself for pydantic's message) and
+dumps back to the same list, so a manifest's canonical bytes, and so its signature, are
+unchanged. Columns (`names`, `digest_map`) serve the loops that read every tensor.
+"""
+
+import itertools
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, overload
+
+import numpy as np
+import xxhash
+from pydantic import ValidationError
+from pydantic_core import core_schema
+
+from chain.dtypes import BY_NAME
+
+DTYPES: tuple[str, ...] = tuple(sorted(BY_NAME))
+DTYPE_CODE = {name: i for i, name in enumerate(DTYPES)}
+_HEX32 = re.compile(r"[0-9a-f]{32}")
+_HEX = re.compile(r"[0-9a-f]*")
+_KEYS = frozenset(("name", "dtype", "shape", "digest"))
+MAX_NAME = 1024
+SHARED_LAYOUTS = 8
+"""How many distinct layouts are kept for sharing (a run has one; a few runs or adapters more)."""
+
+
+class _Layout:
+    """Names, dtypes and shapes of a table: equal from one version of a run to the next."""
+
+    __slots__ = ("dtypes", "key", "name_at", "names", "shape_at", "shapes")
+
+    def __init__(self, names: str, name_at: np.ndarray, dtypes: bytes, shapes: np.ndarray,
+                 shape_at: np.ndarray) -> None:
+        self.names, self.name_at, self.dtypes = names, name_at, dtypes
+        self.shapes, self.shape_at = shapes, shape_at
+        h = xxhash.xxh3_128(names.encode("utf-8", "surrogatepass"))
+        for part in (name_at, dtypes, shapes, shape_at):
+            h.update(part)
+        self.key = h.digest()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Layout) and self.key == other.key \
+            and self.names == other.names and self.dtypes == other.dtypes \
+            and np.array_equal(self.name_at, other.name_at) \
+            and np.array_equal(self.shapes, other.shapes) \
+            and np.array_equal(self.shape_at, other.shape_at)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class _Shared:
+    """The last SHARED_LAYOUTS layouts seen, so equal layouts are one object in memory."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.layouts: OrderedDict[bytes, _Layout] = OrderedDict()
+
+    def get(self, layout: _Layout) -> _Layout:
+        with self.lock:
+            have = self.layouts.get(layout.key)
+            if have is not None and have == layout:
+                self.layouts.move_to_end(layout.key)
+                return have
+            self.layouts[layout.key] = layout
+            while len(self.layouts) > SHARED_LAYOUTS:
+                self.layouts.popitem(last=False)
+            return layout
+
+
+_shared = _Shared()
+
+
+def numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+class TensorRow:
+    """One tensor of a table, as read: what `TensorEntry` offers (name, dtype, shape, digest,
+    numel, nbytes, model_dump) at a tenth of its cost to make, as every loop over a manifest's
+    tensors makes one per tensor. Already checked: the table checked its columns."""
+
+    __slots__ = ("digest", "dtype", "name", "shape")
+
+    def __init__(self, name: str, dtype: str, shape: list[int], digest: str) -> None:
+        self.name, self.dtype, self.shape, self.digest = name, dtype, shape, digest
+
+    @property
+    def numel(self) -> int:
+        return numel(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * BY_NAME[self.dtype].itemsize
+
+    def model_dump(self, **_: Any) -> dict:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape),
+                "digest": self.digest}
+
+    def __eq__(self, other: object) -> bool:
+        try:
+            return (self.name, self.dtype, list(self.shape), self.digest) == \
+                (other.name, other.dtype, list(other.shape), other.digest)  # type: ignore
+        except AttributeError:
+            return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return (f"TensorRow(name={self.name!r}, dtype={self.dtype!r}, shape={self.shape!r}, "
+                f"digest={self.digest!r})")
+
+
+class TensorTable(Sequence):
+    """The tensors of a manifest: name, dtype, shape and digest of each, in manifest order."""
+
+    __slots__ = ("_digests", "_layout")
+
+    def __init__(self, layout: _Layout, digests: bytes) -> None:
+        self._layout, self._digests = layout, digests
+
+    # --- building -------------------------------------------------------------------------
+    @classmethod
+    def of(cls, rows: Iterable[Any]) -> "TensorTable":
+        """A table from entries: `TensorEntry` objects, or dicts as JSON has them (checked as
+        `TensorEntry` checks them; ValueError names the first bad one)."""
+        if isinstance(rows, TensorTable):
+            return rows
+        from chain.manifest import TensorEntry
+
+        names: list[str] = []
+        dtypes = bytearray()
+        shapes: list[int] = []
+        ranks: list[int] = []
+        digests: list[str] = []
+        for i, row in enumerate(rows):
+            if type(row) is TensorEntry or type(row) is TensorRow:
+                name, dtype, shape, digest = row.name, row.dtype, row.shape, row.digest
+            elif type(row) is dict and row.keys() == _KEYS and _plain(row):
+                name, dtype, shape, digest = row["name"], row["dtype"], row["shape"], row["digest"]
+            else:
+                raise ValueError(_why(i, row))
+            names.append(name)
+            dtypes.append(DTYPE_CODE[dtype])
+            shapes.extend(shape)
+            ranks.append(len(shape))
+            digests.append(digest)
+        return cls.from_columns(names, bytes(dtypes), shapes, ranks, digests)
+
+    @classmethod
+    def from_columns(cls, names: list[str], dtype_codes: bytes, shapes: list[int],
+                     ranks: list[int], digests: list[str]) -> "TensorTable":
+        """A table from columns (shapes flattened, `ranks` the length of each; dtypes as
+        DTYPE_CODE): the checks TensorEntry makes, over whole columns at once."""
+        n = len(names)
+        lengths = [len(x) for x in names]
+        hexes = "".join(digests)
+        if not (len(dtype_codes) == len(ranks) == len(digests) == n == 0 or (
+                len(dtype_codes) == len(ranks) == len(digests) == n
+                and min(lengths) > 0 and max(lengths) <= MAX_NAME
+                and max(dtype_codes) < len(DTYPES) and sum(ranks) == len(shapes)
+                and (not shapes or min(shapes) >= 0)
+                and len(hexes) == 32 * n and _HEX.fullmatch(hexes) is not None)):
+            raise ValueError(_why_columns(names, dtype_codes, shapes, ranks, digests))
+        name_at = np.zeros(len(names) + 1, np.int64)
+        np.cumsum(lengths, out=name_at[1:])
+        shape_at = np.zeros(len(ranks) + 1, np.int64)
+        np.cumsum(ranks, out=shape_at[1:])
+        layout = _Layout("".join(names), name_at, bytes(dtype_codes),
+                         np.array(shapes, np.int64), shape_at)
+        return cls(_shared.get(layout), bytes.fromhex(hexes))
+
+    # --- reading --------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._digests) // 16
+
+    @overload
+    def __getitem__(self, i: int) -> "TensorRow": ...
+    @overload
+    def __getitem__(self, i: slice) -> list: ...
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self._entry(j) for j in range(*i.indices(len(self)))]
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"tensor index {i} out of range for {n} tensors")
+        return self._entry(i % n)
+
+    def __iter__(self) -> Iterator["TensorRow"]:
+        lay = self._layout
+        shapes, at = lay.shapes.tolist(), lay.shape_at.tolist()
+        for i, (name, code, digest) in enumerate(zip(self.names(), lay.dtypes, self.digests(),
+                                                     strict=True)):
+            yield TensorRow(name, DTYPES[code], shapes[at[i]:at[i + 1]], digest)
+
+    def _entry(self, i: int) -> "TensorRow":
+        lay = self._layout
+        a, b = int(lay.shape_at[i]), int(lay.shape_at[i + 1])
+        return TensorRow(self.name(i), DTYPES[lay.dtypes[i]], lay.shapes[a:b].tolist(),
+                         self.digest(i))
+
+    def name(self, i: int) -> str:
+        lay = self._layout
+        return lay.names[int(lay.name_at[i]):int(lay.name_at[i + 1])]
+
+    def digest(self, i: int) -> str:
+        return self._digests[16 * i:16 * i + 16].hex()
+
+    def names(self) -> list[str]:
+        lay = self._layout
+        at = lay.name_at.tolist()
+        return [lay.names[a:b] for a, b in itertools.pairwise(at)]
+
+    def digests(self) -> list[str]:
+        raw = self._digests.hex()
+        return [raw[k:k + 32] for k in range(0, len(raw), 32)]
+
+    def digest_map(self) -> dict[str, str]:
+        """{name: digest}: what state_digest and the appliers read, without an entry each."""
+        return dict(zip(self.names(), self.digests(), strict=True))
+
+    def as_dicts(self) -> list[dict]:
+        """The JSON form: the list of entries a manifest carries (and signs)."""
+        lay = self._layout
+        shapes, at = lay.shapes.tolist(), lay.shape_at.tolist()
+        return [{"name": n, "dtype": DTYPES[c], "shape": shapes[at[i]:at[i + 1]], "digest": d}
+                for i, (n, c, d) in enumerate(zip(self.names(), lay.dtypes, self.digests(),
+                                                  strict=True))]
+
+    def shares_layout(self, other: "TensorTable") -> bool:
+        """Whether both tables hold one layout object (equal layouts are shared)."""
+        return self._layout is other._layout
+
+    def nbytes(self) -> int:
+        """Bytes this table holds on its own (its digests), and those of its layout."""
+        lay = self._layout
+        return len(self._digests) + len(lay.names) + lay.name_at.nbytes + len(lay.dtypes) \
+            + lay.shapes.nbytes + lay.shape_at.nbytes
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, TensorTable):
+            return self._digests == other._digests and (
+                self._layout is other._layout or self._layout == other._layout)
+        if isinstance(other, Sequence) and not isinstance(other, str | bytes):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"TensorTable({len(self)} tensors)"
+
+    # --- pydantic ---------------------------------------------------------------------------
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source: Any, handler: Any) -> core_schema.CoreSchema:
+        return core_schema.no_info_plain_validator_function(
+            cls._validate,
+            serialization=core_schema.plain_serializer_function_ser_schema(
+                lambda t: t.as_dicts(), when_used="always"))
+
+    @classmethod
+    def _validate(cls, value: Any) -> "TensorTable":
+        if isinstance(value, TensorTable):
+            return value
+        if not isinstance(value, list | tuple):
+            raise ValueError(f"tensors must be a list of entries, got {type(value).__name__}")
+        return cls.of(value)
+
+
+def _plain(row: dict) -> bool:
+    """The fast check of one JSON entry: what TensorEntry's strict schema accepts."""
+    name, dtype, shape, digest = row["name"], row["dtype"], row["shape"], row["digest"]
+    return (type(name) is str and 0 < len(name) <= MAX_NAME and type(dtype) is str
+            and dtype in DTYPE_CODE and type(shape) is list
+            and all(type(s) is int and s >= 0 for s in shape)
+            and type(digest) is str and _HEX32.fullmatch(digest) is not None)
+
+
+def _why(i: int, row: Any) -> str:
+    """Why entry `i` is refused, in TensorEntry's own words."""
+    from chain.manifest import TensorEntry
+
+    try:
+        TensorEntry.model_validate(row)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in (i, *err["loc"]))
+        return f"tensors.{where}: {err['msg']}"
+    return f"tensors.{i}: not a tensor entry"
+
+
+def _why_columns(names: list[str], dtype_codes: bytes, shapes: list[int], ranks: list[int],
+                 digests: list[str]) -> str:
+    """Why columns are refused: the first entry TensorEntry refuses, else their lengths."""
+    lengths = (len(names), len(dtype_codes), len(ranks), len(digests))
+    if len(set(lengths)) != 1 or sum(ranks) != len(shapes):
+        return (f"tensor columns disagree: {lengths[0]} names, {lengths[1]} dtypes, "
+                f"{lengths[2]} shapes of {len(shapes)} dimensions in all, {lengths[3]} digests")
+    at = 0
+    for i, name in enumerate(names):
+        code = dtype_codes[i]
+        row = {"name": name, "dtype": DTYPES[code] if code < len(DTYPES) else f"#{code}",
+               "shape": shapes[at:at + ranks[i]], "digest": digests[i]}
+        at += ranks[i]
+        if not _plain(row):
+            return _why(i, row)
+    return "tensor columns refused"
