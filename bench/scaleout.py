@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -111,26 +112,27 @@ def moe_shapes(elements: int, tensors: int) -> dict[str, list[int]]:
 
 
 def versions(shapes: dict[str, list[int]], count: int, density: float, seed: int
-             ) -> list[dict[str, torch.Tensor]]:
+             ) -> Iterator[dict[str, torch.Tensor]]:
     """v0 random bf16, then each version flips about `density` of every tensor's elements by
-    one or two bf16 steps (what an Adam step at RL learning rates does to bf16 weights)."""
+    one or two bf16 steps (what an Adam step at RL learning rates does to bf16 weights). Made
+    one at a time (the same ones for the same seed), so a model of several GB fits twice."""
     rng = np.random.default_rng(seed)
     state = {k: torch.from_numpy(rng.standard_normal(int(np.prod(s)), np.float32)
                                  .reshape(s)).bfloat16() for k, s in shapes.items()}
-    out = [state]
+    yield state
     for _ in range(count):
         nxt = {}
-        for k, t in out[-1].items():
+        for k, t in state.items():
             bits = t.view(torch.int16).numpy().reshape(-1).copy()
             k_changed = max(1, round(bits.size * density))
             idx = rng.choice(bits.size, k_changed, replace=False)
             bits[idx] += rng.choice(np.array([1, -1, 2], np.int16), k_changed)
             nxt[k] = torch.from_numpy(bits.reshape(t.shape)).view(torch.bfloat16)
-        out.append(nxt)
-    return out
+        state = nxt
+        yield state
 
 
-def publish_and_apply(work: Path, states: list[dict[str, torch.Tensor]]
+def publish_and_apply(work: Path, states: Iterable[dict[str, torch.Tensor]]
                       ) -> tuple[list[float], list[float], list]:
     """Seconds of each delta's publish and apply; the manifests."""
     key = work / "trainer.key"
@@ -160,14 +162,15 @@ def publish_and_apply(work: Path, states: list[dict[str, torch.Tensor]]
 def tensor_count_costs(elements: int, moe_tensors: int, n_versions: int, rounds: int
                        ) -> dict:
     sides = {"dense": dense_shapes(elements), "moe": moe_shapes(elements, moe_tensors)}
-    made = {name: versions(shapes, n_versions, 0.01, seed=7) for name, shapes in sides.items()}
-    for name, st in made.items():
-        log(f"{name}: {len(st[0])} tensors, {sum(t.numel() for t in st[0].values()):,} elements")
+    for name, shapes in sides.items():
+        log(f"{name}: {len(shapes)} tensors, {sum(int(np.prod(x)) for x in shapes.values()):,} "
+            "elements")
     best: dict[str, dict[str, float]] = {}
     for r in range(rounds):
         for name in ("dense", "moe") if r % 2 == 0 else ("moe", "dense"):
             with tempfile.TemporaryDirectory(prefix="scaleout-", dir=_tmp_root()) as tmp:
-                pubs, applies, _ = publish_and_apply(Path(tmp), made[name])
+                pubs, applies, _ = publish_and_apply(
+                    Path(tmp), versions(sides[name], n_versions, 0.01, seed=7))
             p, a = statistics.median(pubs), statistics.median(applies)
             log(f"round {r + 1} {name}: publish {p:.3f} s, apply {a:.3f} s per delta")
             b = best.setdefault(name, {"publish": p, "apply": a})

@@ -37,13 +37,15 @@ class DType:
 
     @property
     def uint(self) -> np.dtype:
-        return np.dtype(f"uint{self.bits}")
+        return _UINT[self.bits]
 
     @property
     def itemsize(self) -> int:
         return self.bits // 8
 
 
+_UINT = {bits: np.dtype(f"uint{bits}") for bits in (8, 16, 32, 64)}
+"""The unsigned type of each width, made once: `uint` is read per tensor on every hot path."""
 _ALL = [
     DType("bfloat16", 16, 7, 8),
     DType("float16", 16, 10, 5),
