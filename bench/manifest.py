@@ -29,7 +29,7 @@ def forged(n: int, tmp: Path) -> tuple[bytes, object]:
     tensors = [{"name": f"model.layers.{i:07d}.mlp.weight", "dtype": "bfloat16",
                 "shape": [4096, 4096], "digest": f"{i:032x}"} for i in range(n)]
     blocks = [{"id": f"{i:032x}", "size": 1 << 20, "root": f"{i:064x}"} for i in range(n)]
-    doc = {"format": 1, "run": "r", "version": 7, "kind": "snapshot", "parent": None,
+    doc = {"format": 2, "run": "r", "version": 7, "kind": "snapshot", "parent": None,
            "state_digest": state_digest({t["name"]: t["digest"] for t in tensors}),
            "tensors": tensors, "blocks": blocks, "files": [], "stats": {}, "created": 1.0,
            "signature": {"key": keys.public_hex(key), "sig": "00" * 64}}
