@@ -28,7 +28,12 @@ class BlockRow:
     __slots__ = ("id", "root", "size")
 
     def __init__(self, id: str, size: int, root: str) -> None:
-        self.id, self.size, self.root = id, size, root
+        object.__setattr__(self, "id", id)
+        object.__setattr__(self, "size", size)
+        object.__setattr__(self, "root", root)
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        raise AttributeError(f"a block row is read-only (set {key!r}): build a new table")
 
     def model_dump(self, **_: Any) -> dict:
         return {"id": self.id, "size": self.size, "root": self.root}
@@ -74,8 +79,11 @@ class BlockTable(Sequence):
             ids.append(bid)
             sizes.append(size)
             roots.append(root)
-        return cls(bytes.fromhex("".join(ids)), np.array(sizes, np.int64),
-                   bytes.fromhex("".join(roots)))
+        table = cls(bytes.fromhex("".join(ids)), np.array(sizes, np.int64),
+                    bytes.fromhex("".join(roots)))
+        if len(table._ids) != 16 * len(sizes) or len(table._roots) != 32 * len(sizes):
+            raise ValueError("block ids or roots of the wrong length")
+        return table
 
     def __len__(self) -> int:
         return len(self._ids) // 16

@@ -16,7 +16,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from chain import keys
-from chain.blocktable import MAX_SIZE, BlockTable
+from chain.blocktable import MAX_SIZE, BlockRow, BlockTable
 from chain.digest import state_digest
 from chain.dtypes import BY_NAME
 from chain.errors import BadManifest, BadSignature, Unsigned
@@ -147,13 +147,13 @@ class Manifest(_Strict):
         return self.blocks.total()
 
     @property
-    def stream_blocks(self) -> list[BlockEntry]:
+    def stream_blocks(self) -> list[BlockRow]:
         """Blocks of the tensor stream, in order (file blocks excluded)."""
         files = {f.block for f in self.files}
         return [b for b in self.blocks if b.id not in files]
 
     @property
-    def substreams(self) -> list[list[BlockEntry]]:
+    def substreams(self) -> list[list[BlockRow]]:
         """The stream blocks cut into their sub-streams (one for format 2)."""
         blocks = self.stream_blocks
         if self.streams is None:

@@ -35,6 +35,8 @@ _HEX32 = re.compile(r"[0-9a-f]{32}")
 _HEX = re.compile(r"[0-9a-f]*")
 _KEYS = frozenset(("name", "dtype", "shape", "digest"))
 MAX_NAME = 1024
+MAX_DIM = 2**63 - 1
+"""Shapes are held as int64: no tensor a host can hold comes near."""
 SHARED_LAYOUTS = 8
 """How many distinct layouts are kept for sharing (a run has one; a few runs or adapters more)."""
 
@@ -48,7 +50,7 @@ class _Layout:
                  shape_at: np.ndarray) -> None:
         self.names, self.name_at, self.dtypes = names, name_at, dtypes
         self.shapes, self.shape_at = shapes, shape_at
-        h = xxhash.xxh3_128(names.encode("utf-8", "surrogatepass"))
+        h = xxhash.xxh3_128(names.encode("utf-8"))
         for part in (name_at, dtypes, shapes, shape_at):
             h.update(part)
         self.key = h.digest()
@@ -100,7 +102,14 @@ class TensorRow:
     __slots__ = ("digest", "dtype", "name", "shape")
 
     def __init__(self, name: str, dtype: str, shape: list[int], digest: str) -> None:
-        self.name, self.dtype, self.shape, self.digest = name, dtype, shape, digest
+        set_ = object.__setattr__
+        set_(self, "name", name)
+        set_(self, "dtype", dtype)
+        set_(self, "shape", shape)
+        set_(self, "digest", digest)
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        raise AttributeError(f"a tensor row is read-only (set {key!r}): build a new table")
 
     @property
     def numel(self) -> int:
@@ -176,8 +185,11 @@ class TensorTable(Sequence):
                 len(dtype_codes) == len(ranks) == len(digests) == n
                 and min(lengths) > 0 and max(lengths) <= MAX_NAME
                 and max(dtype_codes) < len(DTYPES) and sum(ranks) == len(shapes)
-                and (not shapes or min(shapes) >= 0)
-                and len(hexes) == 32 * n and _HEX.fullmatch(hexes) is not None)):
+                and all(type(x) is int for x in shapes)
+                and (not shapes or (min(shapes) >= 0 and max(shapes) <= MAX_DIM))
+                and all(len(d) == 32 for d in digests)
+                and len(hexes) == 32 * n and _HEX.fullmatch(hexes) is not None
+                and _utf8("".join(names)))):
             raise ValueError(_why_columns(names, dtype_codes, shapes, ranks, digests))
         name_at = np.zeros(len(names) + 1, np.int64)
         np.cumsum(lengths, out=name_at[1:])
@@ -288,10 +300,19 @@ class TensorTable(Sequence):
 def _plain(row: dict) -> bool:
     """The fast check of one JSON entry: what TensorEntry's strict schema accepts."""
     name, dtype, shape, digest = row["name"], row["dtype"], row["shape"], row["digest"]
-    return (type(name) is str and 0 < len(name) <= MAX_NAME and type(dtype) is str
-            and dtype in DTYPE_CODE and type(shape) is list
-            and all(type(s) is int and s >= 0 for s in shape)
+    return (type(name) is str and 0 < len(name) <= MAX_NAME and (name.isascii() or _utf8(name))
+            and type(dtype) is str and dtype in DTYPE_CODE and type(shape) is list
+            and all(type(s) is int and 0 <= s <= MAX_DIM for s in shape)
             and type(digest) is str and _HEX32.fullmatch(digest) is not None)
+
+
+def _utf8(text: str) -> bool:
+    """Whether `text` is valid Unicode (a JSON document may carry lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _why(i: int, row: Any) -> str:
@@ -304,7 +325,8 @@ def _why(i: int, row: Any) -> str:
         err = e.errors()[0]
         where = ".".join(str(p) for p in (i, *err["loc"]))
         return f"tensors.{where}: {err['msg']}"
-    return f"tensors.{i}: not a tensor entry"
+    return (f"tensors.{i}: not a tensor entry this build holds (a name that is not valid "
+            f"Unicode, or a dimension over {MAX_DIM})")
 
 
 def _why_columns(names: list[str], dtype_codes: bytes, shapes: list[int], ranks: list[int],

@@ -51,3 +51,9 @@ def test_a_1tb_snapshots_blocks_cost_under_80_bytes_each():
         tracemalloc.stop()
     assert held / SNAPSHOT_BLOCKS < 80, f"{held / SNAPSHOT_BLOCKS:.0f} B per block"
     assert len(table) == SNAPSHOT_BLOCKS
+
+
+def test_rows_are_read_only():
+    row = BlockTable.of(rows(2))[0]
+    with pytest.raises(AttributeError, match="read-only"):
+        row.id = "ab"

@@ -62,6 +62,8 @@ def test_the_manifests_bytes_and_signature_are_those_of_the_entry_list(tmp_path,
     (lambda r: r.update(name="x" * 1025), "tensors.5.name"),
     (lambda r: r.update(extra=1), "tensors.5.extra"),
     (lambda r: r.pop("digest"), "tensors.5.digest"),
+    (lambda r: r.update(name="expert\ud800"), "tensors.5.name"),
+    (lambda r: r.update(shape=[2**63]), "dimension over"),
 ])
 def test_a_bad_entry_is_refused_by_its_index_and_field(mutate, message, signing_key):
     rows = moe_rows(10)
@@ -79,6 +81,17 @@ def test_columns_with_a_bad_entry_are_refused_like_rows():
         TensorTable.from_columns(["a", ""], b"\x00\x00", [1, 1], [1, 1], ["0" * 32] * 2)
     with pytest.raises(ValueError, match="columns disagree"):
         TensorTable.from_columns(["a", "b"], b"\x00", [1, 1], [1, 1], ["0" * 32] * 2)
+    with pytest.raises(ValueError, match=r"tensors\.0\.digest"):  # boundaries would shift
+        TensorTable.from_columns(["a", "b"], b"\x00\x00", [1, 1], [1, 1], ["0" * 31, "0" * 33])
+    with pytest.raises(ValueError, match=r"tensors\.1\.shape"):
+        TensorTable.from_columns(["a", "b"], b"\x00\x00", [1, 1.5], [1, 1], ["0" * 32] * 2)
+
+
+def test_rows_are_read_only():
+    """A row handed back to `TensorTable.of` is taken as checked: it cannot have changed."""
+    row = TensorTable.of(moe_rows(2))[0]
+    with pytest.raises(AttributeError, match="read-only"):
+        row.dtype = "x"
 
 
 def test_memory_per_tensor_at_moe_scale_and_versions_share_their_layout():
