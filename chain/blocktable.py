@@ -5,16 +5,17 @@ A 1 TB snapshot lists ~120,000 blocks of 8 MiB; as pydantic objects (`BlockEntry
 block is 16 bytes of id, 8 of size and 32 of pieces root. The table reads as the list of
 `BlockEntry` it replaces, validates a JSON list with `BlockEntry`'s rules (a bad entry is
 re-checked by `BlockEntry` for pydantic's message) and dumps back to the same list, so the
-manifest's signed bytes are unchanged (the same scheme as chain/tensortable.py).
+manifest's signed bytes are unchanged (chain/columns.py: what this and the tensor table
+share).
 """
 
 import re
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, overload
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import numpy as np
-from pydantic import ValidationError
-from pydantic_core import core_schema
+
+from chain.columns import Columns, refusal
 
 MAX_SIZE = 64 * 1024 * 1024
 _HEX32 = re.compile(r"[0-9a-f]{32}")
@@ -50,10 +51,11 @@ class BlockRow:
         return f"BlockRow(id={self.id!r}, size={self.size}, root={self.root!r})"
 
 
-class BlockTable(Sequence):
+class BlockTable(Columns):
     """The blocks of a manifest, in order."""
 
     __slots__ = ("_ids", "_roots", "_sizes")
+    WHAT = "blocks"
 
     def __init__(self, ids: bytes, sizes: np.ndarray, roots: bytes) -> None:
         self._ids, self._sizes, self._roots = ids, sizes, roots
@@ -88,19 +90,6 @@ class BlockTable(Sequence):
     def __len__(self) -> int:
         return len(self._ids) // 16
 
-    @overload
-    def __getitem__(self, i: int) -> BlockRow: ...
-    @overload
-    def __getitem__(self, i: slice) -> list[BlockRow]: ...
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self._row(j) for j in range(*i.indices(len(self)))]
-        n = len(self)
-        if not -n <= i < n:
-            raise IndexError(f"block index {i} out of range for {n} blocks")
-        return self._row(i % n)
-
     def _row(self, i: int) -> BlockRow:
         return BlockRow(self._ids[16 * i:16 * i + 16].hex(), int(self._sizes[i]),
                         self._roots[32 * i:32 * i + 32].hex())
@@ -126,37 +115,9 @@ class BlockTable(Sequence):
         return [{"id": b, "size": s, "root": r} for b, s, r in
                 zip(self.ids(), self._sizes.tolist(), self._roots_hex(), strict=True)]
 
-    def nbytes(self) -> int:
-        return len(self._ids) + self._sizes.nbytes + len(self._roots)
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, BlockTable):
-            return self._ids == other._ids and self._roots == other._roots \
-                and np.array_equal(self._sizes, other._sizes)
-        if isinstance(other, Sequence) and not isinstance(other, str | bytes):
-            return len(self) == len(other) and all(
-                a == b for a, b in zip(self, other, strict=True))
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        return f"BlockTable({len(self)} blocks)"
-
-    @classmethod
-    def __get_pydantic_core_schema__(cls, source: Any, handler: Any) -> core_schema.CoreSchema:
-        return core_schema.no_info_plain_validator_function(
-            cls._validate,
-            serialization=core_schema.plain_serializer_function_ser_schema(
-                lambda t: t.as_dicts(), when_used="always"))
-
-    @classmethod
-    def _validate(cls, value: Any) -> "BlockTable":
-        if isinstance(value, BlockTable):
-            return value
-        if not isinstance(value, list | tuple):
-            raise ValueError(f"blocks must be a list of entries, got {type(value).__name__}")
-        return cls.of(value)
+    def _same(self, other: "BlockTable") -> bool:
+        return self._ids == other._ids and self._roots == other._roots \
+            and np.array_equal(self._sizes, other._sizes)
 
 
 def _plain(row: dict) -> bool:
@@ -168,11 +129,7 @@ def _plain(row: dict) -> bool:
 
 
 def _why(i: int, row: Any) -> str:
+    """Why entry `i` is refused, in BlockEntry's own words."""
     from chain.manifest import BlockEntry
 
-    try:
-        BlockEntry.model_validate(row)
-    except ValidationError as e:
-        err = e.errors()[0]
-        return f"blocks.{'.'.join(str(p) for p in (i, *err['loc']))}: {err['msg']}"
-    return f"blocks.{i}: not a block entry"
+    return refusal("blocks", i, BlockEntry, row) or f"blocks.{i}: not a block entry"

@@ -20,7 +20,7 @@ from chain.blocktable import MAX_SIZE, BlockRow, BlockTable
 from chain.digest import state_digest
 from chain.dtypes import BY_NAME
 from chain.errors import BadManifest, BadSignature, Unsigned
-from chain.tensortable import TensorTable, numel
+from chain.tensortable import Sized, TensorTable
 
 FORMAT = 2
 """2: tensor digests are additive lane hashes (chain/lanehash.py); 1 used xxh3-128."""
@@ -45,7 +45,7 @@ class Parent(_Strict):
     state_digest: Hex32
 
 
-class TensorEntry(_Strict):
+class TensorEntry(_Strict, Sized):
     name: str = Field(min_length=1, max_length=1024)
     dtype: str
     shape: list[Annotated[int, Field(ge=0)]]
@@ -56,14 +56,6 @@ class TensorEntry(_Strict):
         if self.dtype not in BY_NAME:
             raise ValueError(f"unsupported dtype {self.dtype!r}")
         return self
-
-    @property
-    def numel(self) -> int:
-        return numel(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * BY_NAME[self.dtype].itemsize
 
 
 class BlockEntry(_Strict):
@@ -128,7 +120,8 @@ class Manifest(_Strict):
             raise ValueError("duplicate block ids")
         if any(f.block not in ids for f in self.files):
             raise ValueError("every file's block must be listed in blocks")
-        if state_digest(self.tensors.digest_map()) != self.state_digest:
+        if state_digest(dict(zip(names, self.tensors.digests(), strict=True))) \
+                != self.state_digest:
             raise ValueError("state_digest does not match the tensor digests")
         if self.format == FORMAT and self.streams is not None:
             raise ValueError("format 2 has one stream: `streams` needs format 3")

@@ -8,11 +8,12 @@ int64 array and digests as 16 raw bytes each; and the layout (names, dtypes, sha
 same from version to version of a run, is shared between the tables that have it, so each
 further version costs about the 16 bytes of its digest per tensor.
 
-The table reads as the sequence of `TensorEntry` it replaces (index, iterate, len, ==), and a
+The table reads as a sequence of `TensorRow` (what `TensorEntry` offers, read-only), and a
 pydantic field typed `TensorTable` validates a JSON list of entries with the same rules as
 `TensorEntry` (a bad entry is re-checked by `TensorEntry` itself for pydantic's message) and
 dumps back to the same list, so a manifest's canonical bytes, and so its signature, are
-unchanged. Columns (`names`, `digest_map`) serve the loops that read every tensor.
+unchanged (chain/columns.py: what this and the block table share). Columns (`names`,
+`digest_map`) serve the loops that read every tensor.
 """
 
 import itertools
@@ -20,13 +21,12 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, overload
+from typing import Any
 
 import numpy as np
 import xxhash
-from pydantic import ValidationError
-from pydantic_core import core_schema
 
+from chain.columns import Columns, refusal
 from chain.dtypes import BY_NAME
 
 DTYPES: tuple[str, ...] = tuple(sorted(BY_NAME))
@@ -47,10 +47,10 @@ class _Layout:
     __slots__ = ("dtypes", "key", "name_at", "names", "shape_at", "shapes")
 
     def __init__(self, names: str, name_at: np.ndarray, dtypes: bytes, shapes: np.ndarray,
-                 shape_at: np.ndarray) -> None:
+                 shape_at: np.ndarray, names_utf8: bytes) -> None:
         self.names, self.name_at, self.dtypes = names, name_at, dtypes
         self.shapes, self.shape_at = shapes, shape_at
-        h = xxhash.xxh3_128(names.encode("utf-8"))
+        h = xxhash.xxh3_128(names_utf8)
         for part in (name_at, dtypes, shapes, shape_at):
             h.update(part)
         self.key = h.digest()
@@ -94,9 +94,24 @@ def numel(shape: Sequence[int]) -> int:
     return n
 
 
-class TensorRow:
+class Sized:
+    """numel and nbytes from the `shape` and `dtype` attributes: one definition for
+    `TensorEntry` and `TensorRow`."""
+
+    __slots__ = ()
+
+    @property
+    def numel(self) -> int:
+        return numel(self.shape)  # type: ignore[attr-defined]
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * BY_NAME[self.dtype].itemsize  # type: ignore[attr-defined]
+
+
+class TensorRow(Sized):
     """One tensor of a table, as read: what `TensorEntry` offers (name, dtype, shape, digest,
-    numel, nbytes, model_dump) at a tenth of its cost to make, as every loop over a manifest's
+    numel, nbytes, model_dump) without pydantic's validation, as every loop over a manifest's
     tensors makes one per tensor. Already checked: the table checked its columns."""
 
     __slots__ = ("digest", "dtype", "name", "shape")
@@ -110,14 +125,6 @@ class TensorRow:
 
     def __setattr__(self, key: str, value: Any) -> None:
         raise AttributeError(f"a tensor row is read-only (set {key!r}): build a new table")
-
-    @property
-    def numel(self) -> int:
-        return numel(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * BY_NAME[self.dtype].itemsize
 
     def model_dump(self, **_: Any) -> dict:
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape),
@@ -137,10 +144,11 @@ class TensorRow:
                 f"digest={self.digest!r})")
 
 
-class TensorTable(Sequence):
+class TensorTable(Columns):
     """The tensors of a manifest: name, dtype, shape and digest of each, in manifest order."""
 
     __slots__ = ("_digests", "_layout")
+    WHAT = "tensors"
 
     def __init__(self, layout: _Layout, digests: bytes) -> None:
         self._layout, self._digests = layout, digests
@@ -171,7 +179,9 @@ class TensorTable(Sequence):
             shapes.extend(shape)
             ranks.append(len(shape))
             digests.append(digest)
-        return cls.from_columns(names, bytes(dtypes), shapes, ranks, digests)
+        joined = "".join(names)  # each entry was checked above: the columns are not again
+        return cls._build(names, joined, joined.encode("utf-8"), bytes(dtypes), shapes, ranks,
+                          "".join(digests))
 
     @classmethod
     def from_columns(cls, names: list[str], dtype_codes: bytes, shapes: list[int],
@@ -180,41 +190,34 @@ class TensorTable(Sequence):
         DTYPE_CODE): the checks TensorEntry makes, over whole columns at once."""
         n = len(names)
         lengths = [len(x) for x in names]
-        hexes = "".join(digests)
-        if not (len(dtype_codes) == len(ranks) == len(digests) == n == 0 or (
+        joined, hexes = "".join(names), "".join(digests)
+        utf8 = _utf8(joined)
+        if utf8 is None or not (len(dtype_codes) == len(ranks) == len(digests) == n == 0 or (
                 len(dtype_codes) == len(ranks) == len(digests) == n
                 and min(lengths) > 0 and max(lengths) <= MAX_NAME
                 and max(dtype_codes) < len(DTYPES) and sum(ranks) == len(shapes)
                 and all(type(x) is int for x in shapes)
                 and (not shapes or (min(shapes) >= 0 and max(shapes) <= MAX_DIM))
                 and all(len(d) == 32 for d in digests)
-                and len(hexes) == 32 * n and _HEX.fullmatch(hexes) is not None
-                and _utf8("".join(names)))):
+                and _HEX.fullmatch(hexes) is not None)):
             raise ValueError(_why_columns(names, dtype_codes, shapes, ranks, digests))
+        return cls._build(names, joined, utf8, bytes(dtype_codes), shapes, ranks, hexes)
+
+    @classmethod
+    def _build(cls, names: list[str], joined: str, utf8: bytes, dtype_codes: bytes,
+               shapes: list[int], ranks: list[int], hexes: str) -> "TensorTable":
+        """The table of checked columns; its layout shared with an equal one already held."""
         name_at = np.zeros(len(names) + 1, np.int64)
-        np.cumsum(lengths, out=name_at[1:])
+        np.cumsum([len(x) for x in names], out=name_at[1:])
         shape_at = np.zeros(len(ranks) + 1, np.int64)
         np.cumsum(ranks, out=shape_at[1:])
-        layout = _Layout("".join(names), name_at, bytes(dtype_codes),
-                         np.array(shapes, np.int64), shape_at)
+        layout = _Layout(joined, name_at, dtype_codes, np.array(shapes, np.int64), shape_at,
+                         utf8)
         return cls(_shared.get(layout), bytes.fromhex(hexes))
 
     # --- reading --------------------------------------------------------------------------
     def __len__(self) -> int:
         return len(self._digests) // 16
-
-    @overload
-    def __getitem__(self, i: int) -> "TensorRow": ...
-    @overload
-    def __getitem__(self, i: slice) -> list: ...
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self._entry(j) for j in range(*i.indices(len(self)))]
-        n = len(self)
-        if not -n <= i < n:
-            raise IndexError(f"tensor index {i} out of range for {n} tensors")
-        return self._entry(i % n)
 
     def __iter__(self) -> Iterator["TensorRow"]:
         lay = self._layout
@@ -223,7 +226,7 @@ class TensorTable(Sequence):
                                                      strict=True)):
             yield TensorRow(name, DTYPES[code], shapes[at[i]:at[i + 1]], digest)
 
-    def _entry(self, i: int) -> "TensorRow":
+    def _row(self, i: int) -> TensorRow:
         lay = self._layout
         a, b = int(lay.shape_at[i]), int(lay.shape_at[i + 1])
         return TensorRow(self.name(i), DTYPES[lay.dtypes[i]], lay.shapes[a:b].tolist(),
@@ -261,72 +264,37 @@ class TensorTable(Sequence):
         """Whether both tables hold one layout object (equal layouts are shared)."""
         return self._layout is other._layout
 
-    def nbytes(self) -> int:
-        """Bytes this table holds on its own (its digests), and those of its layout."""
-        lay = self._layout
-        return len(self._digests) + len(lay.names) + lay.name_at.nbytes + len(lay.dtypes) \
-            + lay.shapes.nbytes + lay.shape_at.nbytes
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, TensorTable):
-            return self._digests == other._digests and (
-                self._layout is other._layout or self._layout == other._layout)
-        if isinstance(other, Sequence) and not isinstance(other, str | bytes):
-            return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        return f"TensorTable({len(self)} tensors)"
-
-    # --- pydantic ---------------------------------------------------------------------------
-    @classmethod
-    def __get_pydantic_core_schema__(cls, source: Any, handler: Any) -> core_schema.CoreSchema:
-        return core_schema.no_info_plain_validator_function(
-            cls._validate,
-            serialization=core_schema.plain_serializer_function_ser_schema(
-                lambda t: t.as_dicts(), when_used="always"))
-
-    @classmethod
-    def _validate(cls, value: Any) -> "TensorTable":
-        if isinstance(value, TensorTable):
-            return value
-        if not isinstance(value, list | tuple):
-            raise ValueError(f"tensors must be a list of entries, got {type(value).__name__}")
-        return cls.of(value)
+    def _same(self, other: "TensorTable") -> bool:
+        return self._digests == other._digests and (
+            self._layout is other._layout or self._layout == other._layout)
 
 
 def _plain(row: dict) -> bool:
     """The fast check of one JSON entry: what TensorEntry's strict schema accepts."""
     name, dtype, shape, digest = row["name"], row["dtype"], row["shape"], row["digest"]
-    return (type(name) is str and 0 < len(name) <= MAX_NAME and (name.isascii() or _utf8(name))
+    return (type(name) is str and 0 < len(name) <= MAX_NAME
+            and (name.isascii() or _utf8(name) is not None)
             and type(dtype) is str and dtype in DTYPE_CODE and type(shape) is list
             and all(type(s) is int and 0 <= s <= MAX_DIM for s in shape)
             and type(digest) is str and _HEX32.fullmatch(digest) is not None)
 
 
-def _utf8(text: str) -> bool:
-    """Whether `text` is valid Unicode (a JSON document may carry lone surrogates)."""
+def _utf8(text: str) -> bytes | None:
+    """`text` in UTF-8, or None where it is not valid Unicode (a JSON document may carry lone
+    surrogates)."""
     try:
-        text.encode("utf-8")
+        return text.encode("utf-8")
     except UnicodeEncodeError:
-        return False
-    return True
+        return None
 
 
 def _why(i: int, row: Any) -> str:
     """Why entry `i` is refused, in TensorEntry's own words."""
     from chain.manifest import TensorEntry
 
-    try:
-        TensorEntry.model_validate(row)
-    except ValidationError as e:
-        err = e.errors()[0]
-        where = ".".join(str(p) for p in (i, *err["loc"]))
-        return f"tensors.{where}: {err['msg']}"
-    return (f"tensors.{i}: not a tensor entry this build holds (a name that is not valid "
-            f"Unicode, or a dimension over {MAX_DIM})")
+    return refusal("tensors", i, TensorEntry, row) or (
+        f"tensors.{i}: not a tensor entry this build holds (a name that is not valid Unicode, "
+        f"or a dimension over {MAX_DIM})")
 
 
 def _why_columns(names: list[str], dtype_codes: bytes, shapes: list[int], ranks: list[int],

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from chain.digest import state_digest
 from chain.errors import BadManifest
 from chain.manifest import Manifest, TensorEntry
 from chain.tensortable import TensorTable
@@ -37,10 +38,9 @@ def test_a_table_reads_and_dumps_as_the_entries_it_was_made_of():
         table[300]
 
 
-def test_the_manifests_bytes_and_signature_are_those_of_the_entry_list(tmp_path, signing_key):
+def test_the_manifests_bytes_and_signature_are_those_of_the_entry_list(signing_key):
     """The canonical JSON a trainer signs is unchanged: an old build's manifest parses, and
     the parsed manifest dumps to the very bytes it was read from."""
-    from chain.digest import state_digest
     rows = moe_rows(2000)
     doc = {"format": 2, "run": "r", "version": 0, "kind": "snapshot", "parent": None,
            "state_digest": state_digest({r["name"]: r["digest"] for r in rows}),
