@@ -187,8 +187,7 @@ class Fill:
     def _decode(self, batch: list[_Item]) -> None:
         """Decode the batch's delta payloads against the base into each item's changes."""
         coded = [it for it in batch if it.payloads]
-        for it in coded:
-            self.base.prefault(it.t.name)
+        self.base.prefault_many([it.t.name for it in coded]) if coded else None
         if coded:
             records = [(it.t, at, count, payload) for it in coded
                        for at, count, payload in it.payloads]
@@ -213,13 +212,13 @@ class Fill:
         work = [it for it in batch if not it.done and it.op != "full"]
         for it in work:
             it.forward = self._can_pull(it)
-        run_jobs([job for it in work for job in self._parts(it)])
+        run_jobs(self._jobs(work))
         # a tensor brought forward whose older version was not what VERSION.json says:
         # copied whole from the base instead, then patched
         redo = [it for it in work if not self._finish(it)]
         for it in redo:
             it.forward, it.repaired = False, True
-        run_jobs([job for it in redo for job in self._parts(it)])
+        run_jobs(self._jobs(redo))
         for it in redo:
             self._finish(it)
         full = [it for it in batch if not it.done and it.op == "full"]
@@ -227,24 +226,35 @@ class Fill:
                                                 self.out.bits(it.t.name)) for it in full]),
                          strict=True):
             it.digest = d
-        for it in batch:
-            name = it.t.name
-            self.changes[name] = None if it.op == "full" else (
-                it.changes.pos if it.changes is not None else np.empty(0, np.int64))
-            if it.done:
-                continue
-            if it.digest != it.t.digest:
-                raise DigestMismatch(f"tensor {name} of {self.what} does not match its "
-                                     "digest after apply; the artifact is bad and was not "
-                                     "applied")
-            self.repaired += it.repaired
-            self.journal.write(name + "\n")
-            self.journal.flush()
-            self.out.release(name)
-            if self.base is not None and name in self.base.slots:
-                self.base.release(name)
-            if self.progress:
-                self.progress(self.what, it.index + 1, len(self.tensors))
+        finished: list[str] = []
+        try:
+            for it in batch:
+                name = it.t.name
+                self.changes[name] = None if it.op == "full" else (
+                    it.changes.pos if it.changes is not None else np.empty(0, np.int64))
+                if it.done:
+                    continue
+                if it.digest != it.t.digest:
+                    raise DigestMismatch(f"tensor {name} of {self.what} does not match its "
+                                         "digest after apply; the artifact is bad and was not "
+                                         "applied")
+                self.repaired += it.repaired
+                finished.append(name)
+                if self.progress:  # may raise to stop the pass between two tensors
+                    self.progress(self.what, it.index + 1, len(self.tensors))
+        finally:  # the tensors verified before a mismatch or a stop stay done
+            self._done(finished)
+
+    def _done(self, names: list[str]) -> None:
+        """Journal verified tensors (one write per batch) and drop their pages from this
+        process (one madvise per run of adjacent tensors)."""
+        if not names:
+            return
+        self.journal.write("".join(n + "\n" for n in names))
+        self.journal.flush()
+        self.out.release_many(names)
+        if self.base is not None:
+            self.base.release_many([n for n in names if n in self.base.slots])
 
     def _can_pull(self, it: _Item) -> bool:
         """Whether the slot holds an older version that the recorded steps bring forward (only
@@ -253,6 +263,60 @@ class Fill:
         return not self.resumed and self.own is not None and name in self.own \
             and bool(self.steps) \
             and all(s is not None and s.get(name) is not None for s in self.steps)
+
+    def _jobs(self, work: list[_Item]) -> list[tuple[int, Callable[[], None]]]:
+        """Write jobs for `work`: a tensor larger than PART in parts of its own, smaller ones
+        together in jobs of about PART elements (a job and its page faults per 1,000-element
+        tensor cost more than writing it)."""
+        jobs = [job for it in work if it.t.numel > PART for job in self._parts(it)]
+        group: list[_Item] = []
+        size = 0
+        for it in work:
+            if it.t.numel <= PART:
+                group.append(it)
+                size += it.t.numel
+                if size >= PART:
+                    jobs.append((size, self._whole_job(group)))
+                    group, size = [], 0
+        if group:
+            jobs.append((size, self._whole_job(group)))
+        return jobs
+
+    def _whole_job(self, group: list[_Item]) -> Callable[[], None]:
+        def job() -> None:
+            writes = [it.t.name for it in group if self._writes(it)]
+            if writes:
+                self.out.prefault_many(writes)
+            for it in group:
+                self._write_whole(it)
+        return job
+
+    def _writes(self, it: _Item) -> bool:
+        """Whether writing `it` touches its slot (a slot brought forward with nothing changed
+        since is left alone, so its pages are neither faulted in nor dirtied)."""
+        name = it.t.name
+        return not it.forward or (it.changes is not None and it.changes.pos.size > 0) or \
+            any(s[name].size for s in self.steps)
+
+    def _write_whole(self, it: _Item) -> None:
+        """What one job of `_parts` does, for a tensor of at most PART elements."""
+        name = it.t.name
+        if not it.t.numel:
+            it.moves = []
+            return
+        slot, src = self.out.bits(name), self._base_of(it.t)
+        ch = it.changes if it.changes is not None else codec.Changes.none(slot.dtype)
+        if not it.forward:
+            slot[:] = src
+            it.moves = [lanehash.moved_by_put(slot, ch.pos, ch.val)]
+            return
+        steps = [s[name] for s in self.steps]
+        da = db = 0
+        for p in steps[:-1]:
+            ma, mb = lanehash.moved_by_pull(slot, src, p)
+            da, db = da + int(ma), db + int(mb)
+        ma, mb = lanehash.moved_by_pull_put(slot, src, steps[-1], ch.pos, ch.val)
+        it.moves = [(da + int(ma), db + int(mb))]
 
     def _parts(self, it: _Item) -> list[tuple[int, Callable[[], None]]]:
         """Jobs writing tensor `it` in ranges of PART elements (whole 64-bit words, so their

@@ -175,6 +175,23 @@ def _advise(maps: dict[str, _Map], slot: Slot, advice: int,
                 raise
 
 
+def _advise_many(maps: dict[str, _Map], slots: list[Slot], advice: int) -> None:
+    """`_advise` for several tensors, one madvise per run of adjacent ones: tensors are laid
+    out back to back, so a batch of 10,000 small tensors is a few calls, not 10,000."""
+    runs: dict[str, list[list[int]]] = {}
+    for slot in sorted(slots, key=lambda s: (s.file, s.start)):
+        if slot.end == slot.start or slot.file not in maps:
+            continue
+        spans = runs.setdefault(slot.file, [])
+        if spans and slot.start <= spans[-1][1]:
+            spans[-1][1] = max(spans[-1][1], slot.end)
+        else:
+            spans.append([slot.start, slot.end])
+    for file, spans in runs.items():
+        for start, end in spans:
+            _advise(maps, Slot("", "uint8", [end - start], file, start, end), advice)
+
+
 class TensorFiles:
     """Read-only bit-pattern views of every tensor in a safetensors file or HF directory."""
 
@@ -200,8 +217,14 @@ class TensorFiles:
     def release(self, name: str) -> None:
         _advise(self._maps, self.slots[name], mmap.MADV_DONTNEED)
 
+    def release_many(self, names: list[str]) -> None:
+        _advise_many(self._maps, [self.slots[n] for n in names], mmap.MADV_DONTNEED)
+
     def prefault(self, name: str) -> None:
         _advise(self._maps, self.slots[name], MADV_POPULATE_READ)
+
+    def prefault_many(self, names: list[str]) -> None:
+        _advise_many(self._maps, [self.slots[n] for n in names], MADV_POPULATE_READ)
 
     def names(self) -> list[str]:
         return sorted(self.slots)
@@ -254,8 +277,14 @@ class ReadFiles:
     def release(self, name: str) -> None:
         """Nothing to drop: `bits` hands out copies the caller frees."""
 
+    def release_many(self, names: list[str]) -> None:
+        """Nothing to drop (see release)."""
+
     def prefault(self, name: str) -> None:
         """Nothing to map: `bits` reads on demand."""
+
+    def prefault_many(self, names: list[str]) -> None:
+        """Nothing to map (see prefault)."""
 
     def names(self) -> list[str]:
         return sorted(self.slots)
@@ -325,6 +354,13 @@ class WritableFiles:
 
     def release(self, name: str) -> None:
         _advise(self._maps, self.slots[name], mmap.MADV_DONTNEED)
+
+    def release_many(self, names: list[str]) -> None:
+        _advise_many(self._maps, [self.slots[n] for n in names], mmap.MADV_DONTNEED)
+
+    def prefault_many(self, names: list[str]) -> None:
+        """Map these whole tensors for writing, one call per run of adjacent ones."""
+        _advise_many(self._maps, [self.slots[n] for n in names], MADV_POPULATE_WRITE)
 
     def prefault(self, name: str, lo: int = 0, hi: int | None = None) -> None:
         """Map elements lo..hi (default: all) of tensor `name` for writing, in one call."""

@@ -184,13 +184,18 @@ class Kernel:
         return self._table
 
     def __call__(self, *args):
+        return self.variant(args)(*args)
+
+    def variant(self, args: tuple) -> Callable:
+        """The function a call with `args` runs: a caller making many calls whose arguments
+        have the same types (a job over many small tensors of one dtype) looks it up once."""
         table = self._table if self._table is not None else self._variants()
         fn = table.get(_arg_key(args)) if table else None
         if fn is None:
             if table:
                 _state.fallbacks[self.name] = _state.fallbacks.get(self.name, 0) + 1
-            return self.jit(*args)
-        return fn(*args)
+            return self.jit
+        return fn
 
 
 def bind(jit: Callable, name: str) -> Kernel:

@@ -147,6 +147,31 @@ def map_jobs(fn: Callable[[T], R], items: Sequence[T], weight: Callable[[T], int
     return out
 
 
+_SMALL_JOB = 1 << 18
+"""Segments lighter than this are coded together in jobs of about this weight: a job per
+1,000-element tensor costs more in Python (and in the two threads' turns at the GIL) than
+its coding."""
+
+
+def _grouped(segments: list[tuple[int, tuple]], make: Callable[[list[tuple]], Callable[[], None]]
+             ) -> list[tuple[int, Callable[[], None]]]:
+    """(weight, job) pairs for `segments` (weight, spec): `make([spec])` for each heavy one,
+    `make(specs)` for runs of light ones adding up to about _SMALL_JOB."""
+    jobs = [(w, make([spec])) for w, spec in segments if w >= _SMALL_JOB]
+    group: list[tuple] = []
+    weight = 0
+    for w, spec in segments:
+        if w < _SMALL_JOB:
+            group.append(spec)
+            weight += w
+            if weight >= _SMALL_JOB:
+                jobs.append((weight, make(group)))
+                group, weight = [], 0
+    if group:
+        jobs.append((weight, make(group)))
+    return jobs
+
+
 def _run_all(jobs) -> None:
     for job in jobs:
         job()
@@ -226,9 +251,9 @@ def encode_changes(pairs: Sequence[tuple[np.ndarray, np.ndarray, str]],
         plans.append((old, new, dtype, c, parts, found))
         for s in range(len(parts)):
             lo, hi = s * seg, min(n, (s + 1) * seg)
-            jobs.append((hi - lo, _encode_job(old, new, lo, hi, words, c, parts, s, found,
-                                              moved or _moved_between, len(plans) - 1)))
-    run_jobs(jobs, threads)
+            jobs.append((hi - lo, (old, new, lo, hi, words, c, parts, s, found,
+                                   moved or _moved_between, len(plans) - 1)))
+    run_jobs(_grouped(jobs, _encode_job), threads)
     return [(_assemble(old, new, dtype, c, parts), _gathered(found, c) if changes else None)
             for old, new, dtype, c, parts, found in plans]
 
@@ -252,29 +277,43 @@ def _words(*arrays: np.ndarray) -> bool:
             and all(a.__array_interface__["data"][0] % 8 == 0 for a in arrays))
 
 
-def _encode_job(old, new, lo, hi, words: bool, c: hdr.Coding, parts: list,
-                s: int, found: list, moved: Moved, pair: int) -> Callable[[], None]:
-
+def _encode_job(specs: list[tuple]) -> Callable[[], None]:
     def job() -> None:
         ws = _ws()
-        raw = (hi - lo) * c.dtype.itemsize + 64
-        keep = ws.kept(hi - lo + 1) if found else _NO_KEEP
-        k, *lens, hsh = encode_segment(
-            old, new, lo, hi, words, c.shift, c.cmask, c.nctx, c.dtype.bits, c.is_float,
+        variants: dict = {}
+        for spec in specs:
+            _encode_segment(ws, variants, *spec)
+    return job
+
+
+def _encode_segment(ws: _Workspace, variants: dict, old, new, lo, hi, words: bool,
+                    c: hdr.Coding, parts: list, s: int, found: list, moved: Moved, pair: int
+                    ) -> None:
+    """Encode segment `s` of one pair into `parts[s]` (and its changes into `found[s]`).
+    `variants`: the compiled encoder by element type, looked up once per job."""
+    raw = (hi - lo) * c.dtype.itemsize + 64
+    keep = ws.kept(hi - lo + 1) if found else _NO_KEEP
+    args = (old, new, lo, hi, words, c.shift, c.cmask, c.nctx, c.dtype.bits, c.is_float,
             ws.models, ws.hist, *ws.ctx[:3], *ws.changes(hi - lo + 1), *ws.outbufs(raw), keep)
-        if found:
-            pos = keep[:k] + lo
+    fn = variants.get(old.dtype)
+    if fn is None:
+        fn = variants[old.dtype] = encode_segment.variant(args)
+    k, *lens, hsh = fn(*args)
+    if found:
+        pos = keep[:k] + lo
+        if k < 1024:  # numpy's gather costs less than a kernel call for a few changes
+            val = new[pos]
+        else:
             val = np.empty(k, old.dtype)
             lanehash.fast_gather(new, pos, val)
-            found[s] = (pos, val, moved(pair, lo, old, new, pos, val))
-        if k == 0:
-            parts[s] = (0, [b""] * hdr.STREAMS, 0)
-        elif max(lens) <= raw:
-            parts[s] = (k, [o[:n].tobytes() for o, n in zip(ws.out, lens, strict=True)],
-                        int(hsh))
-        else:
-            parts[s] = (k, None, 0)
-    return job
+        found[s] = (pos, val, moved(pair, lo, old, new, pos, val))
+    if k == 0:
+        parts[s] = (0, [b""] * hdr.STREAMS, 0)
+    elif max(lens) <= raw:
+        parts[s] = (k, [o[:n].tobytes() for o, n in zip(ws.out, lens, strict=True)],
+                    int(hsh))
+    else:
+        parts[s] = (k, None, 0)
 
 
 def _assemble(old, new, dtype: str, c: hdr.Coding, parts: list) -> bytes:
@@ -311,13 +350,13 @@ def _decode_all(items: Sequence[tuple[np.ndarray, bytes | memoryview, str]], thr
                 write: bool, moves: bool = False, overlays: Sequence[Layers] | None = None
                 ) -> list:
     decoded = []
-    jobs = []
+    segments: list[tuple] = []
     for t, (target, payload, dtype) in enumerate(items):
-        plan = _plan_apply(t, target, payload, dtype, jobs, write, moves,
+        plan = _plan_apply(t, target, payload, dtype, segments, write, moves,
                            overlays[t] if overlays else ())
         if plan is not None:
             decoded.append(plan)
-    run_jobs(jobs, threads)
+    run_jobs(_grouped(segments, _decode_job), threads)
     for t, errs, _, kind, _, want in decoded:
         bad = [e[0] for e in errs if e[0]]
         if bad:
@@ -423,8 +462,8 @@ def _plan_apply(t: int, target: np.ndarray, payload, dtype: str, jobs: list, wri
         if lpos.size != lval.size or (lpos.size and (lpos[0] < 0 or lpos[-1] >= h.n)):
             raise BadDelta(f"tensor delta #{t}: an overlay of {lpos.size} positions does not "
                            f"fit its {h.n} elements")
-    starts = np.arange(0, h.n + seg, seg, dtype=np.int64)
-    cuts = [np.searchsorted(lpos, starts) for lpos, _ in layers]
+    cuts = [np.searchsorted(lpos, np.arange(0, h.n + seg, seg, dtype=np.int64))
+            for lpos, _ in layers] if layers else []
     pos = np.empty(h.k, np.int32)
     val = np.empty(h.k, c.dtype.uint)
     errs = [(0, 0, 0, 0)] * len(h.seg_k)
@@ -432,14 +471,16 @@ def _plan_apply(t: int, target: np.ndarray, payload, dtype: str, jobs: list, wri
     start, base = h.body_start, 0
     for s, (ks, lens) in enumerate(zip(h.seg_k, h.seg_len, strict=True)):
         lo, hi = s * seg, min(h.n, (s + 1) * seg)
-        bounds = tuple(start + sum(lens[:i]) for i in range(hdr.STREAMS + 1))
+        bounds = [start]
+        for n in lens:
+            bounds.append(bounds[-1] + n)
         if ks:
             over = [(lpos, lval, int(cut[s]), int(cut[s + 1]))
                     for (lpos, lval), cut in zip(layers, cuts, strict=True)
                     if cut[s + 1] > cut[s]]  # a segment no layer touches is read in place
-            job = _decode_job(target, lo, hi, words, buf, bounds, ks, c, pos, val, base, errs, s,
-                              moves, over)
-            jobs.append((hi - lo + _CHANGE_COST * ks, job))
+            jobs.append((hi - lo + _CHANGE_COST * ks,
+                         (target, lo, hi, words, buf, bounds, ks, c, pos, val, base, errs, s,
+                          moves, over)))
             segs.append((lo, pos, val, base, base + ks))
         elif sum(lens):
             errs[s] = (ERR_STREAM, 0, 0, 0)
@@ -448,30 +489,45 @@ def _plan_apply(t: int, target: np.ndarray, payload, dtype: str, jobs: list, wri
     return t, errs, target, hdr.CODED, segs, h.result
 
 
-def _decode_job(target, lo, hi, words, buf, bounds, ks, c: hdr.Coding, pos, val, base, errs,
-                s, moves: bool, over: list[tuple[np.ndarray, np.ndarray, int, int]]
-                ) -> Callable[[], None]:
+
+
+def _decode_job(specs: list[tuple]) -> Callable[[], None]:
     def job() -> None:
         ws = _ws()
-        old, toff = target, 0
-        if over:  # the segment's old elements, brought forward in this thread's buffer
-            old, toff = ws.segment(hi - lo, target.dtype), lo
-            old[:] = target[lo:hi]
-            for lpos, lval, a, b in over:  # this segment's share of each layer, in order
-                scatter_from(old, lpos, lval, lo, a, b)
-        err, hsh = decode_segment(old, lo, hi, words and _words(old), buf, *bounds, ks,
-                                  c.shift, c.cmask, c.nctx, c.dtype.bits, c.is_float, ws.models,
-                                  *ws.ctx[:5], *ws.changes(ks + c.nctx)[:2], pos, val, base,
-                                  toff)
-        ma = mb = 0
-        if moves and not err:
-            at = pos[base:base + ks].astype(np.int64) + np.int64(lo)
-            if old is not target:  # scratch: writing the changes there is the cheaper kernel
-                ma, mb, _ = lanehash.moved_by_put_at(old, at, val[base:base + ks], toff)
-            else:
-                ma, mb = lanehash.moved_by_changes(target, at, val[base:base + ks])
-        errs[s] = (int(err), int(hsh), int(ma), int(mb))
+        variants: dict = {}
+        for spec in specs:
+            _decode_segment(ws, variants, *spec)
     return job
+
+
+def _decode_segment(ws: _Workspace, variants: dict, target, lo, hi, words, buf, bounds, ks,
+                    c: hdr.Coding, pos, val, base, errs, s, moves: bool,
+                    over: list[tuple[np.ndarray, np.ndarray, int, int]]) -> None:
+    """Decode segment `s` of one tensor into `pos`/`val` from `base` on, its error, hash and
+    (with `moves`) digest move into `errs[s]`. `variants`: the compiled decoder by element
+    type, looked up once per job (every other argument's type is fixed)."""
+    old, toff = target, 0
+    if over:  # the segment's old elements, brought forward in this thread's buffer
+        old, toff = ws.segment(hi - lo, target.dtype), lo
+        old[:] = target[lo:hi]
+        for lpos, lval, a, b in over:  # this segment's share of each layer, in order
+            scatter_from(old, lpos, lval, lo, a, b)
+        words = words and _words(old)
+    args = (old, lo, hi, words, buf, *bounds, ks, c.shift, c.cmask, c.nctx, c.dtype.bits,
+            c.is_float, ws.models, *ws.ctx[:5], *ws.changes(ks + c.nctx)[:2], pos, val, base,
+            toff)
+    fn = variants.get(old.dtype)
+    if fn is None:
+        fn = variants[old.dtype] = decode_segment.variant(args)
+    err, hsh = fn(*args)
+    ma = mb = 0
+    if moves and not err:
+        at = pos[base:base + ks].astype(np.int64) + np.int64(lo)
+        if old is not target:  # scratch: writing the changes there is the cheaper kernel
+            ma, mb, _ = lanehash.moved_by_put_at(old, at, val[base:base + ks], toff)
+        else:
+            ma, mb = lanehash.moved_by_changes(target, at, val[base:base + ks])
+    errs[s] = (int(err), int(hsh), int(ma), int(mb))
 
 
 def apply_tensor_delta(target: np.ndarray, payload: bytes | memoryview, dtype: str) -> None:
