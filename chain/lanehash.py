@@ -378,6 +378,8 @@ def moved_words(oldw, neww, first, pos, sh, w0, w1):
 def words(arr: np.ndarray) -> np.ndarray:
     """The whole 64-bit words of a flat element array, as a uint64 view (no copy)."""
     per = 8 // arr.itemsize
+    if arr.size % per == 0 and arr.flags.c_contiguous:  # one view instead of three
+        return arr.reshape(-1).view(np.uint64)
     return arr[: arr.size // per * per].view(np.uint8).view(np.uint64)
 
 
@@ -460,7 +462,10 @@ def add(digest: str, delta: tuple[int, int]) -> str:
 
 def word_layout(arr: np.ndarray) -> tuple[int, int]:
     """(log2 of elements per 64-bit word, bits per element) of a flat unsigned element array."""
-    return {1: 3, 2: 2, 4: 1, 8: 0}[arr.itemsize], 8 * arr.itemsize
+    return _LOG2_PER_WORD[arr.itemsize], 8 * arr.itemsize
+
+
+_LOG2_PER_WORD = {1: 3, 2: 2, 4: 1, 8: 0}
 
 
 def _bytes(arr: np.ndarray) -> np.ndarray:

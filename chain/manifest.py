@@ -163,15 +163,36 @@ class Manifest(_Strict):
         absent = {k for k in ("streams", "base") if getattr(self, k) is None}
         return self.model_dump(mode="json", exclude=exclude | absent)
 
+    def _canonical(self, exclude: set[str]) -> bytes:
+        """canonical_json(self._dump(exclude)), the tensor list written from its columns
+        (TensorTable.canonical_json): a canonical object is its sorted keys' members joined,
+        so the rest of the document is dumped as usual and the list is put in its place."""
+        doc = self._dump(exclude | {"tensors"})
+        doc["tensors"] = None
+        parts = []
+        for k in sorted(doc):
+            value = self.tensors.canonical_json() if k == "tensors" else \
+                canonical_json(doc[k]).decode()
+            parts.append(f"{json.dumps(k)}:{value}")
+        return ("{" + ",".join(parts) + "}").encode()
+
     def canonical(self) -> bytes:
-        return canonical_json(self._dump({"signature"}))
+        return self._canonical({"signature"})
 
     def signed(self, key: Ed25519PrivateKey) -> "Manifest":
         sig = Signature(key=keys.public_hex(key), sig=keys.sign(key, self.canonical()))
         return self.model_copy(update={"signature": sig})
 
     def to_bytes(self) -> bytes:
-        return canonical_json(self._dump(set()))
+        return self._canonical(set())
+
+    def check_signature(self, public_key: Ed25519PublicKey) -> None:
+        """What `parse` checks of a received document's signature, for a manifest built in
+        this process (ChainStore.add stores it without dumping and parsing it back)."""
+        if self.signature is None:
+            raise Unsigned(f"manifest {self.artifact} is unsigned; refusing it")
+        _check_key(self.artifact, self.signature.key, public_key)
+        keys.verify(public_key, self.canonical(), self.signature.sig)
 
     @classmethod
     def parse(cls, raw: bytes, public_key: Ed25519PublicKey | None) -> "Manifest":
@@ -224,16 +245,20 @@ def _check_signature(doc: dict, public_key: Ed25519PublicKey) -> None:
     if not (isinstance(sig, dict) and isinstance(sig.get("key"), str)
             and isinstance(sig.get("sig"), str)):
         raise BadSignature(f"manifest {name}: signature must be {{\"key\", \"sig\"}} hex strings")
-    pinned = keys.public_hex(public_key)
-    if sig["key"] != pinned:
-        raise BadSignature(f"manifest {name} is signed by key {sig['key'][:16]!r}…, not the "
-                           f"pinned trainer key {pinned[:16]}…")
+    _check_key(name, sig["key"], public_key)
     try:
         signed = canonical_json({k: v for k, v in doc.items() if k != "signature"})
     except (ValueError, RecursionError):  # NaN/Infinity or nesting no trainer signs
         raise BadSignature(f"manifest {name} holds values no trainer signs (NaN, Infinity or "
                            "deep nesting); refusing it") from None
     keys.verify(public_key, signed, sig["sig"])
+
+
+def _check_key(name: str, key_hex: str, public_key: Ed25519PublicKey) -> None:
+    pinned = keys.public_hex(public_key)
+    if key_hex != pinned:
+        raise BadSignature(f"manifest {name} is signed by key {key_hex[:16]!r}…, not the "
+                           f"pinned trainer key {pinned[:16]}…")
 
 
 def tensor_problem(name: object, dtype: object, shape: object) -> str | None:

@@ -12,11 +12,13 @@ import mmap
 import os
 import stat
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, NamedTuple
 
 import numpy as np
+import xxhash
 
 from chain.dtypes import FROM_SAFETENSORS, SAFETENSORS_NAME, lookup
 from chain.errors import ChainError
@@ -63,7 +65,7 @@ def open_regular(path: Path, follow: bool = True) -> BinaryIO:
     return open(fd, "rb", buffering=0)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Slot:
     name: str
     dtype: str
@@ -86,20 +88,41 @@ def _parse_header(path: Path, f: BinaryIO) -> tuple[int, dict[str, Slot]]:
     (n,) = struct.unpack("<Q", head)
     if n > 100 * 1024 * 1024:
         raise ChainError(f"{path}: safetensors header of {n} bytes is implausible")
+    raw = f.read(n)
+    data_bytes = os.fstat(f.fileno()).st_size - 8 - n
+    file = Path(path).name
+    key = (file, data_bytes, len(raw), xxhash.xxh3_128_intdigest(raw))
+    with _parsed_lock:
+        known = _parsed.pop(key, None)
+        if known is not None:  # the most recently used goes last
+            _parsed[key] = known
+    if known is not None:
+        return 8 + n, dict(known)
     try:
-        doc = json.loads(f.read(n))
+        doc = json.loads(raw)
     except (ValueError, RecursionError) as e:
         raise ChainError(f"{path}: safetensors header is not JSON: {e}") from None
     if not isinstance(doc, dict):
         raise ChainError(f"{path}: safetensors header is not a JSON object")
-    data_bytes = os.fstat(f.fileno()).st_size - 8 - n
     slots = {}
-    file = Path(path).name
     for name, info in doc.items():
         if name == "__metadata__":
             continue
         slots[name] = _slot(path, file, name, info, data_bytes)
-    return 8 + n, slots
+    with _parsed_lock:
+        _parsed[key] = slots
+        while sum(map(len, _parsed.values())) > _PARSED_SLOTS and len(_parsed) > 1:
+            _parsed.pop(next(iter(_parsed)))
+    return 8 + n, dict(slots)
+
+
+_PARSED_SLOTS = 70_000
+_parsed: dict[tuple, dict[str, "Slot"]] = {}
+"""Headers already parsed and checked, by (file name, data bytes, header bytes), oldest dropped
+first past _PARSED_SLOTS tensors (~400 B each, name included): a region opens each version's
+directories again and again, and they share one layout (at 50,000 tensors a parse costs ~0.25
+s, twice per apply). Slots are immutable; callers get their own dict."""
+_parsed_lock = threading.Lock()
 
 
 def _slot(path: Path, file: str, name: str, info: object, data_bytes: int) -> Slot:

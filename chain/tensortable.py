@@ -17,6 +17,7 @@ unchanged (chain/columns.py: what this and the block table share). Columns (`nam
 """
 
 import itertools
+import json
 import re
 import threading
 from collections import OrderedDict
@@ -33,6 +34,8 @@ DTYPES: tuple[str, ...] = tuple(sorted(BY_NAME))
 DTYPE_CODE = {name: i for i, name in enumerate(DTYPES)}
 _HEX32 = re.compile(r"[0-9a-f]{32}")
 _HEX = re.compile(r"[0-9a-f]*")
+_PLAIN_JSON = re.compile(r"[\x20\x21\x23-\x5b\x5d-\x7e]*")
+"""Names JSON writes as they are: printable ASCII but for the quote and the backslash."""
 _KEYS = frozenset(("name", "dtype", "shape", "digest"))
 MAX_NAME = 1024
 MAX_DIM = 2**63 - 1
@@ -259,6 +262,22 @@ class TensorTable(Columns):
         return [{"name": n, "dtype": DTYPES[c], "shape": shapes[at[i]:at[i + 1]], "digest": d}
                 for i, (n, c, d) in enumerate(zip(self.names(), lay.dtypes, self.digests(),
                                                   strict=True))]
+
+    def canonical_json(self) -> str:
+        """`as_dicts()` as canonical JSON (sorted keys, no spaces, ASCII), built from the
+        columns: what `chain.manifest.canonical_json` makes of the list, without the 50,000
+        dicts and the encoder's walk over them (a third of a publish's manifest work)."""
+        lay = self._layout
+        shapes, at = lay.shapes.tolist(), lay.shape_at.tolist()
+        names = self.names()
+        quoted = ([f'"{n}"' for n in names] if _PLAIN_JSON.fullmatch(lay.names)
+                  else [json.dumps(n, ensure_ascii=True) for n in names])
+        dtypes = [f'"{d}"' for d in DTYPES]
+        return "[" + ",".join(
+            f'{{"digest":"{d}","dtype":{dtypes[c]},"name":{q},"shape":'
+            f'[{",".join(map(str, shapes[at[i]:at[i + 1]]))}]}}'
+            for i, (q, c, d) in enumerate(zip(quoted, lay.dtypes, self.digests(), strict=True))
+        ) + "]"
 
     def shares_layout(self, other: "TensorTable") -> bool:
         """Whether both tables hold one layout object (equal layouts are shared)."""

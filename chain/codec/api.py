@@ -147,29 +147,34 @@ def map_jobs(fn: Callable[[T], R], items: Sequence[T], weight: Callable[[T], int
     return out
 
 
-_SMALL_JOB = 1 << 18
-"""Segments lighter than this are coded together in jobs of about this weight: a job per
-1,000-element tensor costs more in Python (and in the two threads' turns at the GIL) than
-its coding."""
+_LIGHT = 1 << 12
+"""Segments lighter than this (in elements, plus changes) are coded on the calling thread
+alone: their time is mostly Python, and two threads taking turns at the GIL around each short
+kernel call ran them 1.3-1.8x slower than one (50,000 tensors of 960 elements)."""
+_GROUP = 1 << 18
+"""Heavier segments up to this weight share jobs of about this weight (one job, one kernel
+lookup, for many 20,000-element tensors), spread over the codec's threads."""
 
 
-def _grouped(segments: list[tuple[int, tuple]], make: Callable[[list[tuple]], Callable[[], None]]
-             ) -> list[tuple[int, Callable[[], None]]]:
-    """(weight, job) pairs for `segments` (weight, spec): `make([spec])` for each heavy one,
-    `make(specs)` for runs of light ones adding up to about _SMALL_JOB."""
-    jobs = [(w, make([spec])) for w, spec in segments if w >= _SMALL_JOB]
+def _run_grouped(segments: list[tuple[int, tuple]],
+                 make: Callable[[list[tuple]], Callable[[], None]], threads: int) -> None:
+    """Run `segments` (weight, spec) through jobs `make(specs)`: see _LIGHT and _GROUP."""
+    jobs = [(w, make([spec])) for w, spec in segments if w >= _GROUP]
     group: list[tuple] = []
     weight = 0
     for w, spec in segments:
-        if w < _SMALL_JOB:
+        if _LIGHT <= w < _GROUP:
             group.append(spec)
             weight += w
-            if weight >= _SMALL_JOB:
+            if weight >= _GROUP:
                 jobs.append((weight, make(group)))
                 group, weight = [], 0
     if group:
         jobs.append((weight, make(group)))
-    return jobs
+    run_jobs(jobs, threads)
+    light = [spec for w, spec in segments if w < _LIGHT]
+    for at in range(0, len(light), 256):
+        make(light[at:at + 256])()
 
 
 def _run_all(jobs) -> None:
@@ -253,7 +258,7 @@ def encode_changes(pairs: Sequence[tuple[np.ndarray, np.ndarray, str]],
             lo, hi = s * seg, min(n, (s + 1) * seg)
             jobs.append((hi - lo, (old, new, lo, hi, words, c, parts, s, found,
                                    moved or _moved_between, len(plans) - 1)))
-    run_jobs(_grouped(jobs, _encode_job), threads)
+    _run_grouped(jobs, _encode_job, threads)
     return [(_assemble(old, new, dtype, c, parts), _gathered(found, c) if changes else None)
             for old, new, dtype, c, parts, found in plans]
 
@@ -273,8 +278,11 @@ def _gathered(found: list, c: hdr.Coding) -> Changes:
 def _words(*arrays: np.ndarray) -> bool:
     """Whether the kernels may read 2-byte elements four at a time as 64-bit words.
     (`__array_interface__`, not `.ctypes`: the latter costs tens of microseconds a call.)"""
-    return (arrays[0].itemsize == 2 and sys.byteorder == "little"
-            and all(a.__array_interface__["data"][0] % 8 == 0 for a in arrays))
+    return arrays[0].itemsize == 2 and _LITTLE and \
+        all(not a.__array_interface__["data"][0] % 8 for a in arrays)
+
+
+_LITTLE = sys.byteorder == "little"
 
 
 def _encode_job(specs: list[tuple]) -> Callable[[], None]:
@@ -318,6 +326,13 @@ def _encode_segment(ws: _Workspace, variants: dict, old, new, lo, hi, words: boo
 
 def _assemble(old, new, dtype: str, c: hdr.Coding, parts: list) -> bytes:
     n = old.size
+    if len(parts) == 1:  # most tensors of a MoE model: one segment
+        k, streams, hsh = parts[0]
+        if k == 0:
+            return hdr.pack(hdr.NONE, dtype, n, 0, [])
+        if streams is None or sum(map(len, streams)) >= n * c.dtype.itemsize:
+            return hdr.pack(hdr.RAW, dtype, n, k, [new.tobytes()])
+        return hdr.pack(hdr.CODED, dtype, n, k, streams, LOG2_SEG, [k], hsh & 0xFFFFFFFF)
     k = sum(p[0] for p in parts)
     if k == 0:
         return hdr.pack(hdr.NONE, dtype, n, 0, [])
@@ -356,7 +371,7 @@ def _decode_all(items: Sequence[tuple[np.ndarray, bytes | memoryview, str]], thr
                            overlays[t] if overlays else ())
         if plan is not None:
             decoded.append(plan)
-    run_jobs(_grouped(segments, _decode_job), threads)
+    _run_grouped(segments, _decode_job, threads)
     for t, errs, _, kind, _, want in decoded:
         bad = [e[0] for e in errs if e[0]]
         if bad:

@@ -12,6 +12,7 @@ decoding) catches a payload applied to the wrong base or a forged stream.
 """
 
 from dataclasses import dataclass, field
+from functools import cache
 
 import numpy as np
 import xxhash
@@ -44,6 +45,7 @@ class Coding:
         return self.cmask + 1
 
 
+@cache
 def coding(dtype: str) -> Coding:
     dt = lookup(dtype)
     if dt.exponent_bits:
