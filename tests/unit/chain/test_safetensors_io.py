@@ -55,3 +55,17 @@ def test_a_truncated_file_is_refused(tmp_path: Path) -> None:
 def test_a_malformed_header_entry_is_refused(tmp_path: Path, edit) -> None:
     with pytest.raises(ChainError, match="tensor a"):
         TensorFiles(_with_header(_write(tmp_path), edit))
+
+
+def test_a_header_seen_before_is_reused_only_for_the_same_bytes_and_size(tmp_path: Path) -> None:
+    """Headers are parsed once per layout (a cache keyed by the header's bytes and the data's
+    size): a file cut short after a good read is still refused, and readers get their own
+    slot tables."""
+    path = _write(tmp_path)
+    first, second = TensorFiles(path), TensorFiles(path)
+    assert first.slots == second.slots and first.slots is not second.slots
+    first.slots.pop("a")
+    assert TensorFiles(path).names() == ["a", "b"]
+    path.write_bytes(path.read_bytes()[:-4])
+    with pytest.raises(ChainError, match="truncated or corrupt"):
+        TensorFiles(path)

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from chain.digest import state_digest
 from chain.errors import BadManifest
-from chain.manifest import Manifest, TensorEntry
+from chain.manifest import Manifest, TensorEntry, canonical_json
 from chain.tensortable import TensorTable
 
 MOE_TENSORS = 50_000
@@ -123,3 +123,20 @@ def test_any_valid_list_round_trips(entries):
     assert table.as_dicts() == rows
     assert [t.model_dump() for t in table] == rows
     assert [table.name(i) for i in range(len(rows))] == [r["name"] for r in rows]
+    # the list a manifest signs, written from the columns: byte for byte json's
+    assert table.canonical_json().encode() == canonical_json(rows)
+
+
+@pytest.mark.parametrize("name", ['say "hi"', "back\\slash", "tab\tand\x01", "\x7f",
+                                  "é", "\U0001f600", "\u2028", "plain.name-1_[2]"])
+def test_names_json_must_escape_are_escaped_as_json_does(name, signing_key):
+    rows = [{"name": name, "dtype": "bfloat16", "shape": [], "digest": "0" * 32},
+            {"name": name + "z", "dtype": "int8", "shape": [0, 3], "digest": "f" * 32}]
+    table = TensorTable.of(rows)
+    assert table.canonical_json().encode() == canonical_json(rows)
+    doc = {"format": 2, "run": "r", "version": 0, "kind": "snapshot", "parent": None,
+           "state_digest": state_digest({r["name"]: r["digest"] for r in rows}),
+           "tensors": rows, "blocks": [], "files": [], "stats": {}, "created": 1.0}
+    m = Manifest.model_validate(doc).signed(signing_key)
+    assert m.to_bytes() == canonical_json(m.model_dump(mode="json", exclude={"streams", "base"}))
+    assert Manifest.parse(m.to_bytes(), signing_key.public_key()).to_bytes() == m.to_bytes()

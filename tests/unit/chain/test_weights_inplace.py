@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from chain.errors import ChainError
 from chain.sources import StateDictSource
 from chain.store import ChainStore
-from chain.versiondir import BadVersionDir, read_changes
+from chain.versiondir import BadVersionDir, read_changes, write_changes
 from chain.weights import WeightsDir
 from chain.writer import write_artifact
 from tests.conftest import make_state, perturb
@@ -73,7 +73,8 @@ def test_a_spare_damaged_where_it_is_patched_is_rebuilt_from_current(tmp_path, s
     assert same(load_file(cur.path / SHARD), states[2])
 
 
-@pytest.mark.parametrize("damage", ["changes_missing", "changes_garbled", "spare_version"])
+@pytest.mark.parametrize("damage", ["changes_missing", "changes_garbled", "spare_version",
+                                    "positions_past_the_tensor"])
 def test_missing_or_damaged_bookkeeping_falls_back_to_copying_from_current(tmp_path,
                                                                             signing_key, damage):
     store = ChainStore(tmp_path / "chain", signing_key.public_key())
@@ -86,6 +87,13 @@ def test_missing_or_damaged_bookkeeping_falls_back_to_copying_from_current(tmp_p
         raw = bytearray((w.path(1) / "CHANGES").read_bytes())
         raw[-3] ^= 0xFF
         (w.path(1) / "CHANGES").write_bytes(bytes(raw))
+    elif damage == "positions_past_the_tensor":  # well formed, checksummed, but wrong
+        changes = read_changes(w.path(1), 1)
+        sizes = {n: a.numel() for n, a in load_file(w.path(1) / SHARD).items()}
+        for name, pos in changes.items():
+            if pos is not None:  # the kernels check no bounds: these must not be written
+                changes[name] = np.concatenate([pos, [sizes[name] + 3, 8 * sizes[name]]])
+        write_changes(w.path(1), 1, changes)
     else:
         (w.path(0) / "VERSION.json").write_text("{")
     cur = w.apply([store.manifest("v00000002.delta")], getter(store))
