@@ -25,10 +25,16 @@ class TensorSource(Protocol):
 
 
 class StateDictSource:
-    """Tensors of a state dict (moved to CPU one at a time when read)."""
+    """Tensors of a state dict (moved to CPU one at a time when read). `views`: bit views
+    kept from an earlier source over tensors this one shares (a publisher's kept copy of the
+    last version, mostly patched in place), so a 50,000-tensor model is not viewed again
+    every version; a view is reused only for the very tensor object it was made from."""
 
-    def __init__(self, state: Mapping[str, "torch.Tensor"]) -> None:
+    def __init__(self, state: Mapping[str, "torch.Tensor"],
+                 views: "dict[str, tuple[torch.Tensor, np.ndarray]] | None" = None) -> None:
         self._state = state
+        self.views = None if views is None else \
+            {k: v for k, v in views.items() if state.get(k) is v[0]}
 
     def names(self) -> list[str]:
         return sorted(self._state)
@@ -38,7 +44,16 @@ class StateDictSource:
         return dtypes.of_tensor(t).name, list(t.shape)
 
     def bits(self, name: str) -> np.ndarray:
-        return dtypes.bits_view(self._state[name])
+        t = self._state[name]
+        if self.views is None:
+            return dtypes.bits_view(t)
+        kept = self.views.get(name)
+        if kept is not None and kept[0] is t:
+            return kept[1]
+        bits = dtypes.bits_view(t)
+        if t.device.type == "cpu":  # a view of the tensor's own memory, not a copy
+            self.views[name] = (t, bits)
+        return bits
 
 
 class FileSource:

@@ -104,6 +104,9 @@ class BlockWriter:
         self._buf = bytearray()
 
     def write(self, data: bytes | memoryview) -> None:
+        if len(self._buf) + len(data) < self.block_size and isinstance(data, bytes):
+            self._buf += data  # most records of a many-tensor model: no view, no loop
+            return
         view = memoryview(data).cast("B")
         while len(view):
             take = min(len(view), self.block_size - len(self._buf))

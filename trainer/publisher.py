@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from chain import codec, dtypes, keys
+from chain import codec, keys
 from chain.adapters import ADAPTER_CONFIG, check_config
 from chain.blocks import DEFAULT_BLOCK
 from chain.errors import ChainError
@@ -104,6 +104,8 @@ class Publisher:
         self.block_size = block_size
         self.base = base
         self._last: dict[str, torch.Tensor] | None = None
+        self._views: dict = {}
+        """Bit views of `_last`'s tensors (chain.sources.StateDictSource `views`)."""
         if self.store.run() not in (None, run):
             raise ChainError(f"{chain_dir} holds run {self.store.run()!r}, not {run!r}; use a "
                              "fresh chain dir or the same run name")
@@ -125,7 +127,7 @@ class Publisher:
                 f"the weights given to resume() are not v{head} as published; restore the "
                 "trainer checkpoint saved with that version"
             )
-        self._last = state
+        self._last, self._views = state, {}
         return head
 
     @without_gc
@@ -152,20 +154,22 @@ class Publisher:
             if head is not None:
                 assert self._last is not None
                 parent_m = self.store.get(head, "delta") or self.store.get(head, "snapshot")
+                kept = StateDictSource(self._last, self._views)
                 delta, stats = write_artifact(self.store.blocks, self.key, kind="delta",
-                                              parent=StateDictSource(self._last),
-                                              parent_manifest=parent_m, trust_parent=True,
+                                              parent=kept, parent_manifest=parent_m,
+                                              trust_parent=True,
                                               on_changes=changes.__setitem__, **common)
                 self.store.add(delta)
                 # the head moved: bring the kept copy along now, whatever happens next
-                self._last = _patched(self._last, state_dict, changes)
+                self._last = _patched(self._last, kept, state_dict, changes)
+                self._views = kept.views
             if head is None or self.snapshots.due(version, self.store.manifests()):
                 snapshot, snap_stats = write_artifact(self.store.blocks, self.key, kind="snapshot",
                                                       same_tensors_as=delta, **common)
                 self.store.add(snapshot)
                 if delta is None:
                     stats = snap_stats
-                    self._last = _cpu_copy(state_dict)
+                    self._last, self._views = _cpu_copy(state_dict), {}
         notified = self._notify(version)
         self._retain(notified)
         return Published(
@@ -209,10 +213,12 @@ def _cpu_copy(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
 
 
-def _patched(last: dict[str, torch.Tensor], state: Mapping[str, torch.Tensor],
-             changes: Mapping[str, "codec.Changes | None"]) -> dict[str, torch.Tensor]:
-    """The kept copy moved to `state`: changed positions written in place (O(changes)); new,
-    reshaped or retyped tensors copied; tensors no longer in `state` dropped."""
+def _patched(last: dict[str, torch.Tensor], kept: StateDictSource,
+             state: Mapping[str, torch.Tensor], changes: Mapping[str, "codec.Changes | None"]
+             ) -> dict[str, torch.Tensor]:
+    """The kept copy `last` moved to `state`: changed positions written in place through
+    `kept` (its source, holding their bit views; O(changes)); new, reshaped or retyped
+    tensors copied; tensors no longer in `state` dropped."""
     out = {}
     for name in state:
         c = changes.get(name)
@@ -220,6 +226,6 @@ def _patched(last: dict[str, torch.Tensor], state: Mapping[str, torch.Tensor],
             out[name] = state[name].detach().to("cpu", copy=True).contiguous()
         else:
             if c.pos.size:
-                dtypes.bits_view(last[name])[c.pos] = c.val
+                kept.bits(name)[c.pos] = c.val
             out[name] = last[name]
     return out
