@@ -307,18 +307,20 @@ class Fill:
             return
         slot = self.out.bits(name)
         ch = it.changes if it.changes is not None else codec.Changes.none(slot.dtype)
+        # positions past the tensor (the caller's changes, a CHANGES file's) are dropped, as
+        # `_parts` cuts them: the compiled kernels check no bounds, and a stray position
+        # would land in the next tensor of the file; the digest then misses instead
+        pos, val = _inside_changes(ch, n)
         if not it.forward:
             slot[:] = src
-            it.moves = [lanehash.moved_by_put(slot, ch.pos, ch.val)]
+            it.moves = [lanehash.moved_by_put(slot, pos, val)]
             return
-        # a CHANGES file's positions past the tensor are dropped, as `_parts` cuts them (the
-        # compiled kernels check no bounds): the digest then misses and the slot is copied
         steps = [_inside(s[name], n) for s in self.steps]
         da = db = 0
         for p in steps[:-1]:
             ma, mb = lanehash.moved_by_pull(slot, src, p)
             da, db = da + int(ma), db + int(mb)
-        ma, mb = lanehash.moved_by_pull_put(slot, src, steps[-1], ch.pos, ch.val)
+        ma, mb = lanehash.moved_by_pull_put(slot, src, steps[-1], pos, val)
         it.moves = [(da + int(ma), db + int(mb))]
 
     def _parts(self, it: _Item) -> list[tuple[int, Callable[[], None]]]:
@@ -375,3 +377,12 @@ def _inside(pos: np.ndarray, n: int) -> np.ndarray:
         return pos
     a, b = np.searchsorted(pos, (0, n))
     return pos[a:b]
+
+
+def _inside_changes(ch: codec.Changes, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """The positions and values of `ch` that fall in 0..n-1."""
+    pos = _inside(ch.pos, n)
+    if pos is ch.pos:
+        return ch.pos, ch.val
+    a = int(np.searchsorted(ch.pos, 0))
+    return pos, ch.val[a:a + pos.size]

@@ -8,9 +8,9 @@ All inputs are validated here; errors are JSON `{"error": "..."}` with a 4xx sta
 """
 
 import asyncio
+import contextlib
 import json
 import logging
-import random
 import re
 import time
 from collections.abc import Awaitable, Callable
@@ -40,6 +40,7 @@ from daemon.peering.peers import (
     check_url,
     parse_endpoint,
     parse_header,
+    parse_region,
 )
 from daemon.trajectories.intake import Intake
 from daemon.trajectories.spool import BadTrajectory, Spool, SpoolFull, SpoolWriteError, parse_batch
@@ -92,8 +93,6 @@ class Parts:
 
 NODE: web.AppKey[Parts] = web.AppKey("node")
 OPEN_ROUTES = frozenset({"/healthz", "/metrics", "/ui"})
-INDEX_PEERS = 64
-"""Most peers an index reply lists (daemons keep `max_peers`, 32 by default)."""
 
 
 def fail(status: int, message: str, **headers: str) -> web.HTTPException:
@@ -303,19 +302,19 @@ async def chain_index(request: web.Request) -> web.Response:
     """Artifacts, head, and the peers other daemons may learn: trusted ones only (bootstrap or
     proven, not banned), so an announcement that never proved itself does not spread.
     `?peers=0` leaves the peer list out (a sync step re-reading who holds what needs none of
-    it); otherwise at most INDEX_PEERS of them, a random sample (a reader takes at most its
-    `max_peers`, and a list of every node would grow every reply with the fleet)."""
+    it); otherwise at most INDEX_PEERS of them (a list of every node would grow every reply
+    with the fleet): the anchors of the asker's region (its X-Deltaswarm-Region header, a hint
+    that only orders the list) first, see PeerBook.listing."""
     node = request.app[NODE]
-    peers = [p for p in node.book.snapshot() if (p["bootstrap"] or p["proven"])
-             and not p["banned_s"]]
+    asker = None
+    with contextlib.suppress(BadPeer):
+        asker = parse_region(request.headers.get(REGION_HEADER, ""))[0]
     return web.json_response({
         "artifacts": node.store.artifacts(), "head": node.store.head(),
         "bt": node.bt(), "node": node.node, "url": node.url,
         "seeding": sorted(node.artifacts.seeding()), "held": node.artifacts.held(),
         "region": node.book.region, "role": node.book.role,
-        "peers": [] if request.query.get("peers") == "0" else
-        [{k: p[k] for k in ("url", "bt", "node", "region", "role")}
-         for p in (peers if len(peers) <= INDEX_PEERS else random.sample(peers, INDEX_PEERS))]})
+        "peers": [] if request.query.get("peers") == "0" else node.book.listing(asker)})
 
 
 async def chain_manifest(request: web.Request) -> web.Response:

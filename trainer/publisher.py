@@ -162,7 +162,10 @@ class Publisher:
                 self.store.add(delta)
                 # the head moved: bring the kept copy along now, whatever happens next
                 self._last = _patched(self._last, kept, state_dict, changes)
-                self._views = kept.views
+                # only views of tensors still kept: one of a dropped or replaced tensor would
+                # hold it alive (a retyped model: two copies) until the next publish
+                self._views = {k: v for k, v in (kept.views or {}).items()
+                               if self._last.get(k) is v[0]}
             if head is None or self.snapshots.due(version, self.store.manifests()):
                 snapshot, snap_stats = write_artifact(self.store.blocks, self.key, kind="snapshot",
                                                       same_tensors_as=delta, **common)

@@ -4,6 +4,7 @@ control URLs of the daemon API's shape, BitTorrent endpoints as IP literals, nod
 Kept free of aiohttp so the config and the CLI can use it cheaply.
 """
 
+import hashlib
 import ipaddress
 import re
 
@@ -76,3 +77,6 @@ def check_node(name: object) -> str:
     return name
 
 
+def rank(region: str, node: str) -> str:
+    """Election order inside a region: the same on every daemon (not Python's salted hash)."""
+    return hashlib.sha256(f"{region}/{node}".encode()).hexdigest()

@@ -14,6 +14,17 @@ a daemon resolves its own advertised host name once at start, see node.py), a no
 1-64 `[A-Za-z0-9_.-]`. The book holds at most `max_peers` peers: a newcomer evicts the peer in
 the worst standing if it ranks better, else it is not stored.
 
+Anchors: beyond `max_peers`, a book keeps each region's `ANCHORS_PER_REGION` live members that
+rank first by election rank (`names.rank`) and every trainer, and an index reply lists the
+anchors of the asker's region, then the trainers' regions, then one of each other region, before
+a random sample of the rest. Why: fetch roles and gateways are computed from the book, the same
+way in every view only if every view holds the same first-ranked members. With a book of 32 and
+a fleet of 1,000 (20 regions of 50) a full book of proven peers took no newcomer, views froze
+with whoever came first, and 838 nodes each believed they fetched for their region
+(tests/unit/daemon/peering/test_fleet_views.py). Each index read now carries the best members
+the peer knows of the asker's region, so the first-ranked member spreads to a whole region in
+a few reads.
+
 Standing: bootstrap peers (the operator's config) are trusted with the swarm token; any other peer
 first proves it holds the token (`PeerClient.prove`, no token sent); until then it gets no token,
 its heads are not polled and its BitTorrent endpoint is not dialled. Every failure backs a peer
@@ -34,7 +45,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from daemon.peering.names import BadName, Endpoint, check_node, check_url, parse_endpoint
+from daemon.peering.names import BadName, Endpoint, check_node, check_url, parse_endpoint, rank
 from daemon.peering.peer_client import PeerError, PeerHttpError
 
 log = logging.getLogger("deltaswarm.peers")
@@ -47,6 +58,17 @@ BACKOFF_MIN_S, BACKOFF_MAX_S = 1.0, 60.0
 BAN_FAILURES = 6
 BAN_STRIKES = 2
 BAN_S = 600.0
+ANCHORS_PER_REGION = 2
+"""Members of each region, best by election rank, a book keeps beyond `max_peers`."""
+MAX_ANCHORS = 512
+"""At most this many anchors in all (a bound on what announcements of made-up regions cost)."""
+MAX_UNPROVEN_ANCHORS = 32
+"""Of those, at most this many not yet proven (a newcomer holds its place while its hello runs;
+a name that never proves fails and loses it)."""
+ANCHOR_DEAD_AFTER = 2
+"""Failures in a row after which a peer no longer holds an anchor place (regions.DEAD_AFTER)."""
+INDEX_PEERS = 64
+"""Most peers an index reply lists, and an index reader takes."""
 NOT_HELD = (404, 410)
 """Statuses with which a daemon says it does not hold an artifact, manifest or torrent."""
 
@@ -90,6 +112,8 @@ class Peer:
     """The key came from the URL's own answer (hello or head reply), not from a header."""
     identified: bool = False
     """Its URL was asked who it is (hello) since it became known."""
+    _order: tuple[str, str, str] | None = None
+    """(region, node, rank) cached: the election rank of this peer's last region and name."""
     fleet_nodes: int | None = None
     """How many live nodes it said it knows in its last head reply (the trainer's count paces
     how often nodes that hear it through others still ask it: Syncer.glance_s)."""
@@ -104,6 +128,13 @@ class Peer:
     def usable(self, now: float | None = None) -> bool:
         now = time.monotonic() if now is None else now
         return self.trusted and not self.banned(now) and self.retry_at <= now
+
+    def order(self, region: str, node: str) -> str:
+        """Its election rank as `region`'s member `node` (cached: a sha256 per call would be
+        paid for every peer of the book at each newcomer)."""
+        if self._order is None or self._order[:2] != (region, node):
+            self._order = (region, node, rank(region, node))
+        return self._order[2]
 
     def rank(self) -> tuple:
         """Standing, worst first when sorted ascending."""
@@ -205,9 +236,7 @@ class PeerBook:
     def reconfigure(self, bootstrap: list[str], max_peers: int) -> None:
         self.max_peers = max_peers
         self.set_bootstrap(bootstrap)
-        extra = sorted((p for p in self.peers.values() if not p.bootstrap), key=Peer.rank)
-        for p in extra[:max(0, len(self.peers) - max_peers)]:
-            del self.peers[p.url]
+        self._trim()
         self.changed.set()
 
     def set_bootstrap(self, urls: list[str]) -> None:
@@ -221,21 +250,136 @@ class PeerBook:
             peer.bootstrap = True
             peer.banned_until = 0.0
 
-    def _add(self, url: str, force: bool = False) -> Peer:
+    def _add(self, url: str, force: bool = False, region: str | None = None,
+             node: str | None = None, role: str | None = None) -> Peer:
         newcomer = Peer(url, last_seen=time.time(), banned_until=self.bans.get(url, 0.0))
-        others = [p for p in self.peers.values() if not p.bootstrap]
-        if len(self.peers) >= self.max_peers and not force:
-            worst = min(others, key=Peer.rank, default=None)
-            if worst is None or worst.rank() >= newcomer.rank():
-                raise BookFull(f"the peer book is full ({self.max_peers} peers in better "
-                               "standing)")
-            del self.peers[worst.url]
-            log.info("evicted peer %s (failures %d, strikes %d) for %s", worst.url,
-                     worst.failures, worst.strikes, url)
-        self.peers[url] = newcomer
-        log.info("learned peer %s", url)
-        self.changed.set()
+        if not force and len(self.peers) >= self.max_peers:
+            anchors = self.anchors()
+            ordinary = [p for p in self.peers.values()
+                        if not p.bootstrap and p.url not in anchors]
+            if len(self.peers) - len(anchors) >= self.max_peers:
+                if self._would_anchor(newcomer, region, node, role, anchors):
+                    self._place(newcomer, region, node, role, trim=True)
+                    return newcomer
+                worst = min(ordinary, key=Peer.rank, default=None)
+                if worst is None or worst.rank() >= newcomer.rank():
+                    raise BookFull(f"the peer book is full ({self.max_peers} peers in better "
+                                   "standing)")
+                self._evict(worst, url)
+        self._place(newcomer, region, node, role, trim=not force)
         return newcomer
+
+    def _place(self, peer: Peer, region: str | None, node: str | None, role: str | None,
+               trim: bool) -> None:
+        """Store a newcomer (with what its announcement says of it, so the anchors count it),
+        then (`trim`; not for bootstrap peers) drop the ordinary peers in the worst standing
+        beyond `max_peers`: an anchor it displaced is ordinary now."""
+        if region is not None:
+            peer.region, peer.node, peer.role = region, node, role
+        self.peers[peer.url] = peer
+        log.info("learned peer %s", peer.url)
+        if trim and len(self.peers) > self.max_peers:
+            self._trim(keep=peer.url)
+        self.changed.set()
+
+    def _evict(self, worst: Peer, why: str) -> None:
+        del self.peers[worst.url]
+        log.info("evicted peer %s (failures %d, strikes %d) for %s", worst.url, worst.failures,
+                 worst.strikes, why)
+
+    def _trim(self, keep: str | None = None) -> None:
+        anchors = self.anchors()
+        ordinary = sorted((p for p in self.peers.values() if not p.bootstrap
+                           and p.url not in anchors and p.url != keep), key=Peer.rank)
+        over = len(self.peers) - len(anchors) - self.max_peers
+        for p in ordinary[:max(0, over)]:
+            self._evict(p, "a smaller book" if keep is None else keep)
+
+    # --- anchors ----------------------------------------------------------------------------
+    def _anchor_key(self, p: Peer, now: float | None = None) -> tuple[str, str] | None:
+        """(region, election rank) of a peer that may hold an anchor place, else None: its
+        region and name known, a region member (trainers are anchors whatever their rank),
+        not banned, not failing."""
+        region, role = self.where(p)
+        if (region is None or p.node is None or role == "trainer" or p.banned(now)
+                or p.failures >= ANCHOR_DEAD_AFTER):
+            return None
+        return region, p.order(region, p.node)
+
+    def anchors(self) -> set[str]:
+        """URLs of the book's anchors: every trainer, and each region's ANCHORS_PER_REGION
+        members that rank first (at most MAX_ANCHORS in all, the best regions first)."""
+        now = time.monotonic()
+        where = self.where
+        best: dict[str, list[tuple[str, str]]] = {}
+        out = set()
+        for p in self.peers.values():
+            region, role = where(p)
+            if region is None or p.node is None or p.banned(now):
+                continue
+            if role == "trainer":
+                out.add(p.url)
+            elif p.failures < ANCHOR_DEAD_AFTER:
+                best.setdefault(region, []).append((p.order(region, p.node), p.url))
+        unproven = 0
+        for region in sorted(best):
+            for _, url in sorted(best[region])[:ANCHORS_PER_REGION]:
+                if len(out) >= MAX_ANCHORS:
+                    return out
+                if not self.peers[url].trusted:
+                    if unproven >= MAX_UNPROVEN_ANCHORS:
+                        continue
+                    unproven += 1
+                out.add(url)
+        return out
+
+    def _would_anchor(self, newcomer: Peer, region: str | None, node: str | None,
+                      role: str | None, anchors: set[str]) -> bool:
+        """Whether a newcomer announced as `region`'s `node` (or a trainer) takes an anchor
+        place: it ranks before one of that region's anchors, or the region has a place left."""
+        if region is None or node is None or len(anchors) >= MAX_ANCHORS or \
+                sum(not self.peers[u].trusted for u in anchors) >= MAX_UNPROVEN_ANCHORS:
+            return False
+        if role == "trainer":
+            return True
+        mine = newcomer.order(region, node)
+        held = [k[1] for p in self.peers.values() if p.url in anchors
+                and (k := self._anchor_key(p)) is not None and k[0] == region]
+        return len(held) < ANCHORS_PER_REGION or mine < max(held)
+
+    def listing(self, for_region: str | None = None, limit: int = INDEX_PEERS) -> list[dict]:
+        """The peers an index reply lists: trusted, unbanned and not failing, at most `limit`:
+        the anchors of `for_region` (the asker's) first, then trainers and the anchors of
+        their regions, then one anchor of each other region, then a random sample of the
+        rest."""
+        now = time.monotonic()
+        live = [p for p in self.peers.values() if p.trusted and not p.banned(now)
+                and p.failures < ANCHOR_DEAD_AFTER]
+        anchors = self.anchors()
+        trainer_regions = {self.where(p)[0] for p in live if self.where(p)[1] == "trainer"}
+
+        def tier(p: Peer) -> int:
+            region, role = self.where(p)
+            if p.url not in anchors:
+                return 4
+            if for_region is not None and region == for_region:
+                return 0
+            return 1 if role == "trainer" or region in trainer_regions else 2
+
+        random.shuffle(live)
+        live.sort(key=tier)
+        seen_regions: set[str | None] = set()
+        first, rest = [], []
+        for p in live:
+            region = self.where(p)[0]
+            if tier(p) < 2 or (tier(p) == 2 and region not in seen_regions):
+                first.append(p)
+                seen_regions.add(region)
+            else:
+                rest.append(p)
+        chosen = (first + rest)[:limit]
+        return [{"url": p.url, "bt": f"{p.bt[0]}:{p.bt[1]}" if p.bt else None, "node": p.node,
+                 "region": p.region, "role": p.role} for p in chosen]
 
     def learn(self, url: str, bt: Endpoint | None = None, node: str | None = None,
               head: int | None = None, region: str | None = None,
@@ -248,7 +392,7 @@ class PeerBook:
             check_node(region)
         if role is not None and role not in ROLES:
             raise BadPeer(f"role must be one of {ROLES}, got {role!r:.40}")
-        peer = self.peers.get(url) or self._add(url)
+        peer = self.peers.get(url) or self._add(url, region=region, node=node, role=role)
         if peer.key is not None:
             # A keyed entry is updated only by its own signed requests and answers
             # (learn_signed, learn_own): a hint from anyone else cannot rewrite it.
@@ -311,7 +455,7 @@ class PeerBook:
             return None
         if peer is None:
             try:
-                peer = self._add(url)
+                peer = self._add(url, region=where, node=node, role=role)
             except BookFull:
                 return None
             peer.key = key

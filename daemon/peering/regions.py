@@ -61,7 +61,6 @@ both eu nodes, and every version reached eu only after a 15-17 s stall):
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import random
 import time
@@ -72,8 +71,9 @@ from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from daemon.peering.names import BadName, Endpoint, check_node, parse_endpoint
+from daemon.peering.names import BadName, Endpoint, check_node, parse_endpoint, rank
 from daemon.peering.peer_client import PeerError
+from daemon.peering.peers import INDEX_PEERS
 
 if TYPE_CHECKING:
     from daemon.bittorrent.swarm import Swarm
@@ -96,11 +96,6 @@ WATCH_S = 0.5
 MAX_DEMOTE_S = 3600.0
 MAX_OWN = 1024
 """First-hand regions are pruned to the book's peers once past 4x this many."""
-
-
-def rank(region: str, node: str) -> str:
-    """Election order inside a region: the same on every daemon (not Python's salted hash)."""
-    return hashlib.sha256(f"{region}/{node}".encode()).hexdigest()
 
 
 class Service:
@@ -465,7 +460,7 @@ def learn_index(book: "PeerBook", peer: "Peer", index: dict) -> int:
         book.learn(peer.url, region=index.get("region"), role=index.get("role"))
     heard_from(book, peer.url, index)
     listed = index.get("peers")
-    for p in (listed if isinstance(listed, list) else [])[:book.max_peers]:
+    for p in (listed if isinstance(listed, list) else [])[:INDEX_PEERS]:
         if not isinstance(p, dict):
             continue
         with contextlib.suppress(BadName, TypeError, KeyError):

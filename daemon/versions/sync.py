@@ -54,7 +54,14 @@ from daemon.engines.first import EngineFirst
 from daemon.peering.asking import HeadQuorum, first_good
 from daemon.peering.holders import Holders
 from daemon.peering.peer_client import BadReply, PeerClient, PeerError, torrent_cap
-from daemon.peering.peers import BadPeer, Peer, PeerBook, check_node, parse_endpoint
+from daemon.peering.peers import (
+    INDEX_PEERS,
+    BadPeer,
+    Peer,
+    PeerBook,
+    check_node,
+    parse_endpoint,
+)
 from daemon.peering.regions import heard_from
 from daemon.versions.longpoll import Board
 from daemon.versions.retain import Keeper
@@ -538,7 +545,7 @@ class Syncer:
         listed = index.get("peers") or []
         if not isinstance(listed, list):
             raise BadReply(peer.url, "index peers is not a list")
-        for p in listed[:self.book.max_peers]:
+        for p in listed[:INDEX_PEERS]:
             if isinstance(p, dict):
                 with contextlib.suppress(BadPeer):
                     bt = parse_endpoint(p["bt"]) if p.get("bt") else None

@@ -1,12 +1,15 @@
 """The fill's path for small tensors (at most chain.fill.PART elements, written together in
 shared jobs): what the per-part path refuses, it refuses too."""
 
+import numpy as np
 import pytest
 
+from chain import codec
+from chain.digest import tensor_digest
 from chain.errors import BadDelta
 from chain.fill import Fill
 from chain.manifest import TensorEntry
-from chain.safetensors_io import WritableFiles, allocate
+from chain.safetensors_io import TensorFiles, WritableFiles, allocate
 
 
 @pytest.mark.parametrize("shape", [[0], [3, 0], [16]])
@@ -19,3 +22,30 @@ def test_a_tensor_with_neither_record_nor_parent_is_refused_even_when_empty(tmp_
     fill = Fill(WritableFiles(tmp_path, ["m.safetensors"]), [t], "v00000001.delta", None, {})
     with pytest.raises(BadDelta, match="tensor e needs a full record"):
         fill.run_changes({})
+
+
+def test_changes_past_a_small_tensor_never_reach_the_next_tensor_in_the_file(tmp_path):
+    """A caller's Changes with a position past its tensor: the shared small-tensor jobs cut it
+    as the per-part path does (the compiled kernels check no bounds; uncut, element 5 of the
+    next tensor in the file was overwritten and journaled as verified)."""
+    layout = [("b", "bfloat16", [16], 32), ("a", "bfloat16", [16], 32)]  # b first in the file
+    for sub in ("base", "out"):
+        (tmp_path / sub).mkdir()
+        allocate(tmp_path / sub / "m.safetensors", layout)
+    base = WritableFiles(tmp_path / "base", ["m.safetensors"])
+    base.bits("a")[:] = np.arange(16, dtype=np.uint16) + 100
+    base.bits("b")[:] = np.arange(16, dtype=np.uint16) + 200
+    base.flush()
+    src = TensorFiles(tmp_path / "base")
+    digests = {n: tensor_digest("bfloat16", [16], src.bits(n)) for n in ("a", "b")}
+    want_b = src.bits("b").copy()
+    want_b[3] = 7
+    tensors = [TensorEntry(name="a", dtype="bfloat16", shape=[16], digest=digests["a"]),
+               TensorEntry(name="b", dtype="bfloat16", shape=[16],
+                           digest=tensor_digest("bfloat16", [16], want_b))]
+    out = WritableFiles(tmp_path / "out", ["m.safetensors"])
+    fill = Fill(out, tensors, "v00000001.delta", src, digests)
+    fill.run_changes({"b": codec.Changes(np.array([3, 21], np.int64),
+                                         np.array([7, 0xDEAD], np.uint16))})
+    assert np.array_equal(out.bits("a"), src.bits("a"))
+    assert np.array_equal(out.bits("b"), want_b)

@@ -2,6 +2,9 @@
 no hashing of a delta version's tensors (digests moved by the changes) even when it also gets a
 snapshot."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -157,3 +160,18 @@ def test_a_publisher_whose_daemon_never_decided_deletes_nothing(tmp_path):
     _publish_versions(pub, 6)
     assert pub.store.artifacts() == sorted(
         ["v00000000.snapshot", "v00000003.snapshot", *(f"v{v:08d}.delta" for v in range(1, 6))])
+
+
+def test_a_tensor_dropped_from_the_state_is_not_kept_alive_by_its_bit_view(publisher):
+    """The publisher keeps bit views of its kept copy across versions; a view of a tensor
+    the next state dropped would hold that tensor alive (a whole second copy after a model is
+    retyped) until the publish after."""
+    big = torch.zeros(1 << 20, dtype=torch.bfloat16)
+    publisher.publish(0, {"big": big, "small": torch.zeros(8, dtype=torch.bfloat16)})
+    nxt = big.clone()
+    nxt[5] = 1
+    publisher.publish(1, {"big": nxt, "small": torch.ones(8, dtype=torch.bfloat16)})
+    kept = weakref.ref(publisher._last["big"])
+    publisher.publish(2, {"small": torch.full((8,), 2, dtype=torch.bfloat16)})
+    gc.collect()
+    assert kept() is None

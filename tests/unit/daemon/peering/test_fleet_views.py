@@ -1,0 +1,194 @@
+"""Views of a fleet larger than a peer book (daemon/peering/peers.py, anchors): every node of a
+region must agree on who fetches for it (RegionPeering.fetch_role), which it computes from its
+own book. With books of `max_peers` and a fleet many times that, a full book of proven peers
+used to take no newcomer, so views froze with whoever came first and most nodes believed they
+fetched for their region. Real PeerBooks, RegionPeerings and index listings/learning; only the
+HTTP between them is a function call, and a hello's proof is taken as given."""
+
+import contextlib
+import random
+
+import pytest
+
+from daemon.peering.peers import ANCHORS_PER_REGION, MAX_UNPROVEN_ANCHORS, BookFull, PeerBook
+from daemon.peering.regions import DEAD_AFTER, RegionPeering, learn_index, rank
+
+TRAINER = "http://10.250.0.1:8700"
+
+
+class Fleet:
+    """A trainer in region r0 and `regions` x `per_region` nodes, each bootstrapping from the
+    trainer and one random node, books of `max_peers`."""
+
+    def __init__(self, regions: int, per_region: int, max_peers: int, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.who: dict[str, tuple[str, tuple[str, int], str, str]] = {
+            TRAINER: ("trainer", ("10.250.0.1", 6881), "r0", "trainer")}
+        for k in range(regions * per_region):
+            ip = f"10.{k // 250}.{k % 250}.1"
+            self.who[f"http://{ip}:8700"] = (f"r{k // per_region}n{k % per_region}", (ip, 6881),
+                                              f"r{k // per_region}", "region")
+        urls = [u for u in self.who if u != TRAINER]
+        self.books: dict[str, PeerBook] = {}
+        for url, (node, bt, region, role) in self.who.items():
+            boot = [] if url == TRAINER else [TRAINER, self.rng.choice(urls)]
+            b = PeerBook(url, bt, node, boot, max_peers)
+            b.set_region(region, role, RegionPeering("aware", 1))
+            self.books[url] = b
+            self.prove_all(b)
+
+    def prove_all(self, b: PeerBook) -> None:
+        """What a hello does for each peer not yet proven and alive: its own answer, then the
+        proof."""
+        for p in list(b.peers.values()):
+            if not p.proven and p.url in self.who and p.url in getattr(self, "books", {p.url: 0}):
+                node, bt, region, role = self.who[p.url]
+                b.learn_own(p.url, node, None, bt=bt, region=region, role=role)
+                p.proven = True
+
+    def round(self) -> None:
+        """Every node reads the index of one random usable peer; the peer learns the reader
+        from its request's announcement."""
+        for b in self.books.values():
+            usable = [p for p in b.peers.values() if p.usable()]
+            if not usable:
+                continue
+            p = self.rng.choice(usable)
+            other = self.books.get(p.url)
+            if other is None:  # a dead node: the read fails
+                b.failed(p, "connection refused")
+                continue
+            try:
+                back = other.learn(b.self_url, b.self_bt, b.node, region=b.region, role=b.role)
+                if back is not None:
+                    back.proven = True
+            except BookFull:
+                pass
+            learn_index(b, p, {"region": other.region, "role": other.role,
+                               "peers": other.listing(b.region)})
+            self.prove_all(b)
+
+    def fetchers(self) -> dict[str, list[str]]:
+        """region -> nodes that believe they fetch for it ("region" or "fleet")."""
+        out: dict[str, list[str]] = {}
+        for b in self.books.values():
+            if b.role != "trainer" and b.peering.fetch_role(b) in ("region", "fleet"):
+                out.setdefault(b.region, []).append(b.node)
+        return out
+
+
+def first(fleet: Fleet, region: str, skip: tuple[str, ...] = ()) -> str:
+    names = [n for n, _, r, role in fleet.who.values() if r == region and role == "region"
+             and n not in skip]
+    return min(names, key=lambda n: rank(region, n))
+
+
+def test_every_region_agrees_on_one_fetcher_in_a_fleet_25x_the_book() -> None:
+    """300 nodes in 10 regions, books of 12: after a dozen index reads per node, each region
+    has exactly one fetcher (its first-ranked member) and the fleet one (r0's); books stay
+    within max_peers plus the anchors. The same fleet on the code before anchors (index
+    replies a random sample, a full book taking no newcomer): 243 of the 300 nodes believed
+    they fetched, 5 of them for the fleet."""
+    regions, max_peers = 10, 12
+    fleet = Fleet(regions, 30, max_peers, seed=3)
+    for _ in range(12):
+        fleet.round()
+    fetchers = fleet.fetchers()
+    assert fetchers == {f"r{i}": [first(fleet, f"r{i}")] for i in range(regions)}
+    roles = [b.peering.fetch_role(b) for b in fleet.books.values() if b.role != "trainer"]
+    assert roles.count("fleet") == 1
+    fleet_book = next(b for b in fleet.books.values() if b.node == first(fleet, "r0"))
+    assert fleet_book.peering.fetch_role(fleet_book) == "fleet"
+    bound = max_peers + ANCHORS_PER_REGION * regions + 1
+    assert max(len(b.peers) for b in fleet.books.values()) <= bound
+
+    # r3's first member dies: every view that counted it sees it fail; r3's next member takes
+    # over in every view (it is already each r3 book's second anchor)
+    dead = first(fleet, "r3")
+    for b in fleet.books.values():
+        for p in b.peers.values():
+            if p.node == dead:
+                p.failures = DEAD_AFTER
+    fleet.books = {u: b for u, b in fleet.books.items() if b.node != dead}
+    for _ in range(2):
+        fleet.round()
+    assert fleet.fetchers()["r3"] == [first(fleet, "r3", skip=(dead,))]
+
+
+def book(max_peers: int = 3) -> PeerBook:
+    b = PeerBook("http://10.0.0.1:8700", ("10.0.0.1", 6881), "me", [], max_peers)
+    b.set_region("a", "region", RegionPeering("aware", 1))
+    return b
+
+
+def names_by_rank(region: str, count: int) -> list[str]:
+    return sorted((f"{region}{i}" for i in range(count)), key=lambda n: rank(region, n))
+
+
+def test_a_full_book_takes_a_better_ranked_member_as_anchor_and_evicts_an_ordinary_peer() -> None:
+    b = book(max_peers=2)
+    ranked = names_by_rank("b", 7)
+
+    def learn(i: int, proven: bool = True):
+        p = b.learn(f"http://10.1.0.{i + 2}:8700", (f"10.1.0.{i + 2}", 6881), ranked[i],
+                    region="b", role="region")
+        p.proven = proven
+        return p
+
+    for i in (2, 3, 4, 5):  # b's two best known are anchors, beyond the two ordinary places
+        learn(i)
+    assert {b.peers[u].node for u in b.anchors()} == {ranked[2], ranked[3]}
+    assert len(b.peers) == 4
+    # an unproven newcomer that ranks after both anchors stands below every proven ordinary
+    # peer: refused
+    with pytest.raises(BookFull):
+        learn(6, proven=False)
+    # b's first-ranked member takes an anchor place although the book is full; the anchor it
+    # displaced is ordinary now, and the ordinary peer in the worst standing goes
+    best = learn(0, proven=False)
+    anchors = b.anchors()
+    assert best.url in anchors
+    assert {b.peers[u].node for u in anchors} == {ranked[0], ranked[2]}
+    assert len(b.peers) - len(anchors) == 2
+    assert len(b.peers) == 4
+
+
+def test_made_up_regions_cannot_grow_a_book_past_its_anchor_bound() -> None:
+    """Announcements (never proven) of members of ever new regions: the book takes no more of
+    them than its unproven anchor places."""
+    b = book(max_peers=4)
+    for i in range(4 * MAX_UNPROVEN_ANCHORS):
+        with contextlib.suppress(BookFull):
+            b.learn(f"http://10.{i // 250 + 1}.{i % 250}.9:8700", None, f"n{i}",
+                    region=f"fake{i}", role="region")
+    assert len(b.peers) <= 4 + MAX_UNPROVEN_ANCHORS
+    assert len(b.anchors()) <= MAX_UNPROVEN_ANCHORS
+    # and they cost no proven peer its place
+    kept = b.learn("http://10.200.0.1:8700", ("10.200.0.1", 6881), "ok", region="a",
+                   role="region")
+    kept.proven = True
+    for i in range(64):
+        with contextlib.suppress(BookFull):
+            b.learn(f"http://10.201.{i}.9:8700", None, f"m{i}", region=f"more{i}",
+                    role="region")
+    assert kept.url in b.peers
+
+
+def test_an_index_lists_the_askers_region_first_then_the_trainers_then_one_per_region() -> None:
+    b = book(max_peers=16)
+    t = b.learn("http://10.9.0.1:8700", ("10.9.0.1", 6881), "trainer", region="t",
+                role="trainer")
+    t.proven = True
+    for region in ("b", "c", "d"):
+        for i, name in enumerate(names_by_rank(region, 3)):
+            ip = f"10.{ord(region)}.0.{i + 2}"
+            p = b.learn(f"http://{ip}:8700", (ip, 6881), name, region=region, role="region")
+            p.proven = True
+    listed = b.listing("c", limit=64)
+    assert {e["node"] for e in listed[:2]} == set(names_by_rank("c", 3)[:2])
+    assert listed[2]["node"] == "trainer"
+    assert {e["region"] for e in listed[3:5]} == {"b", "d"}
+    assert len(b.listing("c", limit=3)) == 3
+    # unproven peers are never listed
+    b.learn("http://10.77.0.2:8700", ("10.77.0.2", 6881), "b00", region="b", role="region")
+    assert all(e["node"] != "b00" for e in b.listing("b"))
