@@ -360,7 +360,9 @@ class Config(_Section):
     region_peering: RegionPeeringConfig = RegionPeeringConfig()
     """Which peers the swarm dials: region-aware (gateways) or blind."""
     max_peers: int = Field(32, ge=1, le=10_000)
-    """Most peers whose heads are long-polled at once (bootstrap peers first)."""
+    """Most peers whose heads are long-polled at once (bootstrap peers first), and the peer
+    book's size beyond its anchors (each region's two first-ranked members and the trainers,
+    kept so fetch roles and gateways agree in every view; daemon/peering/peers.py)."""
     shutdown_timeout_s: float = Field(20.0, gt=0, le=600)
     """Bound on a graceful stop (drain, save resume data, abandon an apply)."""
     fleet: FleetConfig = FleetConfig()

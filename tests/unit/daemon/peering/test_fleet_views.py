@@ -6,75 +6,12 @@ fetched for their region. Real PeerBooks, RegionPeerings and index listings/lear
 HTTP between them is a function call, and a hello's proof is taken as given."""
 
 import contextlib
-import random
 
 import pytest
 
+from bench.fleet_views import Fleet
 from daemon.peering.peers import ANCHORS_PER_REGION, MAX_UNPROVEN_ANCHORS, BookFull, PeerBook
-from daemon.peering.regions import DEAD_AFTER, RegionPeering, learn_index, rank
-
-TRAINER = "http://10.250.0.1:8700"
-
-
-class Fleet:
-    """A trainer in region r0 and `regions` x `per_region` nodes, each bootstrapping from the
-    trainer and one random node, books of `max_peers`."""
-
-    def __init__(self, regions: int, per_region: int, max_peers: int, seed: int) -> None:
-        self.rng = random.Random(seed)
-        self.who: dict[str, tuple[str, tuple[str, int], str, str]] = {
-            TRAINER: ("trainer", ("10.250.0.1", 6881), "r0", "trainer")}
-        for k in range(regions * per_region):
-            ip = f"10.{k // 250}.{k % 250}.1"
-            self.who[f"http://{ip}:8700"] = (f"r{k // per_region}n{k % per_region}", (ip, 6881),
-                                              f"r{k // per_region}", "region")
-        urls = [u for u in self.who if u != TRAINER]
-        self.books: dict[str, PeerBook] = {}
-        for url, (node, bt, region, role) in self.who.items():
-            boot = [] if url == TRAINER else [TRAINER, self.rng.choice(urls)]
-            b = PeerBook(url, bt, node, boot, max_peers)
-            b.set_region(region, role, RegionPeering("aware", 1))
-            self.books[url] = b
-            self.prove_all(b)
-
-    def prove_all(self, b: PeerBook) -> None:
-        """What a hello does for each peer not yet proven and alive: its own answer, then the
-        proof."""
-        for p in list(b.peers.values()):
-            if not p.proven and p.url in self.who and p.url in getattr(self, "books", {p.url: 0}):
-                node, bt, region, role = self.who[p.url]
-                b.learn_own(p.url, node, None, bt=bt, region=region, role=role)
-                p.proven = True
-
-    def round(self) -> None:
-        """Every node reads the index of one random usable peer; the peer learns the reader
-        from its request's announcement."""
-        for b in self.books.values():
-            usable = [p for p in b.peers.values() if p.usable()]
-            if not usable:
-                continue
-            p = self.rng.choice(usable)
-            other = self.books.get(p.url)
-            if other is None:  # a dead node: the read fails
-                b.failed(p, "connection refused")
-                continue
-            try:
-                back = other.learn(b.self_url, b.self_bt, b.node, region=b.region, role=b.role)
-                if back is not None:
-                    back.proven = True
-            except BookFull:
-                pass
-            learn_index(b, p, {"region": other.region, "role": other.role,
-                               "peers": other.listing(b.region)})
-            self.prove_all(b)
-
-    def fetchers(self) -> dict[str, list[str]]:
-        """region -> nodes that believe they fetch for it ("region" or "fleet")."""
-        out: dict[str, list[str]] = {}
-        for b in self.books.values():
-            if b.role != "trainer" and b.peering.fetch_role(b) in ("region", "fleet"):
-                out.setdefault(b.region, []).append(b.node)
-        return out
+from daemon.peering.regions import DEAD_AFTER, RegionPeering, rank
 
 
 def first(fleet: Fleet, region: str, skip: tuple[str, ...] = ()) -> str:
