@@ -10,6 +10,7 @@ their region's fetcher), and still every node ends on the trainer's digest.
 """
 
 from daemon.observe.served import route_counts
+from daemon.peering.names import rank
 from tests.integration.harness import Cluster, http, step, tiny_model
 from tests.support import wait_until
 
@@ -108,3 +109,41 @@ def test_only_the_fleets_fetcher_watches_the_trainer_and_reports_come_per_region
         digest = trainer.status()["state_digest"]
         assert all(c.daemons[n].status()["state_digest"] == digest
                    for names in regions.values() for n in names)
+
+
+def test_a_region_larger_than_its_nodes_books_still_has_one_fetcher(tmp_path) -> None:
+    """Six nodes of one region whose peer books hold two peers (`max_peers: 2`, the trainer
+    among them): each book keeps the region's first-ranked members beyond that (anchors), so
+    every node agrees on one fetcher and the trainer still serves each version's manifest and
+    torrent about once. On the code before, a full book took no newcomer: each node knew the
+    trainer and one other member, and every node that knew no better-ranked member fetched
+    for the region itself (the wait below timed out)."""
+    names = [f"eu{i}" for i in range(1, 7)]
+    first = min(names, key=lambda n: rank("eu", n))
+    with Cluster(tmp_path) as c:
+        trainer = c.trainer(region="tr")
+        for name in names:
+            c.region(name, region="eu", max_peers=2)
+        c.start_all()
+        state = tiny_model(0, tensors=6, rows=64, cols=256)
+        c.publish(0, state, snapshot=True)
+        c.wait_all_at(0, 120)
+
+        def first_known() -> bool:
+            return all(any(p["node"] == first and p["bt"] and p["proven"]
+                           for p in c.daemons[n].get("/v1/peers")["peers"])
+                       for n in names if n != first)
+
+        wait_until(first_known, 90, f"every eu node to hold {first}, eu's first by rank")
+        before = served(trainer)
+        versions = 3
+        for v in range(1, versions + 1):
+            state = step(state, v, density=0.02)
+            c.publish(v, state)
+            c.wait_all_at(v, 60)
+        took = {r: served(trainer)[r] - before[r] for r in ROUTES}
+        assert all(n <= versions + 1 for n in took.values()), took
+        books = [len(c.daemons[n].get("/v1/peers")["peers"]) for n in names]
+        assert max(books) <= 2 + 2 + 1, books  # max_peers, eu's two anchors, the trainer
+        digest = trainer.status()["state_digest"]
+        assert all(c.daemons[n].status()["state_digest"] == digest for n in names)
