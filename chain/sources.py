@@ -31,7 +31,8 @@ class StateDictSource:
     every version; a view is reused only for the very tensor object it was made from."""
 
     def __init__(self, state: Mapping[str, "torch.Tensor"],
-                 views: "dict[str, tuple[torch.Tensor, np.ndarray]] | None" = None) -> None:
+                 views: "dict[str, tuple[torch.Tensor, np.ndarray, tuple]] | None" = None
+                 ) -> None:
         self._state = state
         self.views = None if views is None else \
             {k: v for k, v in views.items() if state.get(k) is v[0]}
@@ -48,11 +49,13 @@ class StateDictSource:
         if self.views is None:
             return dtypes.bits_view(t)
         kept = self.views.get(name)
-        if kept is not None and kept[0] is t:
+        # the same object with the same memory, length and type: `t.data = ...` and `set_`
+        # keep the object but change what it views
+        if kept is not None and kept[0] is t and kept[2] == (t.data_ptr(), t.numel(), t.dtype):
             return kept[1]
         bits = dtypes.bits_view(t)
         if t.device.type == "cpu":  # a view of the tensor's own memory, not a copy
-            self.views[name] = (t, bits)
+            self.views[name] = (t, bits, (t.data_ptr(), t.numel(), t.dtype))
         return bits
 
 

@@ -175,3 +175,21 @@ def test_a_tensor_dropped_from_the_state_is_not_kept_alive_by_its_bit_view(publi
     publisher.publish(2, {"small": torch.full((8,), 2, dtype=torch.bfloat16)})
     gc.collect()
     assert kept() is None
+
+
+@pytest.mark.parametrize("swap", ["set_", "data"])
+def test_a_kept_bit_view_is_not_reused_once_its_tensor_views_other_memory(swap):
+    """StateDictSource reuses a bit view for the very tensor object it was made from; `set_`
+    and `.data =` keep the object but change what it views, so the old view would read the
+    wrong memory (`resize_` is refused while a view holds the storage)."""
+    t = torch.zeros(4, dtype=torch.bfloat16)
+    src = StateDictSource({"w": t}, {})
+    src.bits("w")
+    if swap == "set_":
+        t.set_(torch.ones(8, dtype=torch.bfloat16))
+    else:
+        t.data = torch.ones(4, dtype=torch.bfloat16)
+    again = StateDictSource({"w": t}, src.views)
+    bits = again.bits("w")
+    assert bits.size == t.numel()
+    assert (bits == t.view(torch.int16).numpy().view(bits.dtype)).all()
