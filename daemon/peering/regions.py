@@ -431,6 +431,9 @@ class RegionPeering:
         mine = elected.get(book.region, [])
         out["gateway"] = any(m.url is None for m in mine)
         out["gateways"] = {r: sorted(m.node for m in ms) for r, ms in sorted(elected.items())}
+        role, via = self.fetchers(book)
+        out["fetch_role"], out["hears_trainer_via"] = role, via
+        out["anchors"] = len(book.anchors())
         out["candidates"] = [
             {"node": m.node, "served": m.served, "trainer": m.trainer,
              "delivered_bytes": (self.service.delivered[m.url] if m.url is not None else None)}

@@ -36,6 +36,10 @@ def test_every_region_agrees_on_one_fetcher_in_a_fleet_25x_the_book() -> None:
     assert roles.count("fleet") == 1
     fleet_book = next(b for b in fleet.books.values() if b.node == first(fleet, "r0"))
     assert fleet_book.peering.fetch_role(fleet_book) == "fleet"
+    fleet_book.peering.endpoints(fleet_book)  # what the swarm asks; status reads its book
+    shown = fleet_book.peering.status()
+    assert (shown["fetch_role"], shown["hears_trainer_via"]) == ("fleet", None)
+    assert shown["anchors"] == len(fleet_book.anchors()) > ANCHORS_PER_REGION
     bound = max_peers + ANCHORS_PER_REGION * regions + 1
     assert max(len(b.peers) for b in fleet.books.values()) <= bound
 
