@@ -425,6 +425,8 @@ class RegionPeering:
                            "left_s": round(max(0.0, d["until"] - now), 1)}
                           for url, d in sorted(self.demoted.items())]
         book = self.book
+        if book is not None:
+            out["anchors"] = len(book.anchors())
         if book is None or self.mode == "blind" or book.region is None:
             return out
         elected = self.elect(book, now)
@@ -433,7 +435,6 @@ class RegionPeering:
         out["gateways"] = {r: sorted(m.node for m in ms) for r, ms in sorted(elected.items())}
         role, via = self.fetchers(book)
         out["fetch_role"], out["hears_trainer_via"] = role, via
-        out["anchors"] = len(book.anchors())
         out["candidates"] = [
             {"node": m.node, "served": m.served, "trainer": m.trainer,
              "delivered_bytes": (self.service.delivered[m.url] if m.url is not None else None)}

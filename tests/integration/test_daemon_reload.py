@@ -53,11 +53,14 @@ def test_sighup_applies_reloadable_parts_lists_the_rest_and_notifies_systemd(tmp
             assert reloading and ready and reloading[0] < ready[-1], messages
             assert http(f"{r.url}/v1/status", token="a-new-swarm-token")[0] == 200
             assert http(f"{r.url}/v1/status")[0] == 401
-            # peers: the new bootstrap list replaced the old one, and max_peers=1 trimmed the rest
+            # peers: the new bootstrap list replaced the old one, and max_peers=1 trimmed the
+            # rest but the anchors (the trainer; each region's first-ranked members)
             code, raw, _ = http(f"{r.url}/v1/status", token="a-new-swarm-token")
-            after = json.loads(raw)["detail"]["peer_book"]
+            doc = json.loads(raw)
+            after = doc["detail"]["peer_book"]
             assert [p["url"] for p in after if p["bootstrap"]] == [other.url], after
-            assert len(after) == 1, after
+            assert len(after) <= 1 + doc["region_peering"]["anchors"], after
+            assert all(p["role"] == "trainer" or p["region"] for p in after if not p["bootstrap"])
             code, _, _ = http(f"{r.url}/v1/chain/head?after=1000&timeout=30",
                               token="a-new-swarm-token", timeout=3)
             assert code == 200, "the long-poll bound is the reloaded 1 s, not 5 s"
