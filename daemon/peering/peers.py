@@ -18,10 +18,10 @@ Anchors: beyond `max_peers`, a book keeps each region's `ANCHORS_PER_REGION` liv
 rank first by election rank (`names.rank`) and every trainer, and an index reply lists the
 anchors of the asker's region, then the trainers' regions, then one of each other region, before
 a random sample of the rest. Why: fetch roles and gateways are computed from the book, the same
-way in every view only if every view holds the same first-ranked members. With a book of 32 and
-a fleet of 1,000 (20 regions of 50) a full book of proven peers took no newcomer, views froze
-with whoever came first, and 838 nodes each believed they fetched for their region
-(tests/unit/daemon/peering/test_fleet_views.py). Each index read now carries the best members
+way in every view only if every view holds the same first-ranked members. With books of 32 and
+a fleet of 600 (20 regions of 30) a full book of proven peers took no newcomer, views froze
+with whoever came first, and 485 nodes each believed they fetched for their region
+(bench/fleet_views.py on the code before). Each index read now carries the best members
 the peer knows of the asker's region, so the first-ranked member spreads to a whole region in
 a few reads.
 
@@ -310,17 +310,15 @@ class PeerBook:
         """URLs of the book's anchors: every trainer, and each region's ANCHORS_PER_REGION
         members that rank first (at most MAX_ANCHORS in all, the best regions first)."""
         now = time.monotonic()
-        where = self.where
         best: dict[str, list[tuple[str, str]]] = {}
         out = set()
         for p in self.peers.values():
-            region, role = where(p)
-            if region is None or p.node is None or p.banned(now):
-                continue
+            region, role = self.where(p)
             if role == "trainer":
-                out.add(p.url)
-            elif p.failures < ANCHOR_DEAD_AFTER:
-                best.setdefault(region, []).append((p.order(region, p.node), p.url))
+                if region is not None and p.node is not None and not p.banned(now):
+                    out.add(p.url)
+            elif (key := self._anchor_key(p, now)) is not None:
+                best.setdefault(key[0], []).append((key[1], p.url))
         unproven = 0
         for region in sorted(best):
             for _, url in sorted(best[region])[:ANCHORS_PER_REGION]:
