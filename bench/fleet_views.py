@@ -53,7 +53,8 @@ class Fleet:
             if not p.proven and p.url in self.who and p.url in getattr(self, "books", {p.url: 0}):
                 node, bt, region, role = self.who[p.url]
                 b.learn_own(p.url, node, None, bt=bt, region=region, role=role)
-                p.proven = True
+                if p.url in b.peers:
+                    b.proved(p)
 
     def round(self) -> None:
         """Every node reads the index of one random usable peer; the peer learns the reader
@@ -70,7 +71,7 @@ class Fleet:
             try:
                 back = other.learn(b.self_url, b.self_bt, b.node, region=b.region, role=b.role)
                 if back is not None:
-                    back.proven = True
+                    other.proved(back)
             except BookFull:
                 pass
             learn_index(b, p, {"region": other.region, "role": other.role,

@@ -18,14 +18,17 @@ sharded publishing costs against the single-process Publisher. One JSON line las
 - `ns`, `trainer_control_bytes_per_version`, `trainer_cpu_s_per_version`, `all_current`
   (`--nodes 8,16,32`): real daemons on loopback, a trainer in a region of its own and N nodes in
   regions of `--region-size`; per delta version, the trainer daemon's HTTP response body bytes
-  (its per-route counters, daemon/observe/served.py) and CPU seconds (/proc) while every node
-  reaches it, medians of `--fleet-versions`; `control_*_last_over_first` divide the largest N's
+  (its per-route counters, daemon/observe/served.py; median of `--fleet-versions`) and CPU
+  seconds (/proc, the mean over the versions: 10 ms ticks round a median) while every node
+  reaches it; `control_*_last_over_first` divide the largest N's
   by the smallest's (goal: at most 1.5, flat in N). Also per N: `version_window_s` (publish to
   every node current, plus 1 s), `trainer_idle_cpu_s_per_s` (the trainer's CPU rate over 10 s
   with no version moving: its once-a-second loops, reports, long-polls) and
   `trainer_cpu_s_per_version_over_idle` (each version's CPU less that rate times its window),
   because on this 2-core host a version's window itself grows with N (`control_cpu_over_idle_
-  last_over_first` divides those).
+  last_over_first` divides those). `fetchers_per_region`, `fleet_fetchers`, `gateway_views`:
+  what each node's status says of fetch roles and gateways after the versions (right: 1 per
+  region, 1, 1); `--max-peers 4` makes every book far smaller than the fleet.
 """
 
 import argparse
@@ -218,8 +221,9 @@ IDLE_S = 10.0
 """How long the trainer's idle CPU rate is sampled after the versions (10 ms clock ticks)."""
 
 
-def _trainer_sent(trainer) -> tuple[float, dict[str, float]]:
-    """(the trainer daemon's CPU seconds so far, its response body bytes per route)."""
+def _trainer_sent(trainer) -> tuple[float, dict[str, float], dict[str, float]]:
+    """(the trainer daemon's CPU seconds so far, its response body bytes per route, its
+    responses per route)."""
     from daemon.observe.served import route_counts
     from tests.integration.harness import http
 
@@ -227,10 +231,12 @@ def _trainer_sent(trainer) -> tuple[float, dict[str, float]]:
         fields = f.read().rpartition(")")[2].split()
     cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     _, text, _ = http(f"{trainer.url}/metrics")
-    return cpu, route_counts(text.decode(), "deltaswarm_http_response_bytes")
+    return (cpu, route_counts(text.decode(), "deltaswarm_http_response_bytes"),
+            route_counts(text.decode(), "deltaswarm_http_responses"))
 
 
-def fleet_costs(ns: list[int], region_size: int, n_versions: int) -> dict:
+def fleet_costs(ns: list[int], region_size: int, n_versions: int,
+                max_peers: int | None = None) -> dict:
     """Real daemons on loopback (tests/integration/harness.py): a trainer in a region of its
     own and N region daemons in regions of `region_size`; a small model published as v0 then
     `n_versions` deltas; per delta, the trainer daemon's HTTP response bytes and CPU seconds
@@ -239,8 +245,11 @@ def fleet_costs(ns: list[int], region_size: int, n_versions: int) -> dict:
 
     out: dict = {"ns": ns, "region_size": region_size, "trainer_control_bytes_per_version": [],
                  "trainer_cpu_s_per_version": [], "trainer_bytes_by_route": [],
+                 "trainer_responses_by_route": [], "version_windows_s": [],
+                 "trainer_cpu_s_each_version": [],
                  "version_window_s": [], "trainer_idle_cpu_s_per_s": [],
-                 "trainer_cpu_s_per_version_over_idle": [],
+                 "trainer_cpu_s_per_version_over_idle": [], "max_peers": max_peers,
+                 "fetchers_per_region": [], "fleet_fetchers": [], "gateway_views": [],
                  "all_current": True}
     for n in ns:
         with tempfile.TemporaryDirectory(prefix="scaleout-fleet-", dir=_tmp_root()) as tmp, \
@@ -248,41 +257,49 @@ def fleet_costs(ns: list[int], region_size: int, n_versions: int) -> dict:
             trainer = c.trainer(region="tr")
             for i in range(n):
                 c.region(f"n{i}", region=f"r{i // region_size}",
-                         sync={"progress_timeout_s": 120})
+                         sync={"progress_timeout_s": 120},
+                         **({} if max_peers is None else {"max_peers": max_peers}))
             t0 = time.monotonic()
             c.start_all(timeout=300)
             log(f"N={n}: {n} daemons up in {time.monotonic() - t0:.0f} s")
             state = tiny_model(0, tensors=8, rows=256, cols=512)
             c.publish(0, state, snapshot=True)
             c.wait_all_at(0, 300)
-            per_bytes, per_cpu, per_s, routes = [], [], [], {}
+            per_bytes, per_cpu, per_s, routes, calls = [], [], [], {}, {}
             for v in range(1, n_versions + 1):
-                cpu0, sent0 = _trainer_sent(trainer)
+                cpu0, sent0, asked0 = _trainer_sent(trainer)
                 t0 = time.monotonic()
                 state = step(state, v, density=0.01)
                 c.publish(v, state)
                 c.wait_all_at(v, 300)
                 time.sleep(1.0)  # the last replies of this version (index re-reads) land
-                cpu1, sent1 = _trainer_sent(trainer)
+                cpu1, sent1, asked1 = _trainer_sent(trainer)
                 per_s.append(time.monotonic() - t0)
                 per_bytes.append(sum(sent1[r] - sent0.get(r, 0.0) for r in sent1
                                      if r not in NOT_CONTROL))
                 per_cpu.append(cpu1 - cpu0)
                 for r in sent1:
                     routes.setdefault(r, []).append(sent1[r] - sent0.get(r, 0.0))
+                for r in asked1:
+                    calls.setdefault(r, []).append(asked1[r] - asked0.get(r, 0.0))
             # the trainer's CPU with no version moving (its once-a-second loops, the fleet's
             # reports and long-polls), per second: a version's window on a host this loaded
             # grows with N (33 daemons on 2 cores), and so would this rate times the window
-            cpu0, _ = _trainer_sent(trainer)
+            cpu0 = _trainer_sent(trainer)[0]
             time.sleep(IDLE_S)
             idle = (_trainer_sent(trainer)[0] - cpu0) / IDLE_S
             digest = trainer.status()["state_digest"]
             current = all(d.status()["state_digest"] == digest
                           for d in c.daemons.values() if d.role == "region")
             out["all_current"] = out["all_current"] and current
-            b, cpu = statistics.median(per_bytes), statistics.median(per_cpu)
+            # CPU: the mean over the versions, not the median: /proc counts 10 ms clock ticks
+            # and a version costs the trainer 10-50 ms, so one version's figure is rounded by
+            # up to a tick (medians of 0.02 and 0.05 s moved a ratio by 2x); the sum over all
+            # versions is rounded once
+            b, cpu = statistics.median(per_bytes), sum(per_cpu) / len(per_cpu)
             window = statistics.median(per_s)
-            net = statistics.median(c_ - idle * w for c_, w in zip(per_cpu, per_s, strict=True))
+            net = cpu - idle * sum(per_s) / len(per_s)
+            roles = _roles(c)
             out["trainer_control_bytes_per_version"].append(round(b))
             out["trainer_cpu_s_per_version"].append(round(cpu, 3))
             out["version_window_s"].append(round(window, 2))
@@ -290,15 +307,48 @@ def fleet_costs(ns: list[int], region_size: int, n_versions: int) -> dict:
             out["trainer_cpu_s_per_version_over_idle"].append(round(net, 3))
             out["trainer_bytes_by_route"].append(
                 {r: round(statistics.median(x)) for r, x in sorted(routes.items()) if any(x)})
-            log(f"N={n}: trainer sent {b:,.0f} B and used {cpu:.3f} CPU s per version "
-                f"(median of {n_versions}; a version's window {window:.1f} s, the trainer's idle "
-                f"CPU {idle:.4f} s/s, above idle {net:.3f} s); all current: {current}")
+            out["trainer_responses_by_route"].append(
+                {r: round(sum(x) / len(x), 1) for r, x in sorted(calls.items()) if any(x)})
+            out["version_windows_s"].append([round(x, 2) for x in per_s])
+            out["trainer_cpu_s_each_version"].append([round(x, 3) for x in per_cpu])
+            out["fetchers_per_region"].append(roles["fetchers_per_region"])
+            out["fleet_fetchers"].append(roles["fleet_fetchers"])
+            out["gateway_views"].append(roles["gateway_views"])
+            log(f"N={n}: trainer sent {b:,.0f} B (median of {n_versions}) and used {cpu:.3f} "
+                f"CPU s per version (mean; a version's window {window:.1f} s, the trainer's idle "
+                f"CPU {idle:.4f} s/s, above idle {net:.3f} s); all current: {current}; "
+                f"fetchers per region {roles['fetchers_per_region']}, fleet fetchers "
+                f"{roles['fleet_fetchers']}, distinct views of the gateways "
+                f"{roles['gateway_views']}")
     for ratio, series in (("control_bytes", "trainer_control_bytes_per_version"),
                           ("control_cpu", "trainer_cpu_s_per_version"),
                           ("control_cpu_over_idle", "trainer_cpu_s_per_version_over_idle")):
         first, last = out[series][0], out[series][-1]
         out[f"{ratio}_last_over_first"] = round(last / first, 3) if first > 0 else None
     return out
+
+
+def _roles(c) -> dict:
+    """What every region daemon's status says of fetch roles and gateways (daemon/peering/
+    regions.py): how many nodes of each region fetch for it ("region", or "fleet" for the one
+    that asks the trainer), how many believe they fetch for the fleet, and how many distinct
+    views of the elected gateways there are. Computed from each node's own peer book: with
+    `--max-peers` well under N these hold only if every book keeps each region's first-ranked
+    members (docs/SCALE.md 7.5); the right answer is 1 per region, 1 fleet fetcher."""
+    per_region: dict[str, int] = {}
+    fleet, views = 0, set()
+    for d in c.daemons.values():
+        if d.role != "region":
+            continue
+        rp = d.status().get("region_peering", {})
+        region = rp.get("region")
+        per_region.setdefault(region, 0)
+        if rp.get("fetch_role") in ("region", "fleet"):
+            per_region[region] += 1
+        fleet += rp.get("fetch_role") == "fleet"
+        views.add(json.dumps(rp.get("gateways"), sort_keys=True))
+    return {"fetchers_per_region": [per_region[r] for r in sorted(per_region, key=str)],
+            "fleet_fetchers": fleet, "gateway_views": len(views)}
 
 
 def _tmp_root() -> str | None:
@@ -320,6 +370,9 @@ def main() -> None:
                     help="fleet sizes to run (real daemons on loopback); empty: skip")
     ap.add_argument("--region-size", type=int, default=8)
     ap.add_argument("--fleet-versions", type=int, default=5)
+    ap.add_argument("--max-peers", type=int, default=None,
+                    help="each region daemon's peer book size (default: the daemon's, 32); "
+                         "under N, the views must agree through anchors")
     ap.add_argument("--skip-tensors", action="store_true")
     a = ap.parse_args()
     log(f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f}")
@@ -331,7 +384,7 @@ def main() -> None:
         result |= ranks(a.params)
     if a.nodes:
         result |= fleet_costs([int(x) for x in a.nodes.split(",")], a.region_size,
-                              a.fleet_versions)
+                              a.fleet_versions, a.max_peers)
     for k, goal in GOALS.items():
         if result.get(k) is not None:
             log(f"{k}: {result[k]} (goal <= {goal}: {'PASS' if result[k] <= goal else 'MISS'})")

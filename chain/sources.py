@@ -49,14 +49,21 @@ class StateDictSource:
         if self.views is None:
             return dtypes.bits_view(t)
         kept = self.views.get(name)
-        # the same object with the same memory, length and type: `t.data = ...` and `set_`
-        # keep the object but change what it views
-        if kept is not None and kept[0] is t and kept[2] == (t.data_ptr(), t.numel(), t.dtype):
+        # the same object over the same memory in the same layout: `t.data = ...` and `set_`
+        # keep the object but change what it views, `t_()` and `as_strided_` its strides
+        if kept is not None and kept[0] is t and kept[2] == _layout(t):
             return kept[1]
         bits = dtypes.bits_view(t)
-        if t.device.type == "cpu":  # a view of the tensor's own memory, not a copy
-            self.views[name] = (t, bits, (t.data_ptr(), t.numel(), t.dtype))
+        # kept only where it is a view of the tensor's own memory: bits_view copies a tensor
+        # off the CPU or not contiguous, and a copy would go stale at the next in-place write
+        if t.device.type == "cpu" and t.is_contiguous():
+            self.views[name] = (t, bits, _layout(t))
         return bits
+
+
+def _layout(t: "torch.Tensor") -> tuple:
+    """What a kept bit view of `t` depends on: its memory, length, type and strides."""
+    return (t.data_ptr(), t.numel(), t.dtype, t.stride(), t.storage_offset())
 
 
 class FileSource:

@@ -69,9 +69,11 @@ async def prove_loop(book: PeerBook, client: PeerClient, parallel: int = 8) -> N
                 book.learn_own(peer.url, *(ident or (None, None)))
                 if not peer.proven:
                     log.info("peer %s proved it is a daemon of this swarm", peer.url)
-                peer.proven = True
                 book.succeeded(peer)
-                book.changed.set()
+                if peer.url in book.peers:  # not evicted while its hello ran
+                    book.proved(peer)
+                else:
+                    peer.proven = True
             else:
                 book.failed(peer, "did not prove it holds the swarm token")
         except PeerError as e:

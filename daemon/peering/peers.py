@@ -63,8 +63,13 @@ ANCHORS_PER_REGION = 2
 MAX_ANCHORS = 512
 """At most this many anchors in all (a bound on what announcements of made-up regions cost)."""
 MAX_UNPROVEN_ANCHORS = 32
-"""Of those, at most this many not yet proven (a newcomer holds its place while its hello runs;
-a name that never proves fails and loses it)."""
+"""Of those, at most this many not yet proven: a newcomer that would be an anchor holds a place
+of its own while its hello runs (a name that never proves fails and loses it), beside the
+trusted anchors, never instead of one."""
+MAX_TRAINER_ANCHORS = 4
+"""Trainers kept as anchors (a run has one trainer daemon), trusted and best-ranked first: a
+peer's role is what others announce of it, so made-up trainers are bounded like made-up
+regions."""
 ANCHOR_DEAD_AFTER = 2
 """Failures in a row after which a peer no longer holds an anchor place (regions.DEAD_AFTER)."""
 INDEX_PEERS = 64
@@ -252,34 +257,39 @@ class PeerBook:
 
     def _add(self, url: str, force: bool = False, region: str | None = None,
              node: str | None = None, role: str | None = None) -> Peer:
+        """Store a newcomer (with what its announcement says of it, so the anchors count it).
+        Bootstrap peers (`force`) always; others while an ordinary place is free, as an anchor
+        candidate (a place of its own, beside the trusted anchors: it takes an anchor's rank
+        only once it proves, `proved`), or in place of the ordinary peer in the worst standing
+        if it stands better (it never does while unproven, so an unproven name, however it
+        ranks, costs no proven peer its place). Else BookFull."""
         newcomer = Peer(url, last_seen=time.time(), banned_until=self.bans.get(url, 0.0))
+        if region is not None:
+            newcomer.region, newcomer.node, newcomer.role = region, node, role
         if not force and len(self.peers) >= self.max_peers:
             anchors = self.anchors()
-            ordinary = [p for p in self.peers.values()
-                        if not p.bootstrap and p.url not in anchors]
-            if len(self.peers) - len(anchors) >= self.max_peers:
-                if self._would_anchor(newcomer, region, node, role, anchors):
-                    self._place(newcomer, region, node, role, trim=True)
-                    return newcomer
+            if len(self.peers) - len(anchors) >= self.max_peers \
+                    and not self._would_anchor(newcomer):
+                ordinary = [p for p in self.peers.values()
+                            if not p.bootstrap and p.url not in anchors]
                 worst = min(ordinary, key=Peer.rank, default=None)
                 if worst is None or worst.rank() >= newcomer.rank():
                     raise BookFull(f"the peer book is full ({self.max_peers} peers in better "
                                    "standing)")
                 self._evict(worst, url)
-        self._place(newcomer, region, node, role, trim=not force)
+        self.peers[url] = newcomer
+        log.info("learned peer %s", url)
+        if not force:
+            self._trim()
+        self.changed.set()
         return newcomer
 
-    def _place(self, peer: Peer, region: str | None, node: str | None, role: str | None,
-               trim: bool) -> None:
-        """Store a newcomer (with what its announcement says of it, so the anchors count it),
-        then (`trim`; not for bootstrap peers) drop the ordinary peers in the worst standing
-        beyond `max_peers`: an anchor it displaced is ordinary now."""
-        if region is not None:
-            peer.region, peer.node, peer.role = region, node, role
-        self.peers[peer.url] = peer
-        log.info("learned peer %s", peer.url)
-        if trim and len(self.peers) > self.max_peers:
-            self._trim(keep=peer.url)
+    def proved(self, peer: Peer) -> None:
+        """`peer` answered its hello with the swarm token's proof. As a trusted member it may
+        now rank among its region's anchors; the anchor it displaced is ordinary, and the
+        ordinary peer in the worst standing beyond `max_peers` goes."""
+        peer.proven = True
+        self._trim()
         self.changed.set()
 
     def _evict(self, worst: Peer, why: str) -> None:
@@ -287,63 +297,70 @@ class PeerBook:
         log.info("evicted peer %s (failures %d, strikes %d) for %s", worst.url, worst.failures,
                  worst.strikes, why)
 
-    def _trim(self, keep: str | None = None) -> None:
+    def _trim(self) -> None:
+        """Drop the ordinary peers (neither bootstrap nor anchor) in the worst standing beyond
+        `max_peers`: unproven and failing ones first (Peer.rank)."""
+        if len(self.peers) <= self.max_peers:
+            return
         anchors = self.anchors()
-        ordinary = sorted((p for p in self.peers.values() if not p.bootstrap
-                           and p.url not in anchors and p.url != keep), key=Peer.rank)
         over = len(self.peers) - len(anchors) - self.max_peers
-        for p in ordinary[:max(0, over)]:
-            self._evict(p, "a smaller book" if keep is None else keep)
+        if over <= 0:
+            return
+        ordinary = sorted((p for p in self.peers.values() if not p.bootstrap
+                           and p.url not in anchors), key=Peer.rank)
+        for p in ordinary[:over]:
+            self._evict(p, "a smaller book")
 
     # --- anchors ----------------------------------------------------------------------------
-    def _anchor_key(self, p: Peer, now: float | None = None) -> tuple[str, str] | None:
-        """(region, election rank) of a peer that may hold an anchor place, else None: its
-        region and name known, a region member (trainers are anchors whatever their rank),
-        not banned, not failing."""
+    def _anchor_key(self, p: Peer, now: float | None = None) -> tuple[str | None, str] | None:
+        """(its group: its region, or None for the trainers; its election rank) of a peer
+        that may hold an anchor place, else None: its region and name known, not banned,
+        not failing."""
         region, role = self.where(p)
-        if (region is None or p.node is None or role == "trainer" or p.banned(now)
+        if (region is None or p.node is None or p.banned(now)
                 or p.failures >= ANCHOR_DEAD_AFTER):
             return None
-        return region, p.order(region, p.node)
+        return (None if role == "trainer" else region), p.order(region, p.node)
 
     def anchors(self) -> set[str]:
-        """URLs of the book's anchors: every trainer, and each region's ANCHORS_PER_REGION
-        members that rank first (at most MAX_ANCHORS in all, the best regions first)."""
+        """URLs of the book's anchors. In each group (the trainers, each region) the trusted
+        peers that rank first: MAX_TRAINER_ANCHORS trainers, ANCHORS_PER_REGION members;
+        then, as candidates beside them, unproven peers that rank before the group's last
+        trusted anchor (or while it has places left), at most as many as the group has places
+        and MAX_UNPROVEN_ANCHORS in all. At most MAX_ANCHORS in all: trusted before unproven, the
+        trainers first, then the regions by name."""
         now = time.monotonic()
-        best: dict[str, list[tuple[str, str]]] = {}
-        out = set()
+        groups: dict[str | None, list[tuple[str, str]]] = {}
         for p in self.peers.values():
-            region, role = self.where(p)
-            if role == "trainer":
-                if region is not None and p.node is not None and not p.banned(now):
-                    out.add(p.url)
-            elif (key := self._anchor_key(p, now)) is not None:
-                best.setdefault(key[0], []).append((key[1], p.url))
-        unproven = 0
-        for region in sorted(best):
-            for _, url in sorted(best[region])[:ANCHORS_PER_REGION]:
-                if len(out) >= MAX_ANCHORS:
-                    return out
-                if not self.peers[url].trusted:
-                    if unproven >= MAX_UNPROVEN_ANCHORS:
-                        continue
-                    unproven += 1
-                out.add(url)
+            if (key := self._anchor_key(p, now)) is not None:
+                groups.setdefault(key[0], []).append((key[1], p.url))
+        trusted: list[str] = []
+        candidates: list[str] = []
+        for group in sorted(groups, key=lambda g: (g is not None, g or "")):
+            places = MAX_TRAINER_ANCHORS if group is None else ANCHORS_PER_REGION
+            ranked = sorted(groups[group])
+            held = [(r, url) for r, url in ranked if self.peers[url].trusted][:places]
+            trusted.extend(url for _, url in held)
+            last = held[-1][0] if len(held) == places else None
+            candidates.extend([url for r, url in ranked if not self.peers[url].trusted
+                               and (last is None or r < last)][:places])
+        out = set(trusted[:MAX_ANCHORS])
+        for url in candidates[:MAX_UNPROVEN_ANCHORS]:
+            if len(out) >= MAX_ANCHORS:
+                break
+            out.add(url)
         return out
 
-    def _would_anchor(self, newcomer: Peer, region: str | None, node: str | None,
-                      role: str | None, anchors: set[str]) -> bool:
-        """Whether a newcomer announced as `region`'s `node` (or a trainer) takes an anchor
-        place: it ranks before one of that region's anchors, or the region has a place left."""
-        if region is None or node is None or len(anchors) >= MAX_ANCHORS or \
-                sum(not self.peers[u].trusted for u in anchors) >= MAX_UNPROVEN_ANCHORS:
+    def _would_anchor(self, newcomer: Peer) -> bool:
+        """Whether `newcomer` (not stored yet, its announced region, role and name set) would
+        be one of the book's anchors: the same rule as `anchors`, asked of the book with it."""
+        if self._anchor_key(newcomer) is None:
             return False
-        if role == "trainer":
-            return True
-        mine = newcomer.order(region, node)
-        held = [k[1] for p in self.peers.values() if p.url in anchors
-                and (k := self._anchor_key(p)) is not None and k[0] == region]
-        return len(held) < ANCHORS_PER_REGION or mine < max(held)
+        self.peers[newcomer.url] = newcomer
+        try:
+            return newcomer.url in self.anchors()
+        finally:
+            del self.peers[newcomer.url]
 
     def listing(self, for_region: str | None = None, limit: int = INDEX_PEERS) -> list[dict]:
         """The peers an index reply lists: trusted, unbanned and not failing, at most `limit`:

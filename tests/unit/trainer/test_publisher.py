@@ -177,19 +177,35 @@ def test_a_tensor_dropped_from_the_state_is_not_kept_alive_by_its_bit_view(publi
     assert kept() is None
 
 
-@pytest.mark.parametrize("swap", ["set_", "data"])
+@pytest.mark.parametrize("swap", ["set_", "data", "t_", "as_strided_"])
 def test_a_kept_bit_view_is_not_reused_once_its_tensor_views_other_memory(swap):
     """StateDictSource reuses a bit view for the very tensor object it was made from; `set_`
     and `.data =` keep the object but change what it views, so the old view would read the
     wrong memory (`resize_` is refused while a view holds the storage)."""
-    t = torch.zeros(4, dtype=torch.bfloat16)
+    t = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
     src = StateDictSource({"w": t}, {})
     src.bits("w")
     if swap == "set_":
         t.set_(torch.ones(8, dtype=torch.bfloat16))
-    else:
-        t.data = torch.ones(4, dtype=torch.bfloat16)
+    elif swap == "data":
+        t.data = torch.ones(2, 3, dtype=torch.bfloat16)
+    elif swap == "t_":  # same memory, transposed in place: the elements read in another order
+        t.t_()
+    else:  # same memory, a window of it
+        t.as_strided_((2, 2), (3, 1), 1)
     again = StateDictSource({"w": t}, src.views)
     bits = again.bits("w")
+    want = t.contiguous().view(torch.int16).numpy().reshape(-1).view(bits.dtype)
     assert bits.size == t.numel()
-    assert (bits == t.view(torch.int16).numpy().view(bits.dtype)).all()
+    assert (bits == want).all()
+
+
+def test_no_bit_view_is_kept_of_a_tensor_that_bits_view_copies():
+    """A tensor that is not contiguous is read through a copy; keeping that copy as if it were
+    a view of the tensor would serve the old values after the caller writes in place."""
+    t = torch.zeros(4, 4, dtype=torch.bfloat16).t()
+    src = StateDictSource({"w": t}, {})
+    src.bits("w")
+    t[0, 1] = 3.0
+    bits = StateDictSource({"w": t}, src.views).bits("w")
+    assert (bits == t.contiguous().view(torch.int16).numpy().reshape(-1).view(bits.dtype)).all()

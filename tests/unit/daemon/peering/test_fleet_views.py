@@ -10,7 +10,15 @@ import contextlib
 import pytest
 
 from bench.fleet_views import Fleet
-from daemon.peering.peers import ANCHORS_PER_REGION, MAX_UNPROVEN_ANCHORS, BookFull, PeerBook
+from daemon.peering.peers import (
+    ANCHOR_DEAD_AFTER,
+    ANCHORS_PER_REGION,
+    MAX_ANCHORS,
+    MAX_TRAINER_ANCHORS,
+    MAX_UNPROVEN_ANCHORS,
+    BookFull,
+    PeerBook,
+)
 from daemon.peering.regions import DEAD_AFTER, RegionPeering, rank
 
 
@@ -66,32 +74,102 @@ def names_by_rank(region: str, count: int) -> list[str]:
     return sorted((f"{region}{i}" for i in range(count)), key=lambda n: rank(region, n))
 
 
-def test_a_full_book_takes_a_better_ranked_member_as_anchor_and_evicts_an_ordinary_peer() -> None:
+def _learn(b: PeerBook, region: str, name: str, i: int, proven: bool = True,
+           role: str = "region"):
+    ip = f"10.{ord(region[0]) % 250}.{i // 250}.{i % 250 + 2}"
+    p = b.learn(f"http://{ip}:8700", (ip, 6881), name, region=region, role=role)
+    if proven:
+        b.proved(p)
+    return p
+
+
+def test_a_full_book_takes_a_better_ranked_member_as_anchor_once_it_proves() -> None:
     b = book(max_peers=2)
     ranked = names_by_rank("b", 7)
-
-    def learn(i: int, proven: bool = True):
-        p = b.learn(f"http://10.1.0.{i + 2}:8700", (f"10.1.0.{i + 2}", 6881), ranked[i],
-                    region="b", role="region")
-        p.proven = proven
-        return p
-
     for i in (2, 3, 4, 5):  # b's two best known are anchors, beyond the two ordinary places
-        learn(i)
+        _learn(b, "b", ranked[i], i)
     assert {b.peers[u].node for u in b.anchors()} == {ranked[2], ranked[3]}
     assert len(b.peers) == 4
     # an unproven newcomer that ranks after both anchors stands below every proven ordinary
     # peer: refused
     with pytest.raises(BookFull):
-        learn(6, proven=False)
-    # b's first-ranked member takes an anchor place although the book is full; the anchor it
-    # displaced is ordinary now, and the ordinary peer in the worst standing goes
-    best = learn(0, proven=False)
+        _learn(b, "b", ranked[6], 6, proven=False)
+    # b's first-ranked member is taken although the book is full, as a candidate beside the
+    # trusted anchors: while its hello runs it displaces nobody
+    best = _learn(b, "b", ranked[0], 0, proven=False)
+    assert {b.peers[u].node for u in b.anchors()} == {ranked[0], ranked[2], ranked[3]}
+    assert len(b.peers) == 5
+    # once it proves, it is an anchor in its own right: the anchor it displaced is ordinary,
+    # and the ordinary peer in the worst standing goes
+    b.proved(best)
     anchors = b.anchors()
-    assert best.url in anchors
     assert {b.peers[u].node for u in anchors} == {ranked[0], ranked[2]}
     assert len(b.peers) - len(anchors) == 2
     assert len(b.peers) == 4
+
+
+def test_names_that_rank_first_cost_no_proven_peer_its_place_while_unproven() -> None:
+    """Anyone can choose node names that rank before a region's members (rank is a hash of
+    the name). Announced in an index reply, never proven, they must not push the region's
+    proven anchors out of the book."""
+    b = book(max_peers=4)
+    for region in "bcdefg":
+        for i, name in enumerate(names_by_rank(region, 4)[1:]):
+            with contextlib.suppress(BookFull):  # the ordinary places fill
+                _learn(b, region, name, i)
+    proven = {u for u, p in b.peers.items() if p.proven}
+    anchors = b.anchors()
+    for region in "bcdefg":  # names found to rank before everyone in each region
+        fakes = [n for n in (f"x{region}{k}" for k in range(400))
+                 if rank(region, n) < rank(region, names_by_rank(region, 4)[0])][:8]
+        for i, name in enumerate(fakes):
+            with contextlib.suppress(BookFull):
+                _learn(b, region, name, 100 + i, proven=False)
+    assert proven <= set(b.peers), "a proven peer was evicted for an unproven name"
+    assert anchors <= b.anchors()
+    assert len(b.peers) <= 4 + 2 * 6 + MAX_UNPROVEN_ANCHORS
+
+
+def test_made_up_trainers_are_bounded_and_leave_the_regions_anchors_alone() -> None:
+    b = book(max_peers=8)
+    real = _learn(b, "t", "trainer", 0, role="trainer")
+    regions = [_learn(b, "b", name, i) for i, name in enumerate(names_by_rank("b", 2))]
+    for i in range(40 * 64):
+        with contextlib.suppress(BookFull):
+            _learn(b, f"t{i}", f"fake{i}", 10 + i, proven=False, role="trainer")
+    anchors = b.anchors()
+    assert len(b.peers) <= 8 + MAX_ANCHORS
+    # the trusted trainers' places, and as many unproven candidates beside them
+    assert sum(b.peers[u].role == "trainer" for u in anchors) <= 2 * MAX_TRAINER_ANCHORS
+    assert real.url in anchors and all(p.url in anchors for p in regions)
+
+
+def test_a_failing_anchor_loses_its_place_and_goes_at_the_next_trim() -> None:
+    b = book(max_peers=2)
+    trainer = _learn(b, "t", "trainer", 0, role="trainer")
+    ranked = names_by_rank("b", 4)
+    members = [_learn(b, "b", name, i) for i, name in enumerate(ranked)]
+    assert {members[0].url, members[1].url, trainer.url} == b.anchors()
+    for p in (members[0], trainer):
+        for _ in range(ANCHOR_DEAD_AFTER):
+            b.failed(p, "connection refused")
+    anchors = b.anchors()
+    assert members[0].url not in anchors and trainer.url not in anchors
+    assert members[2].url in anchors  # the next by rank takes the place
+    b.proved(_learn(b, "c", "c0", 9, proven=False))  # any change trims the book
+    # back to max_peers ordinary peers: a failing one went, the healthy member stayed
+    assert len(b.peers) - len(b.anchors()) == 2
+    assert members[3].url in b.peers
+    assert members[0].url not in b.peers or trainer.url not in b.peers
+
+
+def test_a_book_never_holds_more_than_max_peers_plus_its_anchors() -> None:
+    b = book(max_peers=4)
+    for i in range(3 * MAX_ANCHORS):  # proven members of ever new regions
+        with contextlib.suppress(BookFull):
+            _learn(b, f"r{i}", f"n{i}", i)
+        assert len(b.peers) <= 4 + MAX_ANCHORS
+    assert len(b.anchors()) == MAX_ANCHORS
 
 
 def test_made_up_regions_cannot_grow_a_book_past_its_anchor_bound() -> None:
@@ -107,7 +185,7 @@ def test_made_up_regions_cannot_grow_a_book_past_its_anchor_bound() -> None:
     # and they cost no proven peer its place
     kept = b.learn("http://10.200.0.1:8700", ("10.200.0.1", 6881), "ok", region="a",
                    role="region")
-    kept.proven = True
+    b.proved(kept)
     for i in range(64):
         with contextlib.suppress(BookFull):
             b.learn(f"http://10.201.{i}.9:8700", None, f"m{i}", region=f"more{i}",
@@ -119,12 +197,12 @@ def test_an_index_lists_the_askers_region_first_then_the_trainers_then_one_per_r
     b = book(max_peers=16)
     t = b.learn("http://10.9.0.1:8700", ("10.9.0.1", 6881), "trainer", region="t",
                 role="trainer")
-    t.proven = True
+    b.proved(t)
     for region in ("b", "c", "d"):
         for i, name in enumerate(names_by_rank(region, 3)):
             ip = f"10.{ord(region)}.0.{i + 2}"
             p = b.learn(f"http://{ip}:8700", (ip, 6881), name, region=region, role="region")
-            p.proven = True
+            b.proved(p)
     listed = b.listing("c", limit=64)
     assert {e["node"] for e in listed[:2]} == set(names_by_rank("c", 3)[:2])
     assert listed[2]["node"] == "trainer"
