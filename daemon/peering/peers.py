@@ -14,16 +14,19 @@ a daemon resolves its own advertised host name once at start, see node.py), a no
 1-64 `[A-Za-z0-9_.-]`. The book holds at most `max_peers` peers: a newcomer evicts the peer in
 the worst standing if it ranks better, else it is not stored.
 
-Anchors: beyond `max_peers`, a book keeps each region's `ANCHORS_PER_REGION` live members that
-rank first by election rank (`names.rank`) and every trainer, and an index reply lists the
-anchors of the asker's region, then the trainers' regions, then one of each other region, before
-a random sample of the rest. Why: fetch roles and gateways are computed from the book, the same
-way in every view only if every view holds the same first-ranked members. With books of 32 and
-a fleet of 600 (20 regions of 30) a full book of proven peers took no newcomer, views froze
-with whoever came first, and 485 nodes each believed they fetched for their region
-(bench/fleet_views.py on the code before). Each index read now carries the best members
-the peer knows of the asker's region, so the first-ranked member spreads to a whole region in
-a few reads.
+Anchors: beyond `max_peers`, a book keeps each region's `ANCHORS_PER_REGION` live, proven members
+that rank first by election rank (`names.rank`) and up to `MAX_TRAINER_ANCHORS` trainers, and an
+index reply lists the anchors of the asker's region, then the trainers' regions, then one of
+each other region, before a random sample of the rest. A newcomer that would rank among them
+waits beside them, unproven, until its hello proves it (anyone can choose a name that ranks
+first; an unproven one must cost no proven peer its place).
+
+Why anchors: fetch roles and gateways are computed from the book, the same way in every view
+only if every view holds the same first-ranked members. With books of 32 and a fleet of 600 (20
+regions of 30) a full book of proven peers took no newcomer, views froze with whoever came
+first, and 485 nodes each believed they fetched for their region (bench/fleet_views.py on the
+code before). Each index read now carries the best members the peer knows of the asker's region,
+so the first-ranked member spreads to a whole region in a few reads.
 
 Standing: bootstrap peers (the operator's config) are trusted with the swarm token; any other peer
 first proves it holds the token (`PeerClient.prove`, no token sent); until then it gets no token,
