@@ -163,15 +163,6 @@ class Swarm:
             # (500 ms by default), so a new artifact waited up to a tick per hop before its first
             # connect. 50 ms costs a few wake-ups a second per daemon.
             "tick_interval": 50,
-            # A peer that refused a download's first connection (it had not added the torrent
-            # yet: it was a moment behind on the same version) was not dialled again for
-            # libtorrent's min_reconnect_time, 60 s, times its fail count: with peer books far
-            # smaller than the fleet a member knows a few peers of its region, and when all of
-            # them were a moment behind, the version took 60 s instead of 3 (bench/scaleout.py
-            # --max-peers 4: 3 of 8 versions at N = 32). Redial after 1 s, 2 s, ... and give up
-            # on a peer for a torrent after 8 failures (~36 s) instead of 3.
-            "min_reconnect_time": 1,
-            "max_failcount": 8,
             "alert_mask": (lt.alert_category.error | lt.alert_category.status
                            | lt.alert_category.peer | lt.alert_category.storage
                            | lt.alert_category.ip_block),
@@ -373,8 +364,8 @@ class Swarm:
         resume data; a full recheck of its files if that does not come in time). Returns whether
         it was re-added (a complete or unknown torrent is left alone).
 
-        Why: libtorrent counts refused connects per peer of a torrent; after `max_failcount` (8
-        here, ~36 s of redials) it never dials that peer again, and `connect_peer` on an
+        Why: libtorrent counts refused connects per peer of a torrent; after `max_failcount` (3)
+        it never dials that peer again, and `connect_peer` on an
         endpoint already in the list does not reset the count. A daemon that was killed and
         restarted on the same ip:port (the trainer holding the only copy of a new delta) is then
         never reached by a torrent that tried it while it was down, however often the control

@@ -48,6 +48,7 @@ from chain.store import ChainStore
 from chain.weights import Current, WeightsDir
 from daemon.bittorrent import torrents
 from daemon.bittorrent.artifacts import Artifacts
+from daemon.bittorrent.redial import Redial
 from daemon.bittorrent.swarm import SwarmError
 from daemon.config import SyncConfig
 from daemon.engines.first import EngineFirst
@@ -624,6 +625,7 @@ class Syncer:
         known: set = set()
         t0 = moved_at = time.monotonic()
         moved = -1
+        redial = Redial()
         while True:
             p = swarm.progress(m.artifact)
             info.update(total=p.total, done=p.done, downloaded=p.downloaded, state=p.state)
@@ -642,6 +644,9 @@ class Syncer:
                 await self._fresh_peer_list(m.artifact)
                 raise Stalled(f"{m.artifact}: {why}; its partial data is kept")
             endpoints = self._dial_for(m.artifact)
+            if endpoints and redial.due(p.peers, now):  # daemon/bittorrent/redial.py
+                await self._fresh_peer_list(m.artifact, "no connection")
+                known = set()
             if endpoints - known:
                 swarm.add_peers(m.artifact, endpoints - known)
                 known = endpoints
@@ -704,7 +709,7 @@ class Syncer:
                     endpoints.add(peer.bt)
         return endpoints
 
-    async def _fresh_peer_list(self, artifact: str) -> None:
+    async def _fresh_peer_list(self, artifact: str, why: str = "for the next attempt") -> None:
         """After a stall the next attempt starts from a new torrent (same data, clean peer
         list): libtorrent stops dialling a peer that refused a few connects, so a holder that
         restarted on the same endpoint (the trainer, killed while it alone held a new delta)
@@ -714,7 +719,7 @@ class Syncer:
         loop = asyncio.get_running_loop()
         try:
             if await loop.run_in_executor(self.artifacts.exec, swarm.refresh, artifact):
-                log.info("%s: re-added with a fresh peer list for the next attempt", artifact)
+                log.info("%s: re-added with a fresh peer list (%s)", artifact, why)
         except SwarmError as e:
             log.warning("%s: could not re-add it with a fresh peer list: %s", artifact, e)
 

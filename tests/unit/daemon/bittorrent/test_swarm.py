@@ -12,6 +12,7 @@ import pytest
 
 from chain.digest import block_id
 from daemon.bittorrent import torrents
+from daemon.bittorrent.redial import Redial
 from daemon.bittorrent.swarm import Swarm, SwarmConfig, SwarmError, SwarmEvent
 
 ART = "v00000003.delta"
@@ -226,11 +227,9 @@ def test_a_seed_reports_its_own_corrupt_piece_when_it_first_serves_it(tmp_path, 
 
 
 def test_a_refreshed_torrent_dials_again_a_seed_that_came_back_on_its_endpoint(tmp_path, swarms):
-    """libtorrent stops dialling a peer that refused `max_failcount` connects, and connect_peer
-    does not reset that: a seed restarted on the same ip:port is reached again only by a
-    refreshed torrent, which keeps what it already held. (libtorrent's own defaults here, 3
-    refusals 60 s apart, so the give-up comes within the test; the daemon's settings redial
-    after 1 s, 2 s, ... and give up after 8, ~36 s.)"""
+    """libtorrent stops dialling a peer that refused a few connects, and connect_peer does not
+    reset that: a seed restarted on the same ip:port is reached again only by a refreshed
+    torrent, which keeps what it already held."""
     import socket
 
     blocks, tb = _store(tmp_path, 4, PIECE)
@@ -242,7 +241,7 @@ def test_a_refreshed_torrent_dials_again_a_seed_that_came_back_on_its_endpoint(t
     seed = Swarm(SwarmConfig(listen=f"127.0.0.51:{port}", seed_mode=True))
     seed.seed(ART, tb, tmp_path / "seed")
     seed.close()  # the holder is killed
-    dl = swarms("127.0.0.52", extra_settings={"min_reconnect_time": 60, "max_failcount": 3})
+    dl = swarms("127.0.0.52")
     dl.download(ART, tb, tmp_path / "dl", [("127.0.0.51", port)])
     _until([dl], lambda: dl.progress(ART).done == PIECE, 10)
     for _ in range(6):  # dialled, and refused, while it is down
@@ -344,14 +343,13 @@ def test_a_listener_hears_a_download_complete_on_disk_once_and_a_seed_never(tmp_
     assert _holds_blocks(tmp_path / "n0", blocks)
 
 
-def test_a_peer_that_added_the_torrent_a_moment_late_is_dialled_again_within_seconds(
+def test_a_download_left_alone_dials_a_peer_that_added_the_torrent_late_within_seconds(
         tmp_path, swarms):
     """A download dials its peers at once; one a moment behind on the same version has not
-    added the torrent yet and refuses the handshake. libtorrent then waited min_reconnect_time
-    (60 s) before dialling it again: with peer books far smaller than the fleet, a member
-    whose few known region peers were all a moment behind took 60 s for a version that
-    everyone else had in 3 (bench/scaleout.py --max-peers 4, N = 32). Here the only peer
-    adds the torrent 1.5 s after the download dialled it, and never dials back."""
+    added the torrent yet and refuses the handshake, and libtorrent dials it again only after
+    60 s. The download's loop (daemon/versions/sync.py) asks `Redial` and re-adds a download
+    left with no connection, so here the only peer, which adds the torrent 1.5 s after it was
+    dialled and never dials back, serves it within seconds."""
     blocks, tb = _store(tmp_path, 2, 1 << 20)
     torrents.link_blocks(ART, blocks, tmp_path / "late")
     late = swarms("127.0.0.2", seed_mode=True)
@@ -360,7 +358,34 @@ def test_a_peer_that_added_the_torrent_a_moment_late_is_dialled_again_within_sec
     dialled = time.monotonic()
     _until([late, peer], lambda: time.monotonic() - dialled > 1.5, 5)
     late.seed(ART, tb, tmp_path / "late")
-    t0 = time.monotonic()
-    _until([late, peer], lambda: peer.progress(ART).finished, 20)
-    assert time.monotonic() - t0 < 20
+    redial, refreshed = Redial(), 0
+
+    def done() -> bool:
+        nonlocal refreshed
+        p = peer.progress(ART)
+        if not p.finished and redial.due(p.peers, time.monotonic()):
+            assert peer.refresh(ART)
+            peer.add_peers(ART, [late.endpoint])
+            refreshed += 1
+        return p.finished
+
+    _until([late, peer], done, 15)
+    assert refreshed >= 1
     assert _holds_blocks(tmp_path / "n0", blocks)
+
+
+def test_redial_waits_longer_each_time_a_download_stays_alone() -> None:
+    r = Redial()
+    assert not r.due(0, 0.0)  # alone from now
+    assert not r.due(0, 0.9)
+    assert r.due(0, 1.0)
+    assert not r.due(0, 2.9)  # then 2 s
+    assert r.due(0, 3.0)
+    assert not r.due(3, 3.5)  # connected: the next wait starts again at 1 s
+    assert not r.due(0, 4.0)
+    assert r.due(0, 5.0)
+    t = 5.0
+    for _ in range(8):  # alone for good: the wait doubles up to 30 s
+        t += r.wait
+        assert r.due(0, t)
+    assert r.wait == 30.0

@@ -1,0 +1,40 @@
+"""When a download has no connection at all, dial its peers again soon, not in a minute.
+
+A download dials the peers it is given the moment it starts. A peer a moment behind on the same
+version has not added the torrent yet and refuses the handshake; libtorrent then dials it again
+only after `min_reconnect_time` (60 s) times its fail count. With peer books far smaller than
+the fleet a member knows a few peers of its region, and when all of them were a moment behind,
+the version took 60 s instead of 3 (bench/scaleout.py --max-peers 4: 3 of 8 versions at 32
+nodes). Lowering `min_reconnect_time` for the whole session fixed that but redialled every peer
+that lacked a torrent, seeding torrents included, for good (a review measured the session's cap
+of 30 dials a second against three idle peers; a closed handshake is no failure, so
+`max_failcount` never ends it). So only a download left with no connection is re-added
+(Swarm.refresh: same data, clean peer list, dialled at once), after 1 s alone, then 2, 4, ... up
+to 30 s while it stays alone.
+"""
+
+from dataclasses import dataclass
+
+FIRST_S = 1.0
+MAX_S = 30.0
+
+
+@dataclass
+class Redial:
+    """Tells a download's loop when to re-add it: after `wait` seconds with no connection."""
+
+    wait: float = FIRST_S
+    alone_since: float | None = None
+
+    def due(self, peers: int, now: float) -> bool:
+        """Whether the download (`peers` connections now) should be re-added now."""
+        if peers:
+            self.alone_since, self.wait = None, FIRST_S
+            return False
+        if self.alone_since is None:
+            self.alone_since = now
+            return False
+        if now - self.alone_since < self.wait:
+            return False
+        self.alone_since, self.wait = now, min(2 * self.wait, MAX_S)
+        return True
