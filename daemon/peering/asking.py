@@ -70,10 +70,10 @@ async def prove_loop(book: PeerBook, client: PeerClient, parallel: int = 8) -> N
                 if not peer.proven:
                     log.info("peer %s proved it is a daemon of this swarm", peer.url)
                 book.succeeded(peer)
-                if peer.url in book.peers:  # not evicted while its hello ran
-                    book.proved(peer)
-                else:
-                    peer.proven = True
+                peer.proven = True
+                entry = book.peers.get(peer.url)  # evicted, or evicted and learned again,
+                if entry is not None:  # while its hello ran: the entry now in the book
+                    book.proved(entry)
             else:
                 book.failed(peer, "did not prove it holds the swarm token")
         except PeerError as e:

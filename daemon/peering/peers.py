@@ -269,10 +269,12 @@ class PeerBook:
         newcomer = Peer(url, last_seen=time.time(), banned_until=self.bans.get(url, 0.0))
         if region is not None:
             newcomer.region, newcomer.node, newcomer.role = region, node, role
+        anchor = False
         if not force and len(self.peers) >= self.max_peers:
-            anchors = self.anchors()
-            if len(self.peers) - len(anchors) >= self.max_peers \
-                    and not self._would_anchor(newcomer):
+            # one anchor computation per newcomer (an index read brings 64 of them)
+            anchors = self._anchors_with(newcomer)
+            anchor = url in anchors
+            if not anchor and len(self.peers) - len(anchors) >= self.max_peers:
                 ordinary = [p for p in self.peers.values()
                             if not p.bootstrap and p.url not in anchors]
                 worst = min(ordinary, key=Peer.rank, default=None)
@@ -282,7 +284,7 @@ class PeerBook:
                 self._evict(worst, url)
         self.peers[url] = newcomer
         log.info("learned peer %s", url)
-        if not force:
+        if anchor:  # it may have displaced another candidate, now ordinary
             self._trim()
         self.changed.set()
         return newcomer
@@ -354,14 +356,14 @@ class PeerBook:
             out.add(url)
         return out
 
-    def _would_anchor(self, newcomer: Peer) -> bool:
-        """Whether `newcomer` (not stored yet, its announced region, role and name set) would
-        be one of the book's anchors: the same rule as `anchors`, asked of the book with it."""
+    def _anchors_with(self, newcomer: Peer) -> set[str]:
+        """`anchors()` of the book with `newcomer` (not stored yet, its announced region, role
+        and name set) counted: the same rule, asked of the book with it."""
         if self._anchor_key(newcomer) is None:
-            return False
+            return self.anchors()
         self.peers[newcomer.url] = newcomer
         try:
-            return newcomer.url in self.anchors()
+            return self.anchors()
         finally:
             del self.peers[newcomer.url]
 
