@@ -332,25 +332,30 @@ class PeerBook:
         peers that rank first: MAX_TRAINER_ANCHORS trainers, ANCHORS_PER_REGION members;
         then, as candidates beside them, unproven peers that rank before the group's last
         trusted anchor (or while it has places left), at most as many as the group has places
-        and MAX_UNPROVEN_ANCHORS in all. At most MAX_ANCHORS in all: trusted before unproven, the
-        trainers first, then the regions by name."""
+        and MAX_UNPROVEN_ANCHORS in all, those of groups with a trusted member first. At most
+        MAX_ANCHORS in all: trusted before unproven, the trainers first, then the regions by
+        name."""
         now = time.monotonic()
         groups: dict[str | None, list[tuple[str, str]]] = {}
         for p in self.peers.values():
             if (key := self._anchor_key(p, now)) is not None:
                 groups.setdefault(key[0], []).append((key[1], p.url))
         trusted: list[str] = []
-        candidates: list[str] = []
+        candidates: list[tuple[bool, str]] = []
         for group in sorted(groups, key=lambda g: (g is not None, g or "")):
             places = MAX_TRAINER_ANCHORS if group is None else ANCHORS_PER_REGION
             ranked = sorted(groups[group])
             held = [(r, url) for r, url in ranked if self.peers[url].trusted][:places]
             trusted.extend(url for _, url in held)
             last = held[-1][0] if len(held) == places else None
-            candidates.extend([url for r, url in ranked if not self.peers[url].trusted
-                               and (last is None or r < last)][:places])
+            # candidates of groups with a trusted member first: names of made-up regions,
+            # however they sort, then cannot hold every candidate place against a real one
+            candidates.extend((not held, url) for url in [
+                url for r, url in ranked if not self.peers[url].trusted
+                and (last is None or r < last)][:places])
         out = set(trusted[:MAX_ANCHORS])
-        for url in candidates[:MAX_UNPROVEN_ANCHORS]:
+        candidates.sort(key=lambda c: c[0])  # stable: group order within each kind
+        for _, url in candidates[:MAX_UNPROVEN_ANCHORS]:
             if len(out) >= MAX_ANCHORS:
                 break
             out.add(url)

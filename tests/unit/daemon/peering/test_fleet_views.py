@@ -130,6 +130,25 @@ def test_names_that_rank_first_cost_no_proven_peer_its_place_while_unproven() ->
     assert len(b.peers) <= 4 + 2 * 6 + MAX_UNPROVEN_ANCHORS
 
 
+def test_made_up_regions_that_sort_first_leave_a_real_regions_newcomer_a_candidate_place(
+        ) -> None:
+    """Names of made-up regions that sort before every real one ("0...") fill the unproven
+    candidate places; a real region's better-ranked newcomer must still get one (candidates of
+    regions with a trusted member come first), or views could not move to it until the fakes'
+    hellos failed."""
+    b = book(max_peers=4)
+    ranked = names_by_rank("b", 3)
+    for i, name in enumerate(ranked[1:]):
+        _learn(b, "b", name, i)
+    for i in range(MAX_UNPROVEN_ANCHORS + 8):
+        with contextlib.suppress(BookFull):
+            b.learn(f"http://10.9.{i}.9:8700", None, f"f{i}", region=f"0fake{i:03d}",
+                    role="region")
+    newcomer = _learn(b, "b", ranked[0], 40, proven=False)
+    assert newcomer.url in b.anchors()
+    assert sum(not b.peers[u].trusted for u in b.anchors()) <= MAX_UNPROVEN_ANCHORS
+
+
 def test_made_up_trainers_are_bounded_and_leave_the_regions_anchors_alone() -> None:
     b = book(max_peers=8)
     real = _learn(b, "t", "trainer", 0, role="trainer")
