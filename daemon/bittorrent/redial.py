@@ -26,9 +26,11 @@ class Redial:
     wait: float = FIRST_S
     alone_since: float | None = None
 
-    def due(self, peers: int, now: float) -> bool:
-        """Whether the download (`peers` connections now) should be re-added now."""
-        if peers:
+    def due(self, peers: int, now: float, checking: bool = False) -> bool:
+        """Whether the download (`peers` connections now) should be re-added now. One
+        `checking` its files (a resumed download) has no connection by design, and re-adding
+        it would start the check over: it counts as connected."""
+        if peers or checking:
             self.alone_since, self.wait = None, FIRST_S
             return False
         if self.alone_since is None:

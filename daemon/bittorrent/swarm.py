@@ -365,11 +365,10 @@ class Swarm:
         it was re-added (a complete or unknown torrent is left alone).
 
         Why: libtorrent counts refused connects per peer of a torrent; after `max_failcount` (3)
-        it never dials that peer again, and `connect_peer` on an
-        endpoint already in the list does not reset the count. A daemon that was killed and
-        restarted on the same ip:port (the trainer holding the only copy of a new delta) is then
-        never reached by a torrent that tried it while it was down, however often the control
-        plane re-announces it. A new
+        it never dials that peer again, and `connect_peer` on an endpoint already in the list
+        does not reset the count. A daemon that was killed and restarted on the same ip:port (the
+        trainer holding the only copy of a new delta) is then never reached by a torrent that
+        tried it while it was down, however often the control plane re-announces it. A new
         torrent object starts with clean counts. Blocking: call from the swarm thread."""
         with self._lock:
             t = self._torrents.get(artifact)

@@ -389,3 +389,10 @@ def test_redial_waits_longer_each_time_a_download_stays_alone() -> None:
         t += r.wait
         assert r.due(0, t)
     assert r.wait == 30.0
+    # a download checking its files (resumed) has no connection by design: never re-added,
+    # which would start the check over, and the wait starts again once it is done
+    assert not r.due(0, t + 100, checking=True)
+    assert not r.due(0, t + 200, checking=True)
+    assert r.wait == 1.0
+    assert not r.due(0, t + 200.5)  # alone from here
+    assert r.due(0, t + 201.5)
