@@ -24,7 +24,8 @@ sharded publishing costs against the single-process Publisher. One JSON line las
   by the smallest's (goal: at most 1.5, flat in N). Also per N: `version_window_s` (publish to
   every node current, plus 1 s), `trainer_idle_cpu_s_per_s` (the trainer's CPU rate over 10 s
   with no version moving: its once-a-second loops, reports, long-polls) and
-  `trainer_cpu_s_per_version_over_idle` (each version's CPU less that rate times its window),
+  `trainer_cpu_s_per_version_over_idle` (the mean CPU per version less that rate times the
+  mean window),
   because on this 2-core host a version's window itself grows with N (`control_cpu_over_idle_
   last_over_first` divides those). `fetchers_per_region`, `fleet_fetchers`, `gateway_views`:
   what each node's status says of fetch roles and gateways after the versions (right: 1 per
@@ -230,9 +231,10 @@ def _trainer_sent(trainer) -> tuple[float, dict[str, float], dict[str, float]]:
     with open(f"/proc/{trainer.proc.pid}/stat") as f:
         fields = f.read().rpartition(")")[2].split()
     cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    _, text, _ = http(f"{trainer.url}/metrics")
-    return (cpu, route_counts(text.decode(), "deltaswarm_http_response_bytes"),
-            route_counts(text.decode(), "deltaswarm_http_responses"))
+    _, raw, _ = http(f"{trainer.url}/metrics")
+    text = raw.decode()
+    return (cpu, route_counts(text, "deltaswarm_http_response_bytes"),
+            route_counts(text, "deltaswarm_http_responses"))
 
 
 def fleet_costs(ns: list[int], region_size: int, n_versions: int,

@@ -4,11 +4,11 @@ A download dials the peers it is given the moment it starts. A peer a moment beh
 version has not added the torrent yet and refuses the handshake; libtorrent then dials it again
 only after `min_reconnect_time` (60 s) times its fail count. With peer books far smaller than
 the fleet a member knows a few peers of its region, and when all of them were a moment behind,
-the version took 60 s instead of 3 (bench/scaleout.py --max-peers 4: 3 of 8 versions at 32
-nodes). Lowering `min_reconnect_time` for the whole session fixed that but redialled every peer
-that lacked a torrent, seeding torrents included, for good (a review measured the session's cap
-of 30 dials a second against three idle peers; a closed handshake is no failure, so
-`max_failcount` never ends it). So only a download left with no connection is re-added
+the version took 60 s instead of 3 (32 daemons in regions of 8, books of 4: 3 of 8 versions,
+docs/SCALE.md 7.5). Lowering `min_reconnect_time` for the whole session fixed that but redialled
+every peer that lacked a torrent, seeding torrents included, for good (a review measured the
+session's cap of 30 dials a second against three idle peers; a closed handshake is no failure,
+so `max_failcount` never ends it). So only a download left with no connection is re-added
 (Swarm.refresh: same data, clean peer list, dialled at once), after 1 s alone, then 2, 4, ... up
 to 30 s while it stays alone.
 """
