@@ -10,7 +10,9 @@ every peer that lacked a torrent, seeding torrents included, for good (a review 
 session's cap of 30 dials a second against three idle peers; a closed handshake is no failure,
 so `max_failcount` never ends it). So only a download left with no connection is re-added
 (Swarm.refresh: same data, clean peer list, dialled at once), after 1 s alone, then 2, 4, ... up
-to 30 s while it stays alone.
+to 30 s while it stays alone. A connection still dialling or waiting for the peer's handshake
+counts (`Progress.connections`): a re-add closes those, and over a link whose round trip is
+several hundred ms a handshake takes longer than the first wait.
 """
 
 from dataclasses import dataclass
@@ -26,11 +28,12 @@ class Redial:
     wait: float = FIRST_S
     alone_since: float | None = None
 
-    def due(self, peers: int, now: float, checking: bool = False) -> bool:
-        """Whether the download (`peers` connections now) should be re-added now. One
+    def due(self, connections: int, now: float, checking: bool = False) -> bool:
+        """Whether the download (`connections` now, handshaken or not) should be re-added
+        now. One
         `checking` its files (a resumed download) has no connection by design, and re-adding
         it would start the check over: it counts as connected."""
-        if peers or checking:
+        if connections or checking:
             self.alone_since, self.wait = None, FIRST_S
             return False
         if self.alone_since is None:

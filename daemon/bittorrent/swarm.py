@@ -98,6 +98,9 @@ class Progress:
     download_rate: int
     upload_rate: int
     peers: int
+    connections: int
+    """Connections of any kind, the ones still dialling or waiting for the peer's handshake
+    too (`peers` counts only those past the handshake)."""
     seeds: int
     finished: bool
     uploaded: int
@@ -261,7 +264,8 @@ class Swarm:
         return Progress(
             artifact=artifact, state=str(s.state), done=s.total_wanted_done,
             total=s.total_wanted, download_rate=s.download_payload_rate,
-            upload_rate=s.upload_payload_rate, peers=s.num_peers, seeds=s.num_seeds,
+            upload_rate=s.upload_payload_rate, peers=s.num_peers, connections=s.num_connections,
+            seeds=s.num_seeds,
             finished=t.complete and bool(s.is_finished or s.is_seeding),
             uploaded=s.total_payload_upload, downloaded=s.total_payload_download,
             error=s.errc.message() if s.errc.value() else "")

@@ -644,7 +644,7 @@ class Syncer:
                 await self._fresh_peer_list(m.artifact)
                 raise Stalled(f"{m.artifact}: {why}; its partial data is kept")
             endpoints = self._dial_for(m.artifact)
-            if endpoints and redial.due(p.peers, now, "checking" in p.state):  # redial.py
+            if endpoints and redial.due(p.connections, now, "checking" in p.state):  # redial.py
                 await self._fresh_peer_list(m.artifact, "no connection")
                 known = set()
             if endpoints - known:

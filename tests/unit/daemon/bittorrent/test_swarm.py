@@ -3,6 +3,7 @@ moving
 real v2 torrents: swarming, resume after interruption, banning a lying peer on the torrent it
 lied on only."""
 
+import contextlib
 import os
 import time
 from collections.abc import Callable
@@ -363,7 +364,7 @@ def test_a_download_left_alone_dials_a_peer_that_added_the_torrent_late_within_s
     def done() -> bool:
         nonlocal refreshed
         p = peer.progress(ART)
-        if not p.finished and redial.due(p.peers, time.monotonic()):
+        if not p.finished and redial.due(p.connections, time.monotonic()):
             assert peer.refresh(ART)
             peer.add_peers(ART, [late.endpoint])
             refreshed += 1
@@ -372,6 +373,37 @@ def test_a_download_left_alone_dials_a_peer_that_added_the_torrent_late_within_s
     _until([late, peer], done, 15)
     assert refreshed >= 1
     assert _holds_blocks(tmp_path / "n0", blocks)
+
+
+def test_a_connect_in_flight_counts_as_a_connection_so_it_is_not_cut(tmp_path, swarms):
+    """A peer across a slow or lossy link has not answered the TCP connect when the first
+    redial wait ends (a SYN lost is resent after 1 s); a re-add then would close the attempt.
+    Here the peer's accept queue is full, so the kernel drops the download's SYNs and its connect
+    stays in flight: libtorrent does not count it among `peers`, the download's `connections`
+    does, and `Redial` leaves the download alone."""
+    import socket
+
+    _, tb = _store(tmp_path, 1, PIECE)
+    with socket.socket() as slow, contextlib.ExitStack() as stack:
+        slow.bind(("127.0.0.4", 0))
+        slow.listen(0)  # an accept queue of one, never accepted: later SYNs are dropped
+        for _ in range(2):
+            filler = stack.enter_context(socket.socket())
+            filler.setblocking(False)
+            filler.connect_ex(slow.getsockname())
+        time.sleep(0.2)
+        dl = swarms("127.0.0.5")
+        dl.download(ART, tb, tmp_path / "dl", [slow.getsockname()])
+        _until([dl], lambda: dl.progress(ART).connections == 1, 10)
+        redial, start = Redial(), time.monotonic()
+        while time.monotonic() - start < 2.5:
+            p = dl.progress(ART)
+            assert (p.peers, p.connections) == (0, 1)
+            assert not redial.due(p.connections, time.monotonic())
+            dl.pump(0.1)
+        by_peers, now = Redial(), time.monotonic()
+        by_peers.due(p.peers, now - 1.0)
+        assert by_peers.due(p.peers, now), "counted by `peers` it would have been cut"
 
 
 def test_redial_waits_longer_each_time_a_download_stays_alone() -> None:
