@@ -28,7 +28,7 @@ lint: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check chain daemon trainer rollout demo deploy tests bench ops
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 # Rewrite configs/ from the config models (deploy/examples.py); a test fails when they differ.
 configs: $(STAMP)
