@@ -4,8 +4,6 @@ trainer's state digest, the held-out set must be scored before and after RL, no 
 be dropped as stale, and the demo must leave no process behind."""
 
 import json
-import random
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +12,7 @@ import pytest
 
 from chain.config_base import to_yaml
 from demo.config import WarmupConfig, load_demo_config, with_overrides
+from tests.support import free_port_block
 from trainer.ingest import IngestStore
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,27 +32,12 @@ def _processes_mentioning(text: str) -> list[int]:
     return pids
 
 
-def _free_base_port() -> int:
-    """A base port whose 40 ports (trainer, ingest, three regions: http and BitTorrent) are
-    free now; a fixed or blindly random base collided with other tests on a shared host."""
-    for _ in range(50):
-        base = random.randrange(20000, 40000, 100)
-        try:
-            for port in range(base, base + 40):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base
-    raise AssertionError("no free block of 40 ports in 20000-40000")
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_short_demo_converges_every_region_and_cleans_up(tmp_path):
     shipped = load_demo_config(REPO / "configs" / "demo.yaml")
     cfg = with_overrides(
-        shipped, out_dir=tmp_path, steps=3, base_port=_free_base_port(),
+        shipped, out_dir=tmp_path, steps=3, base_port=free_port_block(40, step=100),
         batch=32, warmup=WarmupConfig(steps=20, lr=0.003, batch=32), timeout_s=600,
         min_reward_gain=-1.0, rollout={"prompts_per_batch": 4, "group_size": 4},
         heldout={"prompts": 16, "samples": 2, "every": 2})

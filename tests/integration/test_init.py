@@ -4,9 +4,7 @@ checkpoints, and both regions hold the second one bit-exact."""
 
 import json
 import os
-import random
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -18,30 +16,11 @@ from safetensors.torch import load_file, save_file
 from chain.config_base import ConfigError
 from daemon.config import load_config
 from tests.integration.harness import ROOT, http, step, tiny_model
-from tests.support import wait_until
+from tests.support import free_port_block, wait_until
 from trainer.ckpt_cli import load_publish_config
 from trainer.ingest_service import load_ingest_config
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
-
-
-def free_base(span: int = 32) -> int:
-    """A base port with `span` free ports above it on loopback."""
-    for _ in range(200):
-        base = random.randrange(20_000, 60_000, 10)
-        socks = []
-        try:
-            for p in range(base, base + span):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise AssertionError("no free port range on loopback")
 
 
 def cli(*argv: str, timeout: float = 180) -> str:
@@ -59,7 +38,7 @@ def checkpoint(d: Path, state: dict[str, torch.Tensor]) -> Path:
 
 
 def test_init_writes_a_swarm_that_runs_as_written(tmp_path: Path) -> None:
-    base = free_base()
+    base = free_port_block(32)
     out = cli("init", str(tmp_path / "swarm"), "--regions", "eu,us", "--base-port", str(base))
     d = tmp_path / "swarm"
     public = out.split("trainer public key ", 1)[1].split(")", 1)[0]

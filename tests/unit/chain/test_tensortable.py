@@ -4,7 +4,7 @@ import json
 import tracemalloc
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from chain.digest import state_digest
@@ -113,6 +113,7 @@ def test_memory_per_tensor_at_moe_scale_and_versions_share_their_layout():
     assert second.digest(0) == f"{1:032x}" and first.digest(0) == f"{0:032x}"
 
 
+@settings(deadline=None)  # a GC pause on a loaded host is no failure
 @given(st.lists(st.tuples(st.text(min_size=1, max_size=40),
                           st.sampled_from(["bfloat16", "float32", "int8", "float16"]),
                           st.lists(st.integers(0, 2**40), max_size=4),

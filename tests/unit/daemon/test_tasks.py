@@ -62,7 +62,7 @@ async def test_a_stop_cut_short_by_a_deadline_raises_at_the_deadline():
     """serve() bounds shutdown with a timeout around cleanups that call stop(); a part slow to
     wind down must not make stop() eat the timeout's cancellation and report a clean stop."""
     loop = asyncio.get_running_loop()
-    release = loop.time() + 1.0
+    release = loop.time() + 2.0  # far past the 0.1 s asked
 
     async def stubborn() -> None:
         while loop.time() < release:  # ignores cancellation until `release`
@@ -74,13 +74,13 @@ async def test_a_stop_cut_short_by_a_deadline_raises_at_the_deadline():
     started = loop.time()
     with pytest.raises(TimeoutError):
         await asyncio.wait_for(stop(task), 0.1)
-    assert loop.time() - started < 0.6
+    assert loop.time() - started < 1.5
     await asyncio.wait({task})  # let it end before the loop closes
 
 
 async def test_within_returns_at_the_deadline_even_if_the_work_ignores_cancellation():
     loop = asyncio.get_running_loop()
-    release = loop.time() + 1.0
+    release = loop.time() + 2.0  # far past the 0.1 s asked
     finished: list[bool] = []
 
     async def slow_cleanup() -> None:
@@ -91,7 +91,7 @@ async def test_within_returns_at_the_deadline_even_if_the_work_ignores_cancellat
 
     started = loop.time()
     assert await within(slow_cleanup(), 0.1) is False
-    assert loop.time() - started < 0.6 and finished == []
+    assert loop.time() - started < 1.5 and finished == []
     assert await within(asyncio.sleep(0.01), 1.0) is True
     with pytest.raises(RuntimeError, match="disk"):
         await within(_raises("disk full"), 1.0)

@@ -160,10 +160,11 @@ def test_fleet_metrics_are_labelled_by_region_never_by_node() -> None:
     assert "n17" not in text
 
 
-async def test_the_fleet_view_is_built_and_encoded_off_the_event_loop() -> None:
+async def test_the_fleet_view_is_built_and_encoded_off_the_event_loop(monkeypatch) -> None:
     """Issue 20, finding 10: `GET /v1/fleet` built a 10k-node view on the event loop (/healthz
     up to 1.8 s). The view is built in a worker thread, cached, and served with or without
     node lists; status and /metrics read the cached one."""
+    monkeypatch.setattr(fleet_link, "VIEW_CACHE_S", 60.0)  # a stall is no rebuild here
     threads: list[str] = []
 
     class Board(FleetBoard):

@@ -45,11 +45,12 @@ async def test_a_good_answer_lets_running_peers_settle_unless_told_not_to() -> N
         finished: list[str] = []
 
         async def ask(p):
-            await asyncio.sleep(0.01 if p is peers[0] else 0.2)
+            # the slow one far behind: a stalled loop must not let both finish at once
+            await asyncio.sleep(0.01 if p is peers[0] else 0.6)
             finished.append(p.url)
             return p.url
 
-        return await first_good(peers, ask, book, grace=1.0, settle=settle), finished
+        return await first_good(peers, ask, book, grace=2.0, settle=settle), finished
 
     got, finished = await main(True)
     assert got.endswith("10.0.0.1:7000") and len(finished) == 2

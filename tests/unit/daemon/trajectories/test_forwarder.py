@@ -21,7 +21,9 @@ from trainer.ingest import IngestStore, make_ingest_app
 
 async def forward(spool: Spool, upstream, until, seconds: float, **cfg: object) -> Forwarder:
     """Run a Forwarder from `spool` to `upstream` (an app, or a handler of /v1/ingest) until
-    `until()` holds or `seconds` pass; the forwarder task must still be alive at the end."""
+    `until(forwarder)` holds or `seconds` pass; the forwarder task must still be alive at the
+    end. Wait for what a test needs with `until`, not for a fixed window a loaded host can
+    outlast."""
     app = upstream
     if not isinstance(upstream, web.Application):
         app = web.Application()
@@ -35,7 +37,7 @@ async def forward(spool: Spool, upstream, until, seconds: float, **cfg: object) 
             f = Forwarder(spool, Trajectories(**settings), "token-123456", session, {})
             task = asyncio.create_task(f.run())
             deadline = time.monotonic() + seconds
-            while not until() and time.monotonic() < deadline and not task.done():
+            while not until(f) and time.monotonic() < deadline and not task.done():
                 await asyncio.sleep(0.02)
             assert not task.done(), f"the forwarder died: {task.exception()!r}"
             task.cancel()
@@ -62,7 +64,7 @@ async def test_trajectories_the_upstream_refuses_are_set_aside_and_the_rest_arri
         held.extend(t["id"] for t in lines)
         return web.json_response({"held": [t["id"] for t in lines]})
 
-    f = await forward(spool, upstream, lambda: spool.depth() == 0, 10)
+    f = await forward(spool, upstream, lambda f: spool.depth() == 0, 10)
     poisoned = [trajs[i]["id"] for i in (5, 13)]
     assert spool.depth() == 0 and spool.bytes == 0
     assert sorted(held) == sorted(set(ids(trajs)) - set(poisoned)) and len(held) == 18
@@ -80,7 +82,7 @@ async def test_a_misconfigured_forwarder_keeps_the_stream_instead_of_rejecting_i
     async def upstream(request: web.Request) -> web.Response:
         return web.json_response({"error": "missing or wrong bearer token"}, status=401)
 
-    f = await forward(spool, upstream, lambda: False, 0.5)
+    f = await forward(spool, upstream, lambda f: f.errors >= 2, 10)
     assert spool.depth() == 5 and spool.rejected == 0
     assert f.errors >= 2 and "HTTP 401" in f.last_error
 
@@ -99,12 +101,12 @@ async def test_hostile_retry_after_neither_kills_nor_spins_the_forwarder(
         return web.json_response({"error": "full"}, status=429,
                                  headers={"Retry-After": retry_after})
 
-    f = await forward(spool, upstream, lambda: False, 0.8, retry_initial_s=0.1,
-                      retry_max_s=0.3)
+    f = await forward(spool, upstream, lambda f: len(posts) >= 4 and f.backoff_s > 0, 10,
+                      retry_initial_s=0.1, retry_max_s=0.3)
     # waits stay within [retry_initial_s, retry_max_s]. Only bounds a loaded host cannot break
     # are asserted: a sleep never ends early, so consecutive posts are >= 0.1 s apart (the bug:
-    # thousands of resends) and 0.8 s holds at most 9 of them; how few came is load's business.
-    assert posts and len(posts) <= 9, posts
+    # thousands of resends), and the forwarder kept resending (a wait of 9999 years would not).
+    assert len(posts) >= 4, posts
     assert all(b - a >= 0.1 for a, b in itertools.pairwise(posts)), posts
     assert 0.1 <= f.backoff_s <= 0.3 and spool.depth() == 3
 
@@ -129,7 +131,7 @@ async def test_a_region_stuck_on_a_bad_trajectory_drains_into_the_real_ingest_af
 
     ingest = make_ingest_app(store, "token-123456")
     ingest.middlewares.append(count)
-    f = await forward(spool, ingest, lambda: spool.depth() == 0, 10, batch_size=100)
+    f = await forward(spool, ingest, lambda f: spool.depth() == 0, 10, batch_size=100)
     assert spool.depth() == 0 and spool.rejected == 1 and f.forwarded == 11
     assert store.held_ids() == [t["id"] for i, t in enumerate(trajs) if i != 4]
     assert [r["id"] for r in spool.rejected_items()] == [trajs[4]["id"]]
@@ -145,7 +147,8 @@ async def test_a_hostile_reply_body_is_a_retried_error_not_a_dead_forwarder(
     async def upstream(request: web.Request) -> web.Response:
         return web.Response(body=b"[" * 4000, status=status, content_type="application/json")
 
-    f = await forward(spool, upstream, lambda: False, 0.4)
+    f = await forward(spool, upstream, lambda f: (f.errors >= 1 if status == 200
+                                                  else spool.rejected == 3), 10)
     if status == 200:
         assert f.errors >= 1 and "nested too deeply" in f.last_error and spool.depth() == 3
     else:  # a refusal that names no trajectory: each is tried alone, then set aside
