@@ -182,20 +182,29 @@ class VllmServer:
             return ""
 
     def stop(self, timeout_s: float = 20.0) -> None:
-        """SIGTERM the group, SIGKILL what is left, then unlink the shared memory it held."""
-        shm = group_shm.held_by_group(self.proc.pid)  # read before the kill: /proc forgets
+        """SIGTERM the group, SIGKILL what is left, then unlink the shared memory it held:
+        what its processes had mapped before the kill and at any moment while they shut down
+        (a shutdown makes semaphores of its own, and a child killed meanwhile leaves them)."""
+        pgid = self.proc.pid
+        shm = group_shm.held_by_group(pgid)  # read before the kill: /proc forgets
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
+                os.killpg(pgid, signal.SIGTERM)
+            deadline = time.monotonic() + timeout_s
+            while self.proc.poll() is None and time.monotonic() < deadline:
+                shm |= group_shm.held_by_group(pgid)
+                time.sleep(0.05)
+            if self.proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
+                    os.killpg(pgid, signal.SIGKILL)
                 self.proc.wait(10)
+        shm |= group_shm.held_by_group(pgid)
+        # the group's resource tracker ignores SIGTERM and unlinks what its processes left once
+        # they are all gone; killing it first leaves their semaphores in /dev/shm for good
+        wait_group_gone(pgid, GROUP_EXIT_GRACE_S)
         with contextlib.suppress(ProcessLookupError):  # engine-core children left behind
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        wait_group_gone(self.proc.pid)
+            os.killpg(pgid, signal.SIGKILL)
+        wait_group_gone(pgid)
         group_shm.remove(shm)
         shutil.rmtree(self.state_dir, ignore_errors=True)
 
@@ -204,6 +213,10 @@ class VllmServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+GROUP_EXIT_GRACE_S = 5.0
+"""How long a stopped server's other processes get to exit on their own before SIGKILL."""
 
 
 def wait_group_gone(pgid: int, timeout_s: float = 10.0) -> None:
