@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rollout import group_shm
 from rollout.vllm_ext import write_patch
 from rollout.vllm_launch import REPO, VllmLaunchConfig, spawn, wait_healthy
 from rollout.vllm_server import VllmPatchUnsupported, VllmServerHook
@@ -107,8 +108,10 @@ def weights_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory):
-    """Two servers started side by side: default CPU kernels, and checkpoint-layout weights."""
+    """Two servers started side by side: default CPU kernels, and checkpoint-layout weights.
+    Stopped, they leave nothing in /dev/shm (a semaphore per run was left before)."""
     running = []
+    shm_before = set(group_shm.SHM_DIR.iterdir())
     try:
         for layout in (False, True):
             weights = weights_dir(tmp_path_factory)
@@ -123,6 +126,8 @@ def servers(tmp_path_factory: pytest.TempPathFactory):
         for srv, _, _ in running:
             srv.stop()
     assert all(srv.proc.poll() is not None for srv, _, _ in running)
+    left = set(group_shm.SHM_DIR.iterdir()) - shm_before - group_shm.held_by_any()
+    assert not left, f"the stopped servers left {sorted(map(str, left))}"
 
 
 @pytest.fixture(scope="module")
