@@ -10,9 +10,9 @@ every peer that lacked a torrent, seeding torrents included, for good (a review 
 session's cap of 30 dials a second against three idle peers; a closed handshake is no failure,
 so `max_failcount` never ends it). So only a download left with no connection is re-added
 (Swarm.refresh: same data, clean peer list, dialled at once), after 1 s alone, then 2, 4, ... up
-to 30 s while it stays alone. A connection still dialling or waiting for the peer's handshake
-counts (`Progress.connections`): a re-add closes those, and over a link whose round trip is
-several hundred ms a handshake takes longer than the first wait.
+to 30 s while it stays alone. A connect still in flight counts as a connection
+(`Progress.connections`; libtorrent's `num_peers` leaves it out): a re-add would close it, and
+across a slow or lossy link (a lost SYN is resent after 1 s) a connect outlasts the first wait.
 """
 
 from dataclasses import dataclass
@@ -29,10 +29,9 @@ class Redial:
     alone_since: float | None = None
 
     def due(self, connections: int, now: float, checking: bool = False) -> bool:
-        """Whether the download (`connections` now, handshaken or not) should be re-added
-        now. One
-        `checking` its files (a resumed download) has no connection by design, and re-adding
-        it would start the check over: it counts as connected."""
+        """Whether the download (`connections` now, connects in flight included) should be
+        re-added now. One `checking` its files (a resumed download) has no connection by
+        design, and re-adding it would start the check over: it counts as connected."""
         if connections or checking:
             self.alone_since, self.wait = None, FIRST_S
             return False

@@ -99,8 +99,7 @@ class Progress:
     upload_rate: int
     peers: int
     connections: int
-    """Connections of any kind, the ones still dialling or waiting for the peer's handshake
-    too (`peers` counts only those past the handshake)."""
+    """Connections of any kind, connects still in flight too (`peers` leaves those out)."""
     seeds: int
     finished: bool
     uploaded: int
