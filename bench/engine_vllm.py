@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from daemon.config import VllmHook
 from daemon.engines.vllm import VllmBackendHook
-from rollout.vllm_launch import VllmLaunchConfig, free_port, start
+from rollout.vllm_launch import VllmLaunchConfig, start
 from rollout.vllm_server import VllmServerHook
 from tests.integration.vllm_versions import step, write_patch_between, write_version
 from trainer.model import default_config, generation_config, hf_files
@@ -135,11 +135,10 @@ def measure(params: float, density: float, workdir: Path, versions: int = 3) -> 
         (root / "patches").mkdir()
         v0, digests = write_version(root / "weights", 0, state, files)
         t0 = time.perf_counter()
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        server = start(VllmLaunchConfig(model=v0, port=port, max_model_len=64,
+        server = start(VllmLaunchConfig(model=v0, max_model_len=64,
                                         startup_timeout_s=1800, cpu_checkpoint_layout=True),
                        log_path=root / "vllm.log")
+        url = server.base_url
         started = time.perf_counter() - t0
         rows = asyncio.run(run_versions(url, root, state, digests, files, density, versions))
         counted = [r for r in rows if not r["warmup"]] or rows

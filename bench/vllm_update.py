@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from daemon.config import VllmHook
 from daemon.engines.vllm import VllmBackendHook
-from rollout.vllm_launch import VllmLaunchConfig, free_port, start
+from rollout.vllm_launch import VllmLaunchConfig, start
 from rollout.vllm_server import VllmServerHook
 from tests.integration.harness import Cluster, step
 from trainer.model import build_default_model, hf_files, state_dict_as
@@ -88,12 +88,11 @@ def main() -> int:
             weights = region.state_dir / "weights"
             serve = root / "serve"  # the region advances old directories in place: copy v0
             shutil.copytree((weights / "current").resolve(), serve)
-            port = free_port()
-            url = f"http://127.0.0.1:{port}"
             t0 = time.perf_counter()
-            server = start(VllmLaunchConfig(model=serve, port=port, max_model_len=64,
+            server = start(VllmLaunchConfig(model=serve, max_model_len=64,
                                             cpu_checkpoint_layout=a.layout == "checkpoint"),
                            log_path=root / "vllm.log")
+            url = server.base_url
             print(f"model {nbytes / 2**20:.1f} MiB bf16 in {len(state)} tensors, layout "
                   f"{a.layout}, density {a.density}; vLLM up in {time.perf_counter() - t0:.0f} s")
             print(f"{'ver':>3} {'backend s':>9} {'mode':>7} {'check s':>8} {'checked':>8} "

@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rollout import group_shm
+from rollout.ports import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 EXTENSION = "rollout.vllm_ext.DeltaswarmWorkerExtension"
@@ -105,12 +105,6 @@ def vllm_python(venv: Path) -> Path:
     if not py.exists():
         raise VllmLaunchError(f"{py} does not exist: create it with `bash tools/vllm_env.sh`")
     return py
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def write_shim(directory: Path) -> Path:
@@ -261,15 +255,32 @@ def spawn(cfg: VllmLaunchConfig, log_path: Path | None = None) -> VllmServer:
     return VllmServer(proc, f"http://{cfg.host}:{port}", state_dir, log)
 
 
+PORT_TAKEN = "Address already in use"
+"""What vLLM's log says when its bind fails (OSError errno 98)."""
+PORT_TRIES = 3
+
+
 def start(cfg: VllmLaunchConfig, log_path: Path | None = None) -> VllmServer:
-    """spawn, then wait for /health; stops the server if it does not come up."""
-    server = spawn(cfg, log_path)
-    try:
-        wait_healthy(server, cfg.startup_timeout_s)
-    except BaseException:
-        server.stop()
-        raise
-    return server
+    """spawn, then wait for /health; stops the server if it does not come up. A port this
+    launcher picked (`port` 0) can still be bound by another program before vLLM binds it,
+    seconds after the probe: then vLLM is started again on another port, up to PORT_TRIES
+    times. A configured port is not changed: that error is the operator's to see."""
+    attempt = 1
+    while True:
+        server = spawn(cfg, log_path)
+        try:
+            wait_healthy(server, cfg.startup_timeout_s)
+            return server
+        except VllmLaunchError as e:
+            server.stop()
+            if cfg.port or attempt == PORT_TRIES or PORT_TAKEN not in str(e):
+                raise
+            print(f"vllm serve could not bind {server.base_url} (taken since the probe); "
+                  f"starting it again on another port ({attempt}/{PORT_TRIES})", file=sys.stderr)
+            attempt += 1
+        except BaseException:
+            server.stop()
+            raise
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,8 +7,6 @@ on every change, written as YAML for a real process) and one wait-until helper (
 import asyncio
 import json
 import os
-import random
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +18,7 @@ from typing import Any
 
 from chain.config_base import Section, replace, to_yaml
 from daemon.config import Config
+from rollout import ports
 from rollout.config import WorkerConfig
 from trainer.config import TrainerConfig
 
@@ -126,28 +125,8 @@ def run_child_appends(child: str, root: Path, plan: list) -> list[str]:
     return lines
 
 
-def free_port_block(span: int, step: int = 10, low: int = 20_000) -> int:
+def free_port_block(span: int, step: int = 10) -> int:
     """A base port with `span` ports above it free on loopback now, for a program that binds
-    fixed ports from a base (`deltaswarm init`, the demo). Drawn below the kernel's ephemeral
-    range: a port in it can be handed to some running daemon's outgoing connection between
-    this probe and the program's bind ("address already in use")."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            high = int(f.read().split()[0]) - span
-    except (OSError, ValueError, IndexError):
-        high = 32_768 - span
-    for _ in range(200):
-        base = random.randrange(low, max(low + step, high), step)
-        socks: list[socket.socket] = []
-        try:
-            for port in range(base, base + span):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise AssertionError(f"no block of {span} free ports on loopback from {low}")
+    fixed ports from a base (`deltaswarm init`, the demo): rollout.ports, below the kernel's
+    ephemeral range."""
+    return ports.free_port_block(span, step)

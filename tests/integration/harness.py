@@ -23,6 +23,7 @@ import torch
 import yaml
 
 from chain import keys
+from rollout import ports
 from tests.support import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,11 +36,10 @@ _HANDED_OUT: set[tuple[str, int]] = set()
 def free_port(host: str) -> int:
     """A port free on `host` now and not handed out before in this process: the kernel may give
     the same free port to two probes in a row (a daemon's HTTP and BitTorrent ports, then one
-    of them fails to bind: "address already in use", seen once in a CI run)."""
+    of them fails to bind: "address already in use", seen once in a CI run), drawn below the
+    kernel's ephemeral range (rollout.ports: an outgoing connection cannot take it)."""
     while True:
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
+        port = ports.free_port(host)
         if (host, port) not in _HANDED_OUT:
             _HANDED_OUT.add((host, port))
             return port

@@ -22,7 +22,8 @@ import torch
 
 from daemon.config import VllmHook
 from daemon.engines.vllm import VllmBackendHook
-from rollout.vllm_launch import REPO, VllmLaunchConfig, VllmServer, free_port, start
+from rollout.ports import free_port
+from rollout.vllm_launch import REPO, VllmLaunchConfig, VllmServer, start
 from rollout.vllm_server import VllmServerHook
 from tests.integration.vllm_versions import step, write_patch_between, write_version
 from trainer.model import build_default_model, hf_files, state_dict_as

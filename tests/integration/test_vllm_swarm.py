@@ -22,7 +22,8 @@ import torch
 
 from rollout.engine import Completion
 from rollout.engine_torch import TorchEngine
-from rollout.vllm_launch import REPO, VllmLaunchConfig, VllmServer, free_port, start
+from rollout.ports import free_port
+from rollout.vllm_launch import REPO, VllmLaunchConfig, VllmServer, start
 from rollout.vllm_server import VllmServerHook
 from tests.integration.harness import Cluster, Daemon, http
 from tests.support import wait_until
