@@ -100,8 +100,14 @@ def run(args: argparse.Namespace, work: Path) -> dict:
         console.print(f"{label}: {v if v is None else round(v, 3)} (goal <= {GOALS[key]}) "
                       f"{'PASS' if ok else 'MISS'}; {also}")
     console.print(f"vLLM: {out['vllm_params']} params, reload/update "
-                  f"{out['vllm_reload_over_update']}; all verified {out['all_verified']}; "
-                  f"load average {out['load_average']:.1f} (start {load0[0]:.1f})")
+                  f"{out['vllm_reload_over_update']} (goal >= 5); all verified "
+                  f"{out['all_verified']}; load average {out['load_average']:.1f} (start "
+                  f"{load0[0]:.1f})")
+    if out.get("vllm"):
+        v = out["vllm"]
+        console.print(f"this host's memory, one core: copy / scatter {v['bound_copy_over_scatter']}"
+                      f", copy / (scatter + check) {v['bound_copy_over_patch_check']} (a reload "
+                      "copies the model; the update scatters the changes and checks the words)")
     return out
 
 

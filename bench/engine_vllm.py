@@ -17,7 +17,10 @@ holds them: vLLM CPU's default repacks them, and a patch then cannot reach them 
 would reload those modules; the bench measures the path a GPU takes).
 
     python bench/engine_vllm.py [--params 1e9] [--density 0.01] [--versions 3]
-prints one JSON line: vllm_params, vllm_reload_over_update, and the times behind it.
+prints one JSON line: vllm_params, vllm_reload_over_update, and the times behind it; and
+`bound_*`: this host's memory bound for the ratio, timed after the server is stopped
+(host_bound: a page-cache copy of the model against the scatter, and the scatter with the
+check, on one core).
 """
 
 from __future__ import annotations
@@ -123,6 +126,52 @@ async def run_versions(url: str, root: Path, state: dict, digests: dict, files: 
     return rows
 
 
+def host_bound(nbytes: int, density: float, workdir: Path) -> dict:
+    """What this host's memory allows the ratio to be, timed here on one core (vLLM CPU runs
+    its worker on one): a reload at least copies the model from the page cache into the
+    parameters; a patch at least scatters `density` of its elements, and the backend's check
+    also reads every touched word before and after and mixes both into the tensor's lane
+    digest (chain.lanehash.moved_by_put_at, the kernel the update runs). Copy over scatter
+    bounds any in-place patch; copy over scatter-and-check bounds this backend's update on
+    a host whose copy runs at memory speed (a GPU's check runs on the device instead). Up to
+    1 GiB of bf16 (ratios of memory-bound passes do not depend on size past the caches)."""
+    import numpy as np
+
+    from chain import lanehash
+
+    n = min(nbytes, 1 << 30) // 2
+    rng = np.random.default_rng(0)
+    path = workdir / "host-bound.bin"
+    try:
+        rng.integers(0, 1 << 16, n, dtype=np.uint16).tofile(path)
+        src = np.memmap(path, np.uint16, "r")
+        int(src.sum(dtype=np.uint64))  # in the page cache, as a reloaded version is
+        dst = np.zeros(n, np.uint16)
+        k = max(1, round(n * density))
+        pos = np.sort(rng.choice(n, k, replace=False)).astype(np.int64)
+        val = rng.integers(0, 1 << 16, k, dtype=np.uint16)
+        lanehash.moved_by_put_at(dst[:64], pos[:1], val[:1], 0)  # compiled before timing
+        copy, scatter, checked = [], [], []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            np.copyto(dst, src)
+            t1 = time.perf_counter()
+            dst[pos] = val
+            t2 = time.perf_counter()
+            lanehash.moved_by_put_at(dst, pos, val, 0)
+            t3 = time.perf_counter()
+            copy.append(t1 - t0)
+            scatter.append(t2 - t1)
+            checked.append(t3 - t2)
+        del src
+    finally:
+        path.unlink(missing_ok=True)
+    c, s, p = (statistics.median(x) for x in (copy, scatter, checked))
+    return {"bound_bytes": 2 * n, "bound_copy_s": round(c, 4), "bound_scatter_s": round(s, 4),
+            "bound_patch_check_s": round(p, 4), "bound_copy_over_scatter": round(c / s, 2),
+            "bound_copy_over_patch_check": round(c / p, 2)}
+
+
 def measure(params: float, density: float, workdir: Path, versions: int = 3) -> dict:
     """Serve a model of about `params` parameters with vLLM; per version, time the backend's
     patch update (with its check) and a whole reload of the same version; see the module doc."""
@@ -142,7 +191,10 @@ def measure(params: float, density: float, workdir: Path, versions: int = 3) -> 
         started = time.perf_counter() - t0
         rows = asyncio.run(run_versions(url, root, state, digests, files, density, versions))
         counted = [r for r in rows if not r["warmup"]] or rows
-        return {
+        server.stop()  # its memory and core back before the host's own bound is timed
+        server = None
+        bound = host_bound(2 * nparams, density, root)
+        return bound | {
             "vllm_params": nparams, "vllm_density": density,
             "vllm_reload_over_update": round(statistics.median(r["ratio"] for r in counted), 2),
             "vllm_update_s": statistics.median(r["update_s"] for r in counted),
