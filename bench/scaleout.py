@@ -20,7 +20,9 @@ sharded publishing costs against the single-process Publisher. One JSON line las
   regions of `--region-size`; per delta version, the trainer daemon's HTTP response body bytes
   (its per-route counters, daemon/observe/served.py; median of `--fleet-versions`) and CPU
   seconds (/proc, the mean over the versions: 10 ms ticks round a median) while every node
-  reaches it; `control_*_last_over_first` divide the largest N's
+  reaches it, not counting the bench's own /metrics scrapes between versions (their CPU, which
+  grows with the fleet the trainer reports, is `trainer_scrape_cpu_s`, one scrape's mean);
+  `control_*_last_over_first` divide the largest N's
   by the smallest's (goal: at most 1.5, flat in N). Also per N: `version_window_s` (publish to
   every node current, plus 1 s), `trainer_idle_cpu_s_per_s` (the trainer's CPU rate over 10 s
   with no version moving: its once-a-second loops, reports, long-polls) and
@@ -222,18 +224,27 @@ IDLE_S = 10.0
 """How long the trainer's idle CPU rate is sampled after the versions (10 ms clock ticks)."""
 
 
-def _trainer_sent(trainer) -> tuple[float, dict[str, float], dict[str, float]]:
-    """(the trainer daemon's CPU seconds so far, its response body bytes per route, its
-    responses per route)."""
+def _cpu_s(pid: int) -> float:
+    """A process's CPU seconds so far (user + system, /proc: 10 ms clock ticks)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _trainer_sent(trainer) -> tuple[float, float, dict[str, float], dict[str, float]]:
+    """(the trainer daemon's CPU seconds before and after this bench's own /metrics scrape,
+    its response body bytes per route, its responses per route). A window measured from one
+    call's `after` to the next call's `before` holds none of the bench's scrapes: rendering
+    /metrics costs the trainer CPU that grows with the fleet it reports (its fleet series), and
+    a scrape per version is the bench's, where a Prometheus scrape runs on a clock."""
     from daemon.observe.served import route_counts
     from tests.integration.harness import http
 
-    with open(f"/proc/{trainer.proc.pid}/stat") as f:
-        fields = f.read().rpartition(")")[2].split()
-    cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    before = _cpu_s(trainer.proc.pid)
     _, raw, _ = http(f"{trainer.url}/metrics")
+    after = _cpu_s(trainer.proc.pid)
     text = raw.decode()
-    return (cpu, route_counts(text, "deltaswarm_http_response_bytes"),
+    return (before, after, route_counts(text, "deltaswarm_http_response_bytes"),
             route_counts(text, "deltaswarm_http_responses"))
 
 
@@ -248,7 +259,7 @@ def fleet_costs(ns: list[int], region_size: int, n_versions: int,
     out: dict = {"ns": ns, "region_size": region_size, "trainer_control_bytes_per_version": [],
                  "trainer_cpu_s_per_version": [], "trainer_bytes_by_route": [],
                  "trainer_responses_by_route": [], "version_windows_s": [],
-                 "trainer_cpu_s_each_version": [],
+                 "trainer_cpu_s_each_version": [], "trainer_scrape_cpu_s": [],
                  "version_window_s": [], "trainer_idle_cpu_s_per_s": [],
                  "trainer_cpu_s_per_version_over_idle": [], "max_peers": max_peers,
                  "fetchers_per_region": [], "fleet_fetchers": [], "gateway_views": [],
@@ -267,15 +278,16 @@ def fleet_costs(ns: list[int], region_size: int, n_versions: int,
             state = tiny_model(0, tensors=8, rows=256, cols=512)
             c.publish(0, state, snapshot=True)
             c.wait_all_at(0, 300)
-            per_bytes, per_cpu, per_s, routes, calls = [], [], [], {}, {}
+            per_bytes, per_cpu, per_s, routes, calls, scrapes = [], [], [], {}, {}, []
             for v in range(1, n_versions + 1):
-                cpu0, sent0, asked0 = _trainer_sent(trainer)
+                _, cpu0, sent0, asked0 = _trainer_sent(trainer)
                 t0 = time.monotonic()
                 state = step(state, v, density=0.01)
                 c.publish(v, state)
                 c.wait_all_at(v, 300)
                 time.sleep(1.0)  # the last replies of this version (index re-reads) land
-                cpu1, sent1, asked1 = _trainer_sent(trainer)
+                cpu1, scraped, sent1, asked1 = _trainer_sent(trainer)
+                scrapes.append(scraped - cpu1)
                 per_s.append(time.monotonic() - t0)
                 per_bytes.append(sum(sent1[r] - sent0.get(r, 0.0) for r in sent1
                                      if r not in NOT_CONTROL))
@@ -287,7 +299,7 @@ def fleet_costs(ns: list[int], region_size: int, n_versions: int,
             # the trainer's CPU with no version moving (its once-a-second loops, the fleet's
             # reports and long-polls), per second: a version's window on a host this loaded
             # grows with N (33 daemons on 2 cores), and so would this rate times the window
-            cpu0 = _trainer_sent(trainer)[0]
+            cpu0 = _trainer_sent(trainer)[1]
             time.sleep(IDLE_S)
             idle = (_trainer_sent(trainer)[0] - cpu0) / IDLE_S
             digest = trainer.status()["state_digest"]
@@ -313,6 +325,7 @@ def fleet_costs(ns: list[int], region_size: int, n_versions: int,
                 {r: round(sum(x) / len(x), 1) for r, x in sorted(calls.items()) if any(x)})
             out["version_windows_s"].append([round(x, 2) for x in per_s])
             out["trainer_cpu_s_each_version"].append([round(x, 3) for x in per_cpu])
+            out["trainer_scrape_cpu_s"].append(round(sum(scrapes) / len(scrapes), 4))
             out["fetchers_per_region"].append(roles["fetchers_per_region"])
             out["fleet_fetchers"].append(roles["fleet_fetchers"])
             out["gateway_views"].append(roles["gateway_views"])

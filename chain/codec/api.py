@@ -372,7 +372,7 @@ def _decode_all(items: Sequence[tuple[np.ndarray, bytes | memoryview, str]], thr
         if plan is not None:
             decoded.append(plan)
     _run_grouped(segments, _decode_job, threads)
-    for t, errs, _, kind, _, want in decoded:
+    for t, errs, _, kind, _, want, _ in decoded:
         bad = [e[0] for e in errs if e[0]]
         if bad:
             raise BadDelta(f"tensor delta #{t} does not decode against its base: "
@@ -396,8 +396,8 @@ def decode_many(items: Sequence[tuple[np.ndarray, bytes | memoryview, str]],
     and overlaid there, so the base is never copied whole: a fresh copy of every tensor,
     overlaid in one thread, cost a third of the decode at 1B."""
     out = [Changes.none(hdr.coding(dtype).dtype.uint) for _, _, dtype in items]
-    for t, errs, base, kind, data, _ in _decode_all(items, threads, write=False, moves=moves,
-                                                    overlays=overlays):
+    for t, errs, base, kind, data, _, at in _decode_all(items, threads, write=False,
+                                                        moves=moves, overlays=overlays):
         if kind == hdr.RAW:
             base = overlaid(base, overlays[t] if overlays else ())
             pos = np.flatnonzero(base != data).astype(np.int64)
@@ -410,8 +410,9 @@ def decode_many(items: Sequence[tuple[np.ndarray, bytes | memoryview, str]],
                 for e in errs:
                     ma, mb = ma + e[2], mb + e[3]
                 digest = (ma & lanehash.M64, mb & lanehash.M64)
-            out[t] = Changes(np.concatenate([pos[a:b] + np.int64(lo) for lo, pos, _, a, b in data]),
-                             np.concatenate([val[a:b] for _, _, val, a, b in data]), digest)
+            # the jobs wrote each segment's positions into `at` (the tensor's, as int64) and
+            # its values one after the other: no serial concatenation after the threads
+            out[t] = Changes(at, data[0][2] if data else np.empty(0, base.dtype), digest)
     return out
 
 
@@ -431,7 +432,7 @@ def apply_many(items: Sequence[tuple[np.ndarray, bytes | memoryview, str]],
     BadDelta no target has been written."""
     decoded = _decode_all(items, threads, write=True)
     scat = []
-    for _, _, target, kind, data, _ in decoded:
+    for _, _, target, kind, data, _, _ in decoded:
         if kind == hdr.RAW:
             scat.append((target.size, _raw_job(target, data)))
         else:
@@ -469,7 +470,7 @@ def _plan_apply(t: int, target: np.ndarray, payload, dtype: str, jobs: list, wri
         return None
     if h.mode == hdr.RAW:
         data = buf[h.body_start:h.body_end].view(c.dtype.uint)
-        return t, [], target, hdr.RAW, data, 0
+        return t, [], target, hdr.RAW, data, 0, None
     seg, words = 1 << h.log2_seg, _words(target)
     # where each segment's changes begin in each overlay layer, found once per tensor; the
     # compiled scatter checks no bounds, so a layer must lie inside the tensor
@@ -481,6 +482,8 @@ def _plan_apply(t: int, target: np.ndarray, payload, dtype: str, jobs: list, wri
             for lpos, _ in layers] if layers else []
     pos = np.empty(h.k, np.int32)
     val = np.empty(h.k, c.dtype.uint)
+    at = None if write else np.empty(h.k, np.int64)
+    """decode_many's positions, the tensor's own (written by each segment's job)"""
     errs = [(0, 0, 0, 0)] * len(h.seg_k)
     segs = []
     start, base = h.body_start, 0
@@ -495,13 +498,13 @@ def _plan_apply(t: int, target: np.ndarray, payload, dtype: str, jobs: list, wri
                     if cut[s + 1] > cut[s]]  # a segment no layer touches is read in place
             jobs.append((hi - lo + _CHANGE_COST * ks,
                          (target, lo, hi, words, buf, bounds, ks, c, pos, val, base, errs, s,
-                          moves, over)))
+                          moves, over, at)))
             segs.append((lo, pos, val, base, base + ks))
         elif sum(lens):
             errs[s] = (ERR_STREAM, 0, 0, 0)
         start = bounds[-1]
         base += ks
-    return t, errs, target, hdr.CODED, segs, h.result
+    return t, errs, target, hdr.CODED, segs, h.result, at
 
 
 
@@ -517,7 +520,8 @@ def _decode_job(specs: list[tuple]) -> Callable[[], None]:
 
 def _decode_segment(ws: _Workspace, variants: dict, target, lo, hi, words, buf, bounds, ks,
                     c: hdr.Coding, pos, val, base, errs, s, moves: bool,
-                    over: list[tuple[np.ndarray, np.ndarray, int, int]]) -> None:
+                    over: list[tuple[np.ndarray, np.ndarray, int, int]],
+                    at: np.ndarray | None) -> None:
     """Decode segment `s` of one tensor into `pos`/`val` from `base` on, its error, hash and
     (with `moves`) digest move into `errs[s]`. `variants`: the compiled decoder by element
     type, looked up once per job (every other argument's type is fixed)."""
@@ -536,12 +540,13 @@ def _decode_segment(ws: _Workspace, variants: dict, target, lo, hi, words, buf, 
         fn = variants[old.dtype] = decode_segment.variant(args)
     err, hsh = fn(*args)
     ma = mb = 0
-    if moves and not err:
-        at = pos[base:base + ks].astype(np.int64) + np.int64(lo)
-        if old is not target:  # scratch: writing the changes there is the cheaper kernel
-            ma, mb, _ = lanehash.moved_by_put_at(old, at, val[base:base + ks], toff)
-        else:
-            ma, mb = lanehash.moved_by_changes(target, at, val[base:base + ks])
+    if at is not None and not err:  # the tensor's positions, made here while in cache
+        mine = at[base:base + ks]
+        np.add(pos[base:base + ks], np.int64(lo), out=mine)
+        if moves and old is not target:  # scratch: writing the changes there is cheaper
+            ma, mb, _ = lanehash.moved_by_put_at(old, mine, val[base:base + ks], toff)
+        elif moves:
+            ma, mb = lanehash.moved_by_changes(target, mine, val[base:base + ks])
     errs[s] = (int(err), int(hsh), int(ma), int(mb))
 
 
