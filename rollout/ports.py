@@ -10,6 +10,7 @@ only by a program that binds them on purpose, and the probe sees those.
 
 import random
 import socket
+import threading
 
 EPHEMERAL_DEFAULT_LOW = 32_768
 LOW = 20_000
@@ -25,25 +26,37 @@ def ephemeral_low() -> int:
         return EPHEMERAL_DEFAULT_LOW
 
 
+_handed_out: set[int] = set()
+"""Ports this process was given already: a port is free until its program binds it, so a
+second probe before that bind would find it free again and hand it out twice."""
+_lock = threading.Lock()
+
+
 def free_port_block(span: int = 1, step: int = 1, low: int = LOW, host: str = "127.0.0.1",
                     tries: int = 200) -> int:
-    """A base port with ports base..base+span-1 all free on `host` now, drawn at random (a
-    multiple of `step` from `low`) below the ephemeral range."""
+    """A base port with ports base..base+span-1 all free on `host` now and none handed out
+    before in this process, drawn at random (a multiple of `step` from `low`) below the
+    ephemeral range."""
     high = max(low + step, ephemeral_low() - span)
-    for _ in range(tries):
-        base = random.randrange(low, high, step)
-        socks: list[socket.socket] = []
-        try:
-            for port in range(base, base + span):
-                s = socket.socket()
-                socks.append(s)
-                s.bind((host, port))
+    with _lock:
+        for _ in range(tries):
+            base = random.randrange(low, high, step)
+            block = range(base, base + span)
+            if any(p in _handed_out for p in block):
+                continue
+            socks: list[socket.socket] = []
+            try:
+                for port in block:
+                    s = socket.socket()
+                    socks.append(s)
+                    s.bind((host, port))
+            except OSError:
+                continue
+            finally:
+                for s in socks:
+                    s.close()
+            _handed_out.update(block)
             return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
     raise OSError(f"no block of {span} free ports on {host} between {low} and {high + span} "
                   f"after {tries} draws")
 

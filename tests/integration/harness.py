@@ -30,19 +30,12 @@ ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "integration-test-token"
 
 
-_HANDED_OUT: set[tuple[str, int]] = set()
-
-
 def free_port(host: str) -> int:
-    """A port free on `host` now and not handed out before in this process: the kernel may give
-    the same free port to two probes in a row (a daemon's HTTP and BitTorrent ports, then one
-    of them fails to bind: "address already in use", seen once in a CI run), drawn below the
-    kernel's ephemeral range (rollout.ports: an outgoing connection cannot take it)."""
-    while True:
-        port = ports.free_port(host)
-        if (host, port) not in _HANDED_OUT:
-            _HANDED_OUT.add((host, port))
-            return port
+    """A port free on `host` now and not handed out before in this process (rollout.ports: the
+    kernel may give the same free port to two probes in a row, a daemon's HTTP and BitTorrent
+    ports, and one then fails to bind, seen once in a CI run), drawn below the kernel's
+    ephemeral range so that no outgoing connection takes it before the daemon binds it."""
+    return ports.free_port(host)
 
 
 def tiny_model(seed: int = 0, tensors: int = 4, rows: int = 256, cols: int = 1024

@@ -54,6 +54,16 @@ def test_a_free_port_is_below_the_ephemeral_range_and_bindable() -> None:
             s.bind(("127.0.0.1", port))
 
 
+def test_no_port_is_handed_out_twice_before_it_is_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Probes close their sockets, so a port stays free until its program binds it: a second
+    probe must not return it (a daemon's two ports drawn in a row, one then failing to bind)."""
+    monkeypatch.setattr(ports, "LOW", 30_000)
+    got = [ports.free_port() for _ in range(200)]
+    assert len(set(got)) == len(got)
+    base = ports.free_port_block(8, step=1, low=30_000)
+    assert not set(range(base, base + 8)) & set(got)
+
+
 def test_a_block_is_free_and_aligned() -> None:
     base = ports.free_port_block(8, step=100)
     assert base % 100 == 0 and base + 8 <= ports.ephemeral_low()
