@@ -482,8 +482,8 @@ def _plan_apply(t: int, target: np.ndarray, payload, dtype: str, jobs: list, wri
             for lpos, _ in layers] if layers else []
     pos = np.empty(h.k, np.int32)
     val = np.empty(h.k, c.dtype.uint)
-    at = None if write else np.empty(h.k, np.int64)
-    """decode_many's positions, the tensor's own (written by each segment's job)"""
+    at = None if write else np.empty(h.k, np.int64)  # decode_many's: each segment's job
+    # writes its positions there as the tensor's own
     errs = [(0, 0, 0, 0)] * len(h.seg_k)
     segs = []
     start, base = h.body_start, 0
