@@ -351,6 +351,8 @@ def measure_ranks(args: argparse.Namespace, work: Path) -> dict:
 def run_ranks(work: Path, world: int) -> dict:
     """One run of `world` rank processes over the versions: per delta version the slowest
     rank's time, the worst rank's memory beyond its shard, rank 0's phases."""
+    from rollout.ports import free_port  # outside the ephemeral range: the ranks bind it later
+
     port = free_port()
     # fixed mmap threshold: freed tensors go back to the kernel, so RssAnon is what the
     # publisher holds, not what glibc kept of the previous version's tensors; every rank is
@@ -372,14 +374,6 @@ def run_ranks(work: Path, world: int) -> dict:
             "shard": max(p["caller_bytes"] for k in deltas for p in k),
             "fixed": max(k.base["RssAnon"] - k.boot["RssAnon"] for k in kids),
             "first": deltas[0]}
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def report(out: dict, rows: list[dict], e2e: list[dict]) -> None:

@@ -4,26 +4,36 @@ Why not `bind(0)`: the kernel hands out such ports from its ephemeral range
 (/proc/sys/net/ipv4/ip_local_port_range, 32768-60999 by default), the same range every outgoing
 connection on the host draws its local port from. Between the probe and the program's own bind
 (vLLM binds seconds after it is spawned) any running daemon's outgoing connection can take the
-port, and the start fails with "address already in use". Ports drawn below that range are taken
-only by a program that binds them on purpose, and the probe sees those.
+port, and the start fails with "address already in use". Ports drawn outside that range are
+taken only by a program that binds them on purpose, and the probe sees those. Where a host's
+ephemeral range leaves too few ports outside it (a tuned `1024 65535`), the kernel's `bind(0)`
+is used after all: the race is back, but nothing fails for want of ports.
 """
 
 import random
 import socket
 import threading
 
-EPHEMERAL_DEFAULT_LOW = 32_768
+EPHEMERAL_DEFAULT = (32_768, 60_999)
 LOW = 20_000
 """The lowest port drawn: above the well-known and most registered service ports."""
+MIN_SPACE = 1_000
+"""Fewer ports than this outside the ephemeral range: use the kernel's bind(0) instead."""
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's ephemeral range, both ends included."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split()[:2])
+            return low, high
+    except (OSError, ValueError):
+        return EPHEMERAL_DEFAULT
 
 
 def ephemeral_low() -> int:
     """The first port of the kernel's ephemeral range."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return EPHEMERAL_DEFAULT_LOW
+    return ephemeral_range()[0]
 
 
 _handed_out: set[int] = set()
@@ -32,35 +42,65 @@ second probe before that bind would find it free again and hand it out twice."""
 _lock = threading.Lock()
 
 
+def _spaces(span: int, low: int) -> list[range]:
+    """Where a block of `span` may start: from `low` up to the ephemeral range, and above it."""
+    e_low, e_high = ephemeral_range()
+    out = [range(low, e_low - span + 1), range(max(low, e_high + 1), 65_536 - span + 1)]
+    return [r for r in out if len(r) > 0]
+
+
+def _bindable(host: str, block: range) -> bool:
+    socks: list[socket.socket] = []
+    try:
+        for port in block:
+            s = socket.socket()
+            socks.append(s)
+            s.bind((host, port))
+        return True
+    except OSError:
+        return False
+    finally:
+        for s in socks:
+            s.close()
+
+
 def free_port_block(span: int = 1, step: int = 1, low: int = LOW, host: str = "127.0.0.1",
                     tries: int = 200) -> int:
     """A base port with ports base..base+span-1 all free on `host` now and none handed out
-    before in this process, drawn at random (a multiple of `step` from `low`) below the
+    before in this process, drawn at random (a multiple of `step`) from `low` up, outside the
     ephemeral range."""
-    high = max(low + step, ephemeral_low() - span)
     with _lock:
-        for _ in range(tries):
-            base = random.randrange(low, high, step)
+        spaces = _spaces(span, low)
+        if sum(len(r) for r in spaces) < MIN_SPACE:
+            if span == 1:
+                return _kernel_port(host)
+            raise OSError(f"fewer than {MIN_SPACE} ports from {low} up lie outside the "
+                          f"ephemeral range {ephemeral_range()}: no block of {span} to draw")
+        starts = [range(-(-r.start // step) * step, r.stop, step) for r in spaces]
+        starts = [r for r in starts if len(r) > 0]
+        for _ in range(tries if starts else 0):
+            base = random.choice(random.choices(starts, weights=[len(r) for r in starts])[0])
             block = range(base, base + span)
-            if any(p in _handed_out for p in block):
+            if any(p in _handed_out for p in block) or not _bindable(host, block):
                 continue
-            socks: list[socket.socket] = []
-            try:
-                for port in block:
-                    s = socket.socket()
-                    socks.append(s)
-                    s.bind((host, port))
-            except OSError:
-                continue
-            finally:
-                for s in socks:
-                    s.close()
             _handed_out.update(block)
             return base
-    raise OSError(f"no block of {span} free ports on {host} between {low} and {high + span} "
+    raise OSError(f"no block of {span} free ports on {host} outside the ephemeral range "
                   f"after {tries} draws")
 
 
+def _kernel_port(host: str) -> int:
+    """A port from the kernel's bind(0), not handed out before in this process."""
+    for _ in range(1000):
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+    raise OSError(f"the kernel gave {host} only ports this process had handed out already")
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """One port free on `host` now, below the ephemeral range."""
+    """One port free on `host` now, outside the ephemeral range where the host leaves room."""
     return free_port_block(1, 1, LOW, host)

@@ -162,16 +162,23 @@ def build_env(cfg: VllmLaunchConfig, shim_dir: Path) -> dict[str, str]:
 class VllmServer:
     """A running `vllm serve`: its URL, PID and log; `stop()` ends its whole process group."""
 
-    def __init__(self, proc: subprocess.Popen, base_url: str, state_dir: Path, log: Path) -> None:
+    def __init__(self, proc: subprocess.Popen, base_url: str, state_dir: Path, log: Path,
+                 log_start: int = 0) -> None:
         self.proc, self.base_url, self.state_dir, self.log_path = proc, base_url, state_dir, log
+        self.log_start = log_start
+        """Where this server's output begins in `log` (a log given by the caller is appended
+        to, by every start: a retry must not read the start before it)."""
 
     @property
     def pid(self) -> int:
         return self.proc.pid
 
     def log_tail(self, chars: int = 4000) -> str:
+        """The end of what this server wrote to its log."""
         try:
-            return self.log_path.read_text(errors="replace")[-chars:]
+            with open(self.log_path, "rb") as f:
+                f.seek(self.log_start)
+                return f.read().decode(errors="replace")[-chars:]
         except OSError:
             return ""
 
@@ -249,10 +256,11 @@ def spawn(cfg: VllmLaunchConfig, log_path: Path | None = None) -> VllmServer:
     log = log_path or state_dir / "vllm.log"
     env = build_env(cfg, write_shim(state_dir / "shim"))
     with open(log, "ab") as out:
+        start = out.tell()
         proc = subprocess.Popen(build_command(cfg, port), env=env, stdout=out,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 cwd=state_dir, start_new_session=True)
-    return VllmServer(proc, f"http://{cfg.host}:{port}", state_dir, log)
+    return VllmServer(proc, f"http://{cfg.host}:{port}", state_dir, log, start)
 
 
 PORT_TAKEN = "Address already in use"
