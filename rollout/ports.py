@@ -31,11 +31,6 @@ def ephemeral_range() -> tuple[int, int]:
         return EPHEMERAL_DEFAULT
 
 
-def ephemeral_low() -> int:
-    """The first port of the kernel's ephemeral range."""
-    return ephemeral_range()[0]
-
-
 _handed_out: set[int] = set()
 """Ports this process was given already: a port is free until its program binds it, so a
 second probe before that bind would find it free again and hand it out twice."""
@@ -75,7 +70,8 @@ def free_port_block(span: int = 1, step: int = 1, low: int = LOW, host: str = "1
             if span == 1:
                 return _kernel_port(host)
             raise OSError(f"fewer than {MIN_SPACE} ports from {low} up lie outside the "
-                          f"ephemeral range {ephemeral_range()}: no block of {span} to draw")
+                          f"ephemeral range {ephemeral_range()}: no block of {span} to draw; "
+                          "narrow net.ipv4.ip_local_port_range or give the program fixed ports")
         starts = [range(-(-r.start // step) * step, r.stop, step) for r in spaces]
         starts = [r for r in starts if len(r) > 0]
         for _ in range(tries if starts else 0):
@@ -86,7 +82,8 @@ def free_port_block(span: int = 1, step: int = 1, low: int = LOW, host: str = "1
             _handed_out.update(block)
             return base
     raise OSError(f"no block of {span} free ports on {host} outside the ephemeral range "
-                  f"after {tries} draws")
+                  f"after {tries} draws: free some of those ports or give the program fixed "
+                  "ones")
 
 
 def _kernel_port(host: str) -> int:

@@ -18,7 +18,6 @@ from typing import Any
 
 from chain.config_base import Section, replace, to_yaml
 from daemon.config import Config
-from rollout import ports
 from rollout.config import WorkerConfig
 from trainer.config import TrainerConfig
 
@@ -124,9 +123,3 @@ def run_child_appends(child: str, root: Path, plan: list) -> list[str]:
     assert out.returncode == 0 and len(lines) == len(plan), out.stdout + out.stderr
     return lines
 
-
-def free_port_block(span: int, step: int = 10) -> int:
-    """A base port with `span` ports above it free on loopback now, for a program that binds
-    fixed ports from a base (`deltaswarm init`, the demo): rollout.ports, below the kernel's
-    ephemeral range."""
-    return ports.free_port_block(span, step)

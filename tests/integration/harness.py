@@ -23,19 +23,11 @@ import torch
 import yaml
 
 from chain import keys
-from rollout import ports
+from rollout.ports import free_port
 from tests.support import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "integration-test-token"
-
-
-def free_port(host: str) -> int:
-    """A port free on `host` now and not handed out before in this process (rollout.ports: the
-    kernel may give the same free port to two probes in a row, a daemon's HTTP and BitTorrent
-    ports, and one then fails to bind, seen once in a CI run), drawn below the kernel's
-    ephemeral range so that no outgoing connection takes it before the daemon binds it."""
-    return ports.free_port(host)
 
 
 def tiny_model(seed: int = 0, tensors: int = 4, rows: int = 256, cols: int = 1024

@@ -12,7 +12,7 @@ import pytest
 
 from chain.config_base import to_yaml
 from demo.config import WarmupConfig, load_demo_config, with_overrides
-from tests.support import free_port_block
+from rollout.ports import free_port_block
 from trainer.ingest import IngestStore
 
 REPO = Path(__file__).resolve().parents[2]

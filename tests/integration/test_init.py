@@ -15,8 +15,9 @@ from safetensors.torch import load_file, save_file
 
 from chain.config_base import ConfigError
 from daemon.config import load_config
+from rollout.ports import free_port_block
 from tests.integration.harness import ROOT, http, step, tiny_model
-from tests.support import free_port_block, wait_until
+from tests.support import wait_until
 from trainer.ckpt_cli import load_publish_config
 from trainer.ingest_service import load_ingest_config
 
@@ -38,7 +39,7 @@ def checkpoint(d: Path, state: dict[str, torch.Tensor]) -> Path:
 
 
 def test_init_writes_a_swarm_that_runs_as_written(tmp_path: Path) -> None:
-    base = free_port_block(32)
+    base = free_port_block(32, step=10)
     out = cli("init", str(tmp_path / "swarm"), "--regions", "eu,us", "--base-port", str(base))
     d = tmp_path / "swarm"
     public = out.split("trainer public key ", 1)[1].split(")", 1)[0]

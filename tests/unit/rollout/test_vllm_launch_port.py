@@ -1,4 +1,4 @@
-"""The launcher's port: drawn below the ephemeral range, and a start whose picked port was taken
+"""The launcher's port: drawn outside the ephemeral range, and a start whose picked port was taken
 before vLLM bound it is made again on another port.
 
 vLLM itself takes a minute to start on this CPU, so `vllm` here is a stand-in executable in a
