@@ -20,8 +20,8 @@ sharded publishing costs against the single-process Publisher. One JSON line las
   regions of `--region-size`; per delta version, the trainer daemon's HTTP response body bytes
   (its per-route counters, daemon/observe/served.py; median of `--fleet-versions`) and CPU
   seconds (/proc, the mean over the versions: 10 ms ticks round a median) while every node
-  reaches it, not counting the bench's own /metrics scrapes between versions (their CPU, which
-  grows with the fleet the trainer reports, is `trainer_scrape_cpu_s`, one scrape's mean);
+  reaches it, not counting the bench's own /metrics scrapes between versions (their CPU is
+  `trainer_scrape_cpu_s`, one scrape's mean);
   `control_*_last_over_first` divide the largest N's
   by the smallest's (goal: at most 1.5, flat in N). Also per N: `version_window_s` (publish to
   every node current, plus 1 s), `trainer_idle_cpu_s_per_s` (the trainer's CPU rate over 10 s
@@ -234,9 +234,9 @@ def _cpu_s(pid: int) -> float:
 def _trainer_sent(trainer) -> tuple[float, float, dict[str, float], dict[str, float]]:
     """(the trainer daemon's CPU seconds before and after this bench's own /metrics scrape,
     its response body bytes per route, its responses per route). A window measured from one
-    call's `after` to the next call's `before` holds none of the bench's scrapes: rendering
-    /metrics costs the trainer CPU that grows with the fleet it reports (its fleet series), and
-    a scrape per version is the bench's, where a Prometheus scrape runs on a clock."""
+    call's `after` to the next call's `before` holds none of the bench's scrapes: a scrape
+    per version is the bench's own work (8-10 ms of the trainer's CPU here, a quarter of a
+    version at N = 8), where a Prometheus scrape runs on a clock."""
     from daemon.observe.served import route_counts
     from tests.integration.harness import http
 
