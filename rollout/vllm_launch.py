@@ -165,9 +165,9 @@ class VllmServer:
     def __init__(self, proc: subprocess.Popen, base_url: str, state_dir: Path, log: Path,
                  log_start: int = 0) -> None:
         self.proc, self.base_url, self.state_dir, self.log_path = proc, base_url, state_dir, log
+        # where this server's output begins in `log`: a caller's log is appended to by every
+        # start, and a retry must not read the start before it
         self.log_start = log_start
-        """Where this server's output begins in `log` (a log given by the caller is appended
-        to, by every start: a retry must not read the start before it)."""
 
     @property
     def pid(self) -> int:

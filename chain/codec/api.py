@@ -411,8 +411,9 @@ def decode_many(items: Sequence[tuple[np.ndarray, bytes | memoryview, str]],
                     ma, mb = ma + e[2], mb + e[3]
                 digest = (ma & lanehash.M64, mb & lanehash.M64)
             # the jobs wrote each segment's positions into `at` (the tensor's, as int64) and
-            # its values one after the other: no serial concatenation after the threads
-            out[t] = Changes(at, data[0][2] if data else np.empty(0, base.dtype), digest)
+            # its values one after the other: no serial concatenation after the threads (a
+            # coded payload has changes, header.parse refuses k = 0, so `data` is never empty)
+            out[t] = Changes(at, data[0][2], digest)
     return out
 
 
