@@ -37,10 +37,12 @@ second probe before that bind would find it free again and hand it out twice."""
 _lock = threading.Lock()
 
 
-def _spaces(span: int, low: int) -> list[range]:
-    """Where a block of `span` may start: from `low` up to the ephemeral range, and above it."""
+def _spaces(span: int, low: int, high: int) -> list[range]:
+    """Where a block of `span` ports in low..high may start: below the ephemeral range, and
+    above it."""
     e_low, e_high = ephemeral_range()
-    out = [range(low, e_low - span + 1), range(max(low, e_high + 1), 65_536 - span + 1)]
+    top = min(high, 65_535) + 1
+    out = [range(low, min(e_low, top) - span + 1), range(max(low, e_high + 1), top - span + 1)]
     return [r for r in out if len(r) > 0]
 
 
@@ -60,16 +62,16 @@ def _bindable(host: str, block: range) -> bool:
 
 
 def free_port_block(span: int = 1, step: int = 1, low: int = LOW, host: str = "127.0.0.1",
-                    tries: int = 200) -> int:
+                    tries: int = 200, high: int = 65_535) -> int:
     """A base port with ports base..base+span-1 all free on `host` now and none handed out
-    before in this process, drawn at random (a multiple of `step`) from `low` up, outside the
-    ephemeral range."""
+    before in this process, drawn at random (a multiple of `step`) from `low` to `high` (the
+    highest port the program accepts), outside the ephemeral range."""
     with _lock:
-        spaces = _spaces(span, low)
+        spaces = _spaces(span, low, high)
         if sum(len(r) for r in spaces) < MIN_SPACE:
             if span == 1:
                 return _kernel_port(host)
-            raise OSError(f"fewer than {MIN_SPACE} ports from {low} up lie outside the "
+            raise OSError(f"fewer than {MIN_SPACE} ports in {low}-{high} lie outside the "
                           f"ephemeral range {ephemeral_range()}: no block of {span} to draw; "
                           "narrow net.ipv4.ip_local_port_range or give the program fixed ports")
         starts = [range(-(-r.start // step) * step, r.stop, step) for r in spaces]

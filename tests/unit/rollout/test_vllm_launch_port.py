@@ -82,6 +82,13 @@ def test_no_port_is_handed_out_twice_before_it_is_bound(monkeypatch: pytest.Monk
     assert all(outside_ephemeral(p) for p in got)
 
 
+def test_a_block_stays_under_the_highest_port_its_program_accepts() -> None:
+    """The demo refuses a base port above 60000; a quarter of the ports outside the ephemeral
+    range lie above 61000, so without `high` some of these draws land there."""
+    bases = [ports.free_port_block(40, step=100, high=60_000) for _ in range(30)]
+    assert all(b + 39 <= 60_000 and outside_ephemeral(b) for b in bases)
+
+
 def test_a_block_is_free_and_aligned() -> None:
     base = ports.free_port_block(8, step=100)
     assert base % 100 == 0 and outside_ephemeral(base) and outside_ephemeral(base + 7)
