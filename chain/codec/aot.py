@@ -47,10 +47,10 @@ _I8 = ["i8"] * 5
 SPEC: dict[str, tuple[str, list[str]]] = {
     "encode_segment": ("chain.codec.kernels", [
         "W", "W", "i", "i", "b", "i", "i", "i", "i", "b", "i4", "i8", *_I8[:3], *_I8,
-        "u1", "u1", "u1", "u1", "i8"]),
+        "u1", "u1", "u1", "u1", "i8", "i"]),
     "decode_segment": ("chain.codec.kernels", [
         "W", "i", "i", "b", "u1", "i", "i", "i", "i", "i", "i", "i", "i", "i", "i", "b", "i4",
-        *_I8, "i8", "i8", "i4", "W", "i", "i"]),
+        *_I8, "i8", "i8", "i4", "W", "i", "i", "b"]),
     "scatter": ("chain.codec.kernels", ["W", "i", "i4", "W", "i", "i"]),
     "scatter_from": ("chain.codec.kernels", ["W", "i8", "W", "i", "i", "i"]),
     "merge_sorted": ("chain.codec.kernels", ["i8", "W", "i8", "W", "i8", "W"]),

@@ -27,6 +27,10 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 LOG2_SEG = 20
+DIRECT = 10
+"""A segment codes its positions directly (decoded in O(changes), with no pass over the old
+segment) when that takes at most this many percent more bits than coding them as ranks within
+their contexts; -1: ranks always (mode CODED, as before CODED_POS existed)."""
 THREADS = 2
 _PARALLEL_MIN = 1 << 18
 _CHANGE_COST = 30  # decoding one change takes about as long as stepping 30 elements
@@ -237,13 +241,13 @@ def _moved_between(i: int, lo: int, old: np.ndarray, new: np.ndarray, pos: np.nd
 
 
 def encode_changes(pairs: Sequence[tuple[np.ndarray, np.ndarray, str]],
-                   threads: int = THREADS, changes: bool = True, moved: Moved | None = None
-                   ) -> list[tuple[bytes, Changes | None]]:
+                   threads: int = THREADS, changes: bool = True, moved: Moved | None = None,
+                   direct: int = DIRECT) -> list[tuple[bytes, Changes | None]]:
     """`encode_many` that also returns each tensor's Changes (positions, new values, digest
     move), found in the same pass: O(changes) extra work and memory. The digest move is
     summed over segments, each computed by `moved` on the thread that encoded it, while the
     segment is still in cache (default: the pair's own digest; chain/shards.py passes the
-    move of a slice keyed by its tensor's word indices)."""
+    move of a slice keyed by its tensor's word indices). `direct`: see DIRECT."""
     seg = 1 << LOG2_SEG
     plans = []
     jobs = []
@@ -257,9 +261,11 @@ def encode_changes(pairs: Sequence[tuple[np.ndarray, np.ndarray, str]],
         for s in range(len(parts)):
             lo, hi = s * seg, min(n, (s + 1) * seg)
             jobs.append((hi - lo, (old, new, lo, hi, words, c, parts, s, found,
-                                   moved or _moved_between, len(plans) - 1)))
+                                   moved or _moved_between, len(plans) - 1, direct)))
     _run_grouped(jobs, _encode_job, threads)
-    return [(_assemble(old, new, dtype, c, parts), _gathered(found, c) if changes else None)
+    mode = hdr.CODED_POS if direct >= 0 else hdr.CODED
+    return [(_assemble(old, new, dtype, c, parts, mode),
+             _gathered(found, c) if changes else None)
             for old, new, dtype, c, parts, found in plans]
 
 
@@ -295,14 +301,15 @@ def _encode_job(specs: list[tuple]) -> Callable[[], None]:
 
 
 def _encode_segment(ws: _Workspace, variants: dict, old, new, lo, hi, words: bool,
-                    c: hdr.Coding, parts: list, s: int, found: list, moved: Moved, pair: int
-                    ) -> None:
+                    c: hdr.Coding, parts: list, s: int, found: list, moved: Moved, pair: int,
+                    direct: int) -> None:
     """Encode segment `s` of one pair into `parts[s]` (and its changes into `found[s]`).
     `variants`: the compiled encoder by element type, looked up once per job."""
     raw = (hi - lo) * c.dtype.itemsize + 64
     keep = ws.kept(hi - lo + 1) if found else _NO_KEEP
     args = (old, new, lo, hi, words, c.shift, c.cmask, c.nctx, c.dtype.bits, c.is_float,
-            ws.models, ws.hist, *ws.ctx[:3], *ws.changes(hi - lo + 1), *ws.outbufs(raw), keep)
+            ws.models, ws.hist, *ws.ctx[:3], *ws.changes(hi - lo + 1), *ws.outbufs(raw), keep,
+            direct)
     fn = variants.get(old.dtype)
     if fn is None:
         fn = variants[old.dtype] = encode_segment.variant(args)
@@ -324,7 +331,7 @@ def _encode_segment(ws: _Workspace, variants: dict, old, new, lo, hi, words: boo
         parts[s] = (k, None, 0)
 
 
-def _assemble(old, new, dtype: str, c: hdr.Coding, parts: list) -> bytes:
+def _assemble(old, new, dtype: str, c: hdr.Coding, parts: list, mode: int) -> bytes:
     n = old.size
     if len(parts) == 1:  # most tensors of a MoE model: one segment
         k, streams, hsh = parts[0]
@@ -332,7 +339,7 @@ def _assemble(old, new, dtype: str, c: hdr.Coding, parts: list) -> bytes:
             return hdr.pack(hdr.NONE, dtype, n, 0, [])
         if streams is None or sum(map(len, streams)) >= n * c.dtype.itemsize:
             return hdr.pack(hdr.RAW, dtype, n, k, [new.tobytes()])
-        return hdr.pack(hdr.CODED, dtype, n, k, streams, LOG2_SEG, [k], hsh & 0xFFFFFFFF)
+        return hdr.pack(mode, dtype, n, k, streams, LOG2_SEG, [k], hsh & 0xFFFFFFFF)
     k = sum(p[0] for p in parts)
     if k == 0:
         return hdr.pack(hdr.NONE, dtype, n, 0, [])
@@ -341,7 +348,7 @@ def _assemble(old, new, dtype: str, c: hdr.Coding, parts: list) -> bytes:
             sum(len(b) for p in parts for b in p[1]) >= raw_size:
         return hdr.pack(hdr.RAW, dtype, n, k, [new.tobytes()])
     streams = [b for p in parts for b in p[1]]
-    return hdr.pack(hdr.CODED, dtype, n, k, streams, LOG2_SEG, [p[0] for p in parts],
+    return hdr.pack(mode, dtype, n, k, streams, LOG2_SEG, [p[0] for p in parts],
                     _combine(p[2] for p in parts if p[0]))
 
 
@@ -499,7 +506,7 @@ def _plan_apply(t: int, target: np.ndarray, payload, dtype: str, jobs: list, wri
                     if cut[s + 1] > cut[s]]  # a segment no layer touches is read in place
             jobs.append((hi - lo + _CHANGE_COST * ks,
                          (target, lo, hi, words, buf, bounds, ks, c, pos, val, base, errs, s,
-                          moves, over, at)))
+                          moves, over, at, h.mode == hdr.CODED_POS)))
             segs.append((lo, pos, val, base, base + ks))
         elif sum(lens):
             errs[s] = (ERR_STREAM, 0, 0, 0)
@@ -522,7 +529,7 @@ def _decode_job(specs: list[tuple]) -> Callable[[], None]:
 def _decode_segment(ws: _Workspace, variants: dict, target, lo, hi, words, buf, bounds, ks,
                     c: hdr.Coding, pos, val, base, errs, s, moves: bool,
                     over: list[tuple[np.ndarray, np.ndarray, int, int]],
-                    at: np.ndarray | None) -> None:
+                    at: np.ndarray | None, flagged: bool) -> None:
     """Decode segment `s` of one tensor into `pos`/`val` from `base` on, its error, hash and
     (with `moves`) digest move into `errs[s]`. `variants`: the compiled decoder by element
     type, looked up once per job (every other argument's type is fixed)."""
@@ -535,7 +542,7 @@ def _decode_segment(ws: _Workspace, variants: dict, target, lo, hi, words, buf, 
         words = words and _words(old)
     args = (old, lo, hi, words, buf, *bounds, ks, c.shift, c.cmask, c.nctx, c.dtype.bits,
             c.is_float, ws.models, *ws.ctx[:5], *ws.changes(ks + c.nctx)[:2], pos, val, base,
-            toff)
+            toff, flagged)
     fn = variants.get(old.dtype)
     if fn is None:
         fn = variants[old.dtype] = decode_segment.variant(args)
@@ -562,15 +569,24 @@ def payload_stats(payload: bytes | memoryview) -> dict:
     nbytes = len(memoryview(payload).cast("B"))
     body_bits = 8 * (h.body_end - h.body_start)
     pos_bits = 8 * sum(lens[0] + lens[1] for lens in h.seg_len)  # table and gaps
+    buf = memoryview(payload).cast("B")
+    direct, at = 0, h.body_start
+    for lens in h.seg_len:  # CODED_POS: a segment's gap stream starts with its mode bit
+        if h.mode == hdr.CODED_POS and lens[1]:
+            direct += buf[at + lens[0]] & 1
+        at += sum(lens)
     return {
         "dtype": h.dtype,
-        "mode": {hdr.NONE: "unchanged", hdr.CODED: "coded", hdr.RAW: "raw"}[h.mode],
+        "mode": {hdr.NONE: "unchanged", hdr.CODED: "coded", hdr.CODED_POS: "coded",
+                 hdr.RAW: "raw"}[h.mode],
         "changed": h.k,
         "total": h.n,
         "density": h.k / h.n if h.n else 0.0,
         "nbytes": nbytes,
         "bits_header": 8 * nbytes - body_bits,
-        "bits_positions": pos_bits if h.mode == hdr.CODED else 0,
-        "bits_values": body_bits - pos_bits if h.mode == hdr.CODED else body_bits,
+        "bits_positions": pos_bits if h.mode in hdr.CODED_MODES else 0,
+        "bits_values": body_bits - pos_bits if h.mode in hdr.CODED_MODES else body_bits,
         "bits_per_changed": 8 * nbytes / h.k if h.k else 0.0,
+        "segments": len(h.seg_len),
+        "direct_segments": direct,
     }

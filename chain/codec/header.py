@@ -1,7 +1,7 @@
 """The byte layout around a tensor delta's coded streams, and its strict parser.
 
     0xD5 | format<<4 | mode | dtype code | varint n | varint k
-    mode CODED: log2(segment) | 4-byte result hash
+    mode CODED or CODED_POS: log2(segment) | 4-byte result hash
                 | per segment: [varint k, if more than one segment] and the varint lengths of
                   its four streams (context table, gaps, step sizes, signs and exceptions)
     body (the streams, or the raw new bits in mode RAW) | 4-byte xxh3-64 of all before it
@@ -23,7 +23,10 @@ from chain.errors import BadDelta
 MAGIC = 0xD5
 FORMAT = 2
 STREAMS = 4  # per segment, in this order: table, gaps, steps, signs (see kernels.py)
-NONE, CODED, RAW = 0, 1, 2
+NONE, CODED, RAW, CODED_POS = 0, 1, 2, 3
+CODED_MODES = (CODED, CODED_POS)
+"""CODED_POS: each segment's gap stream starts with a bit saying whether its positions are
+coded as ranks within their contexts (as in CODED) or directly (chain/codec/kernels.py)."""
 CHECK = 4
 LOG2_SEG_MIN, LOG2_SEG_MAX = 8, 26
 DTYPE_CODES = ["bfloat16", "float16", "float32", "float64", "float8_e4m3fn", "float8_e5m2",
@@ -77,11 +80,11 @@ def put_varint(out: bytearray, v: int) -> None:
 
 def pack(mode: int, dtype: str, n: int, k: int, body: list[bytes], log2_seg: int = 0,
          seg_k: list[int] | None = None, result: int = 0) -> bytes:
-    """`body`: the raw bytes (RAW), or STREAMS streams per segment (CODED)."""
+    """`body`: the raw bytes (RAW), or STREAMS streams per segment (CODED, CODED_POS)."""
     out = bytearray((MAGIC, (FORMAT << 4) | mode, _CODE[dtype]))
     put_varint(out, n)
     put_varint(out, k)
-    if mode == CODED:
+    if mode in CODED_MODES:
         out.append(log2_seg)
         out += result.to_bytes(4, "little")
         seg_k = seg_k or []
@@ -159,14 +162,14 @@ def parse(payload: bytes | memoryview, verify: bool = True) -> Header:
                        f"build reads format {FORMAT} only: bootstrap from a snapshot (they hold "
                        "raw tensors) or re-publish the chain")
     mode, code = fm & 0xF, r.byte()
-    if mode not in (NONE, CODED, RAW) or code >= len(DTYPE_CODES):
+    if mode not in (NONE, RAW, *CODED_MODES) or code >= len(DTYPE_CODES):
         raise BadDelta(f"tensor delta has unknown mode {mode} or dtype code {code}")
     h = Header(mode, DTYPE_CODES[code], r.varint(), r.varint())
     if h.k > h.n:
         raise BadDelta(f"tensor delta claims {h.k} changes in {h.n} elements")
     if mode == NONE and h.k:
         raise BadDelta("tensor delta of mode 'unchanged' claims changes")
-    if mode == CODED:
+    if mode in CODED_MODES:
         h.log2_seg = r.byte()
         if not LOG2_SEG_MIN <= h.log2_seg <= LOG2_SEG_MAX:
             raise BadDelta(f"tensor delta segment size 2^{h.log2_seg} is out of range")
@@ -194,7 +197,7 @@ def parse(payload: bytes | memoryview, verify: bool = True) -> Header:
     if mode == RAW and body != h.n * lookup(h.dtype).itemsize:
         raise BadDelta(f"raw tensor delta has {body} bytes of values for {h.n} elements")
     streams = sum(map(sum, h.seg_len))
-    if mode == CODED and streams != body:
+    if mode in CODED_MODES and streams != body:
         raise BadDelta(f"tensor delta streams take {streams} bytes; the payload holds "
                        f"{body}: it is truncated or corrupted")
     return h

@@ -261,6 +261,16 @@ def _rice_choose(vals, a, k, total):
 
 
 @njit
+def _rice_bits(vals, a, k, r):
+    """Bits rice_put takes for vals[a:a+k] with parameter r (escapes aside: a chosen r makes
+    them rare)."""
+    bits = k * (r + 1)
+    for t in range(a, a + k):
+        bits += vals[t] >> r
+    return bits
+
+
+@njit
 def _enc_values(vs, ss, models, off_x, off_inv, ci, ti, steps, width, scratch, vout, sout):
     """One context's steps: exception list, signs, magnitudes."""
     mask = _mask(width)
@@ -310,12 +320,18 @@ def _enc_values(vs, ss, models, off_x, off_inv, ci, ti, steps, width, scratch, v
 @njit(nogil=True, cache=True)
 def encode_segment(old, new, lo, hi, words, shift, cmask, nctx, width, is_float,
                    models, hist, kcnt, start, rpar, chg, chg_rank, chg_ctx, grank,
-                   gstep, tout, gout, vout, sout, keep):
+                   gstep, tout, gout, vout, sout, keep, direct):
     """Code old[lo:hi] -> new[lo:hi] into four buffers (scratch arrays of hi - lo + 1 entries;
     `words`: 2-byte elements, 8-byte aligned). Returns (changes, then the table, gap, magnitude
     and sign stream lengths, result hash); no changes codes nothing, and a length larger than
     its buffer means the buffer was too small. When `keep` has room, the changes' offsets from
-    lo go there in position order too (the caller's record of what changed)."""
+    lo go there in position order too (the caller's record of what changed).
+
+    `direct` < 0: positions as ranks within their contexts (mode CODED). Else (mode
+    CODED_POS) the gap stream starts with a bit saying how this segment codes them: as ranks,
+    or directly as gaps between positions, which the decoder reads without counting every
+    old element (O(changes) instead of a pass over the segment); direct when its gaps take at
+    most `direct` percent more bits than the ranks'."""
     sh = np.uint64(shift)
     cm = np.uint64(cmask)
     hist[:] = 0
@@ -351,6 +367,7 @@ def encode_segment(old, new, lo, hi, words, shift, cmask, nctx, width, is_float,
         start[e] = t + 1
         grank[t] = chg_rank[j]
         gstep[t] = (kn - ko) & mask
+    rank_bits = 0
     for e in range(nctx):  # ranks become gaps, in place
         k = kcnt[e]
         start[e] -= k
@@ -360,12 +377,25 @@ def encode_segment(old, new, lo, hi, words, shift, cmask, nctx, width, is_float,
             grank[t] = rk - prev - 1
             prev = rk
         if k:
-            rpar[e] = _rice_choose(grank, start[e], k, prev + 1 - k)
+            r = _rice_choose(grank, start[e], k, prev + 1 - k)
+            rpar[e] = r
+            rank_bits += _rice_bits(grank, start[e], k, r) + R_BITS
+    use_direct = 0
+    rd = 0
+    if direct >= 0:  # positions become gaps between them, in place (chg is scratch from here)
+        last = chg[m - 1]
+        for j in range(m - 1, 0, -1):
+            chg[j] -= chg[j - 1] + 1
+        rd = _rice_choose(chg, 0, m, last + 1 - m)
+        if (_rice_bits(chg, 0, m, rd) + R_BITS) * 100 <= rank_bits * (100 + direct):
+            use_direct = 1
 
     off_k, off_x, off_inv, off_cls, off_top, total = _layout(nctx, width)
     models[:total] = INIT
     ts = enc_start()
     gs = (np.int64(0), np.int64(0), np.int64(0))
+    if direct >= 0:
+        gs = raw_put(gs, use_direct, 1, gout)
     prev = 0
     for e in range(nctx):
         act = 1 if kcnt[e] > 0 else 0
@@ -373,7 +403,12 @@ def encode_segment(old, new, lo, hi, words, shift, cmask, nctx, width, is_float,
         prev = act
         if act:
             ts, gs = _enc_count(ts, gs, models, off_k, kcnt[e] - 1, tout, gout)
-            gs = raw_put(gs, rpar[e], R_BITS, gout)
+            if not use_direct:
+                gs = raw_put(gs, rpar[e], R_BITS, gout)
+    if use_direct:
+        gs = raw_put(gs, rd, R_BITS, gout)
+        for j in range(m):
+            gs = rice_put(gs, chg[j], rd, gout)
     vs = enc_start()
     ss = (np.int64(0), np.int64(0), np.int64(0))
     for e in range(nctx):
@@ -381,8 +416,9 @@ def encode_segment(old, new, lo, hi, words, shift, cmask, nctx, width, is_float,
         if k == 0:
             continue
         r = rpar[e]
-        for t in range(start[e], start[e] + k):
-            gs = rice_put(gs, grank[t], r, gout)
+        if not use_direct:
+            for t in range(start[e], start[e] + k):
+                gs = rice_put(gs, grank[t], r, gout)
         # the offsets in chg are no longer needed: it serves as scratch
         vs, ss = _enc_values(vs, ss, models, off_x, off_inv, off_cls + width * e,
                              off_top + width * e, gstep[start[e]:start[e] + k], width, chg,
@@ -493,15 +529,77 @@ def _hit(i, x, e, lo, slack, ptr, gp, gaps, steps, out_pos, out_val, m, width, i
     return _mix(np.uint64(i), kn)
 
 
+@njit
+def _decode_direct(target, lo, hi, buf, gs, vs, vstart, sstart, send, kseg, shift, cmask, nctx,
+                   width, is_float, models, kk, ptr, gp, gaps, steps, out_pos, out_val, obase,
+                   toff):
+    """decode_segment's rest for a segment whose positions are gaps between them: read the
+    positions, then each context's steps, then only the changed old elements (their context
+    says whose next step each takes). Each context's steps run from ptr[e] to gp[e]."""
+    none = np.uint64(0)
+    seglen = hi - lo
+    _, off_x, off_inv, off_cls, off_top, _ = _layout(nctx, width)
+    rd, gs = raw_get(gs, R_BITS, buf, vstart)
+    if rd > R_MAX:
+        return ERR_GAP, none
+    used = 0
+    for j in range(kseg):
+        g, gs = rice_get(gs, rd, buf, vstart)
+        used += g + 1
+        if g < 0 or used > seglen:
+            return ERR_GAP, none
+        out_pos[obase + j] = used - 1
+    ss = (np.int64(0), np.int64(0), sstart)
+    o = 0
+    for e in range(nctx):
+        k = kk[e]
+        ptr[e] = o
+        gp[e] = o + k
+        if k == 0:
+            continue
+        err, vs, ss = _dec_values(vs, ss, models, off_x, off_inv, off_cls + width * e,
+                                  off_top + width * e, k, width, buf, sstart, send, gaps,
+                                  steps, o)
+        if err:
+            return err, none
+        o += k
+    for state, end in ((gs, vstart), (ss, send)):
+        consumed = 8 * state[2] - state[1]
+        if consumed > 8 * end or consumed <= 8 * end - 8:
+            return ERR_STREAM, none
+    if vs[2] != sstart:
+        return ERR_STREAM, none
+    sh = np.uint64(shift)
+    cm = np.uint64(cmask)
+    hsh = np.uint64(0)
+    # the old elements first, in a loop of independent loads whose cache misses overlap
+    for j in range(kseg):
+        gaps[j] = target[lo + out_pos[obase + j] - toff]
+    for m in range(obase, obase + kseg):
+        i = lo + out_pos[m]
+        x = gaps[m - obase]
+        e = _ctx(x, sh, cm)
+        j = ptr[e]
+        if j >= gp[e]:  # more changes in this context than the table says
+            return ERR_GAP, none
+        ptr[e] = j + 1
+        kn = _flip((_flip(np.uint64(x), width, is_float) + np.uint64(steps[j])) & _mask(width),
+                   width, is_float)
+        out_val[m] = kn
+        hsh += _mix(np.uint64(i), kn)
+    return OK, hsh
+
+
 @njit(nogil=True, cache=True)
 def decode_segment(target, lo, hi, words, buf, tstart, gstart, vstart, sstart, send, kseg,
                    shift, cmask, nctx, width, is_float, models, slack, kk, rpar, ptr, gp, gaps,
-                   steps, out_pos, out_val, obase, toff):
+                   steps, out_pos, out_val, obase, toff, flagged):
     """Decode one segment's streams (table buf[tstart:gstart], gaps [gstart:vstart],
     magnitudes [vstart:sstart], signs [sstart:send]) against elements lo..hi of the old
     tensor, which `target` holds from element `toff` on (read only; `words`: as for encoding)
     into out_pos/out_val[obase:obase+kseg], in position order (`gaps`, `steps`: scratch of
-    kseg + nctx entries). Returns (error code, OK = 0; result hash)."""
+    kseg + nctx entries). `flagged`: the payload is CODED_POS, whose segments say how they code
+    their positions (encode_segment's `direct`). Returns (error code, OK = 0; result hash)."""
     sh = np.uint64(shift)
     cm = np.uint64(cmask)
     seglen = hi - lo
@@ -514,6 +612,9 @@ def decode_segment(target, lo, hi, words, buf, tstart, gstart, vstart, sstart, s
     ss = (np.int64(0), np.int64(0), sstart)
     if ts[1] >= ts[0] or vs[1] >= vs[0]:
         return ERR_STREAM, none
+    use_direct = np.int64(0)
+    if flagged:
+        use_direct, gs = raw_get(gs, 1, buf, vstart)
     found = 0
     prev = 0
     for e in range(nctx):
@@ -526,15 +627,20 @@ def decode_segment(target, lo, hi, words, buf, tstart, gstart, vstart, sstart, s
             found += k
             if k > seglen or found > kseg:
                 return ERR_COUNT, none
-            r, gs = raw_get(gs, R_BITS, buf, vstart)
-            if r > R_MAX:
-                return ERR_GAP, none
+            if not use_direct:
+                r, gs = raw_get(gs, R_BITS, buf, vstart)
+                if r > R_MAX:
+                    return ERR_GAP, none
+                rpar[e] = r
             kk[e] = k
-            rpar[e] = r
     if found != kseg:
         return ERR_COUNT, none
     if ts[2] != gstart:
         return ERR_STREAM, none
+    if use_direct:
+        return _decode_direct(target, lo, hi, buf, gs, vs, vstart, sstart, send, kseg, shift,
+                              cmask, nctx, width, is_float, models, kk, ptr, gp, gaps, steps,
+                              out_pos, out_val, obase, toff)
 
     # gaps and steps, context by context; each context's gaps end with a sentinel
     o = 0

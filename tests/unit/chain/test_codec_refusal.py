@@ -7,7 +7,13 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from chain.codec import apply_many, apply_tensor_delta, encode_tensor_delta, payload_stats
+from chain.codec import (
+    apply_many,
+    apply_tensor_delta,
+    encode_changes,
+    encode_tensor_delta,
+    payload_stats,
+)
 from chain.codec.header import CHECK
 from chain.errors import BadDelta
 
@@ -20,13 +26,27 @@ def _pair(n: int = 20_000, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     w = (rng.standard_normal(n) * 0.02).astype(np.float32)
     old = (w.view(np.uint32) >> 16).astype(np.uint16)
     new = old.copy()
-    idx = rng.choice(n, n // 40, replace=False)
+    # the changes in the smaller half of the weights: ranks within their contexts then cost
+    # fewer bits than gaps between positions, so allowance 0 codes them as ranks
+    small = np.flatnonzero(np.abs(w) < np.median(np.abs(w)))
+    idx = rng.choice(small, n // 40, replace=False)
     new[idx] += rng.choice(np.array([1, 0xFFFF, 3], np.uint16), idx.size)
     return old, new
 
 
 OLD, NEW = _pair()
 PAYLOAD = encode_tensor_delta(OLD, NEW, "bfloat16")
+CODINGS = {name: encode_changes([(OLD, NEW, "bfloat16")], direct=direct)[0][0]
+           for name, direct in (("ranks", -1), ("flagged-ranks", 0), ("direct", 1000))}
+"""The same delta with its positions coded each way (mode CODED; CODED_POS with the segment
+coded as ranks, and directly)."""
+
+
+def test_the_codings_under_test_are_the_ones_named():
+    assert payload_stats(CODINGS["ranks"])["direct_segments"] == 0
+    assert payload_stats(CODINGS["flagged-ranks"])["direct_segments"] == 0
+    assert payload_stats(CODINGS["direct"])["direct_segments"] == 1
+    assert len({CODINGS[k][1] for k in CODINGS}) == 2  # mode CODED, CODED_POS (twice)
 
 
 def _reseal(body: bytes) -> bytes:
@@ -42,28 +62,34 @@ def _refused(payload: bytes, target: np.ndarray | None = None, dtype: str = "bfl
     assert np.array_equal(target, before)
 
 
-def test_every_truncation_is_refused():
+@pytest.mark.parametrize("coding", sorted(CODINGS))
+def test_every_truncation_is_refused(coding):
     """All of them, not a sample: the enumeration takes a fraction of a second."""
-    assert len(PAYLOAD) > 100
-    for cut in range(len(PAYLOAD)):
-        _refused(PAYLOAD[:cut])
+    payload = CODINGS[coding]
+    assert len(payload) > 100
+    for cut in range(len(payload)):
+        _refused(payload[:cut])
 
 
-def test_every_single_bit_flip_is_refused():
-    """Every one of the 8 x len(PAYLOAD) single-bit flips, enumerated."""
-    for bit in range(8 * len(PAYLOAD)):
-        bad = bytearray(PAYLOAD)
+@pytest.mark.parametrize("coding", sorted(CODINGS))
+def test_every_single_bit_flip_is_refused(coding):
+    """Every one of the 8 x len(payload) single-bit flips, enumerated."""
+    payload = CODINGS[coding]
+    for bit in range(8 * len(payload)):
+        bad = bytearray(payload)
         bad[bit // 8] ^= 1 << (bit % 8)
         _refused(bytes(bad))
 
 
 @SETTINGS
-@given(st.integers(3, len(PAYLOAD) - CHECK - 1), st.integers(1, 255))
-def test_forged_bodies_are_refused_or_decode_to_the_true_result(pos, xor):
+@given(st.sampled_from(sorted(CODINGS)), st.integers(0, 1 << 30), st.integers(1, 255))
+def test_forged_bodies_are_refused_or_decode_to_the_true_result(coding, at, xor):
     """A forged payload (valid checksum, altered stream) is refused with the target untouched,
     unless the alteration is in bits the decoder never depends on (the coder's flush tail):
     then the result hash proves the outcome is the honest one."""
-    bad = bytearray(PAYLOAD[:-CHECK])
+    payload = CODINGS[coding]
+    pos = 3 + at % (len(payload) - CHECK - 3)
+    bad = bytearray(payload[:-CHECK])
     bad[pos] ^= xor
     target = OLD.copy()
     try:
@@ -85,17 +111,19 @@ def test_payload_for_another_dtype_is_refused():
         apply_tensor_delta(OLD.astype(np.uint32), PAYLOAD, "bfloat16")
 
 
-def test_payload_applied_to_the_wrong_base_is_refused():
+@pytest.mark.parametrize("coding", sorted(CODINGS))
+def test_payload_applied_to_the_wrong_base_is_refused(coding):
     other = OLD.copy()
     other[::3] ^= np.uint16(0x0100)
-    _refused(PAYLOAD, other)
+    _refused(CODINGS[coding], other)
 
 
-def test_payload_applied_twice_is_refused():
+@pytest.mark.parametrize("coding", sorted(CODINGS))
+def test_payload_applied_twice_is_refused(coding):
     target = OLD.copy()
-    apply_tensor_delta(target, PAYLOAD, "bfloat16")
+    apply_tensor_delta(target, CODINGS[coding], "bfloat16")
     assert np.array_equal(target, NEW)
-    _refused(PAYLOAD, target)
+    _refused(CODINGS[coding], target)
 
 
 def test_garbage_and_empty_input_is_refused():

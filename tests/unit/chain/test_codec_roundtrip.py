@@ -8,12 +8,15 @@ from hypothesis import strategies as st
 from chain.codec import (
     apply_many,
     apply_tensor_delta,
+    decode_many,
+    encode_changes,
     encode_many,
     encode_tensor_delta,
     payload_stats,
 )
 from chain.codec.header import claimed_changes
 from chain.dtypes import BY_NAME
+from chain.errors import BadDelta
 
 DTYPES = sorted(BY_NAME)
 SETTINGS = settings(max_examples=60, deadline=None,
@@ -218,3 +221,80 @@ def test_kernels_carry_the_digest_of_the_range_coder_they_compile_in():
     digest = hashlib.sha256(Path(rangecoder.__file__).read_bytes()).hexdigest()[:16]
     assert digest == kernels.RANGECODER_DIGEST, (
         f"rangecoder.py changed: set RANGECODER_DIGEST = {digest!r} in chain/codec/kernels.py")
+
+
+# --- how positions are coded: ranks within contexts, or directly (mode CODED_POS) -----------
+
+def _codings(old: np.ndarray, new: np.ndarray, dtype: str, direct: int) -> bytes:
+    """Encode with `direct` (chain.codec.api.DIRECT), check apply and decode_many agree with
+    the truth, return the payload."""
+    (payload, changes), = encode_changes([(old, new, dtype)], direct=direct)
+    target = old.copy()
+    apply_many([(target, payload, dtype)])
+    assert np.array_equal(target, new)
+    truth = np.flatnonzero(old != new)
+    got, = decode_many([(old, payload, dtype)])
+    assert np.array_equal(got.pos, truth) and np.array_equal(got.val, new[truth])
+    assert np.array_equal(changes.pos, truth)
+    return payload
+
+
+@SETTINGS
+@given(tensor_pairs(), st.sampled_from([-1, 0, 10, 1000]))
+def test_both_position_codings_round_trip_bit_exactly(case, direct):
+    dtype, old, new = case
+    _codings(old, new, dtype, direct)
+
+
+def _two_contexts(n: int = 1 << 21, seed: int = 3) -> tuple[np.ndarray, np.ndarray]:
+    """bf16 weights of two magnitudes, mixed at random; only the small ones change (as small
+    weights flip more often under the same update): ranks within the small ones' context
+    need fewer bits than gaps between positions."""
+    rng = np.random.default_rng(seed)
+    w = np.where(rng.random(n) < 0.5, 0.001, 1.0).astype(np.float32)
+    old = (w.view(np.uint32) >> 16).astype(np.uint16)
+    new = old.copy()
+    small = np.flatnonzero(old == old.min())
+    idx = rng.choice(small, small.size // 10, replace=False)
+    new[idx] += 1
+    return old, new
+
+
+def test_each_segment_takes_the_cheaper_position_coding_within_its_allowance():
+    """Uniform changes: direct gaps cost about what ranks cost, so every segment goes direct
+    at the default allowance. Changes confined to one context: ranks are cheaper, chosen at
+    allowance 0, and direct only when allowed to cost more; both decode the same."""
+    rng = np.random.default_rng(0)
+    old = rng.integers(0, 1 << 16, 1 << 21, dtype=np.uint16)
+    new = old.copy()
+    new[rng.choice(old.size, old.size // 100, replace=False)] ^= 1
+    stats = payload_stats(_codings(old, new, "bfloat16", 10))
+    assert stats["segments"] == 2 and stats["direct_segments"] == 2
+
+    old, new = _two_contexts()
+    ranks = _codings(old, new, "bfloat16", 0)
+    direct = _codings(old, new, "bfloat16", 1000)
+    assert payload_stats(ranks)["direct_segments"] == 0
+    assert payload_stats(direct)["direct_segments"] == 2
+    assert len(ranks) < len(direct)
+    plain = _codings(old, new, "bfloat16", -1)  # mode CODED: no mode bits at all
+    assert payload_stats(plain)["direct_segments"] == 0 and len(plain) <= len(ranks)
+
+
+def test_direct_positions_decode_reading_only_the_changed_elements():
+    """What makes a direct segment O(changes): a base that differs from the true one only at
+    unchanged elements decodes the same changes (ranks would count those elements and fail)."""
+    rng = np.random.default_rng(1)
+    old = (rng.standard_normal(1 << 20).astype(np.float32).view(np.uint32) >> 16) \
+        .astype(np.uint16)
+    new = old.copy()
+    idx = np.sort(rng.choice(old.size, old.size // 100, replace=False))
+    new[idx] += 1
+    other = rng.integers(0, 1 << 16, old.size, dtype=np.uint16)
+    other[idx] = old[idx]
+    (payload, _), = encode_changes([(old, new, "bfloat16")], direct=1000)
+    got, = decode_many([(other, payload, "bfloat16")])
+    assert np.array_equal(got.pos, idx) and np.array_equal(got.val, new[idx])
+    (ranked, _), = encode_changes([(old, new, "bfloat16")], direct=-1)
+    with pytest.raises(BadDelta):
+        decode_many([(other, ranked, "bfloat16")])
