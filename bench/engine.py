@@ -3,7 +3,8 @@
 real daemons and a real rollout worker (the built-in torch engine) on loopback. Every time is a
 ratio to one comparison scan of the whole model timed in the same run.
 
-    python bench/engine.py [--params 1e9 | --small] [--versions 4] [--json]
+    python bench/engine.py [--params 1e9 | --small] [--versions 4] [--direct-positions N]
+                           [--json]
 
 Figures: serve_over_scan (a region daemon holding every verified block of version N until its
 torch engine serves N, median over the deltas, divided by one scan); first_apply_cold_s (a region
@@ -13,6 +14,8 @@ tiny model, deltas well under 1 MB, regions bootstrapping in a chain of 3 hops, 
 publish -> every region's engine serving, median); region_disk_over_model (bytes the engine-first
 region wrote per version, downloads included, amortized over the versions, over the model's
 bytes); all_verified; vllm_* from bench/engine_vllm.py's `measure` when that exists.
+`delta_bytes` (median per version) is printed beside serve_over_scan: `--direct-positions`
+trades them (how the trainer codes positions, chain.codec.api.DIRECT).
 """
 
 import argparse
@@ -54,7 +57,8 @@ def run(args: argparse.Namespace, work: Path) -> dict:
     model = 2 * params
     cfg = {"hidden": hidden, "layers": layers, "versions": args.versions, "batch": args.batch,
            "density": args.density, "seed": args.seed, "timeout": args.timeout,
-           "small_versions": args.small_versions, "e2e_timeout": args.timeout}
+           "small_versions": args.small_versions, "e2e_timeout": args.timeout,
+           "direct_positions": args.direct_positions}
     (work / "config.json").write_text(json.dumps(cfg))
     load0 = os.getloadavg()
     console.print(f"model: hidden {hidden}, {layers} layers, {params / 1e9:.3f}B params; "
@@ -76,6 +80,8 @@ def run(args: argparse.Namespace, work: Path) -> dict:
         "serve_s_all": [r["serve_s"] for r in rows],
         "decode_s_all": [r["decoded_s"] for r in rows],
         "patch_written_s_all": [r["patch_written_s"] for r in rows],
+        "direct_positions": args.direct_positions,
+        "delta_bytes": statistics.median(r["delta_bytes"] for r in rows),
         "publish_to_serve_s": statistics.median(r["publish_to_serve_s"] for r in rows),
         "first_apply_cold_s": cold.get("patch_written_s"),
         "first_apply_cold_disk_s": cold.get("disk_current_s"),
@@ -87,7 +93,8 @@ def run(args: argparse.Namespace, work: Path) -> dict:
         **vllm_figures(args.params, args.density, work),
         "load_average": os.getloadavg()[0], "load_average_start": load0[0],
     }
-    g = [("serve / scan", "serve_over_scan", f"{med:.2f}s"),
+    g = [("serve / scan", "serve_over_scan", f"{med:.2f}s; {out['delta_bytes'] / 1e6:.1f} MB "
+          f"deltas (direct_positions {args.direct_positions})"),
          ("first apply, cold cache (s)", "first_apply_cold_s", "disk "
           f"{out['first_apply_cold_disk_s']}s"),
          ("small delta, 3 hops (s)", "small_delta_serve_s",
@@ -119,6 +126,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4, help="the region's disk_batch_versions")
     ap.add_argument("--small-versions", type=int, default=10)
     ap.add_argument("--density", type=float, default=0.01)
+    ap.add_argument("--direct-positions", type=int, default=-1,
+                    help="the trainer's direct_positions_pct (chain.codec.api.DIRECT): -1 the "
+                    "compact default, 1000 every segment decodable in O(changes)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--workdir", type=Path)

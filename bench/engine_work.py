@@ -118,7 +118,8 @@ def role_serve(work: Path, cfg: dict) -> None:
         c.start_all()
         pub = Publisher(chain_dir=t.state_dir / "chain", key_path=c.key_path, run=RUN,
                         daemon_url=t.url, token=TOKEN,
-                        snapshots=SnapshotPolicy(every=10**6, max_delta_ratio=1e9))
+                        snapshots=SnapshotPolicy(every=10**6, max_delta_ratio=1e9),
+                        direct_positions=cfg["direct_positions"])
         worker = None
         try:
             out = pub.publish(0, load(work, 0), files)
@@ -137,6 +138,7 @@ def role_serve(work: Path, cfg: dict) -> None:
                 s = wait(lambda v=v: served(r1, v, "w1"), cfg["timeout"], f"w1 serving v{v}")
                 ph = phases(r1)[v]
                 rows.append({"version": v, "publish_s": publish_s, "serve_s": s["s"],
+                             "delta_bytes": out.delta_bytes,
                              "how": s["how"],
                              "decoded_s": ph.get("decoded_s"),
                              "patch_written_s": ph.get("patch_written_s"),
@@ -181,7 +183,8 @@ def role_small(work: Path, cfg: dict) -> None:
         c.start_all()
         pub = Publisher(chain_dir=t.state_dir / "chain", key_path=c.key_path, run=RUN,
                         daemon_url=t.url, token=TOKEN,
-                        snapshots=SnapshotPolicy(every=10**6, max_delta_ratio=1e9))
+                        snapshots=SnapshotPolicy(every=10**6, max_delta_ratio=1e9),
+                        direct_positions=cfg["direct_positions"])
         regions = [r1, r2, r3]
         workers = [Worker(work, r.url, f"s{i}", threads=1) for i, r in enumerate(regions)]
         try:

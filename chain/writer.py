@@ -52,6 +52,7 @@ def encode_stream(
     digests: Mapping[str, str] | None = None,
     parent_digests: Mapping[str, str] | None = None,
     on_changes: OnChanges | None = None,
+    direct_positions: int = codec.DIRECT,
 ) -> tuple[TensorTable, EncodeStats]:
     """Write the record stream for `new` against `parent` (None or kind=snapshot: all raw).
 
@@ -61,7 +62,8 @@ def encode_stream(
     the delta of the same version), so a large model is not hashed twice. `parent_digests`:
     the digests of `parent`'s tensors, when the caller knows they are right; a delta's
     digests are then moved by its changes instead of hashing `new`. `on_changes(name,
-    changes)`: called per tensor with what the delta changes (None: a full record)."""
+    changes)`: called per tensor with what the delta changes (None: a full record).
+    `direct_positions`: how the codec codes positions (chain.codec.api.DIRECT)."""
     stats = EncodeStats()
     t0 = time.perf_counter()
     names: list[str] = []
@@ -75,7 +77,8 @@ def encode_stream(
     def flush() -> None:
         deltas = [(old, bits, dtype) for _, dtype, _, old, bits in pending if old is not None]
         encoded = iter(codec.encode_changes(deltas, changes=parent_digests is not None
-                                            or on_changes is not None) if deltas else [])
+                                            or on_changes is not None,
+                                            direct=direct_positions) if deltas else [])
         hashed = [(dtype, shape, bits) for name, dtype, shape, old, bits in pending
                   if _needs_hash(name, old, digests, parent_digests)]
         fresh = iter(tensor_digests(hashed))
@@ -156,6 +159,7 @@ def write_artifact(
     trust_parent: bool = False,
     on_changes: OnChanges | None = None,
     base: BasePin | None = None,
+    direct_positions: int = codec.DIRECT,
 ) -> tuple[Manifest, EncodeStats]:
     """Encode, store blocks, and return the signed manifest (not yet added to a chain).
     `same_tensors_as`: a manifest already written for this very `new` (the delta of the same
@@ -163,7 +167,8 @@ def write_artifact(
     `trust_parent`: `parent` is known to hold exactly `parent_manifest`'s weights (the
     publisher keeps it so), so a delta's digests are the parent's moved by the changes: no
     tensor is hashed. `on_changes`: see encode_stream. `base`: the base model an adapter
-    version applies to (chain/adapters.py), signed with the rest."""
+    version applies to (chain/adapters.py), signed with the rest. `direct_positions`: see
+    encode_stream."""
     if kind == "delta" and (parent is None or parent_manifest is None):
         raise ValueError("a delta needs the parent's tensors and manifest")
     digests = None
@@ -180,7 +185,7 @@ def write_artifact(
     if kind == "delta" and trust_parent:
         parent_digests = parent_manifest.tensors.digest_map()
     tensors, stats = encode_stream(writer, new, parent if kind == "delta" else None, kind,
-                                   digests, parent_digests, on_changes)
+                                   digests, parent_digests, on_changes, direct_positions)
     stream = writer.close()
     file_entries, file_blocks = [], []
     for fname, data in sorted((files or {}).items()):

@@ -49,7 +49,7 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
-from chain import keys, refusals
+from chain import codec, keys, refusals
 from chain.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, BadAdapter, check_config
 from chain.atomic import write_atomic
 from chain.blocks import DEFAULT_BLOCK, MAX_BLOCK
@@ -309,9 +309,11 @@ class CheckpointPublisher:
     def __init__(self, chain_dir: Path | str, key_path: Path | str, run: str,
                  state_dir: Path | str, daemon_url: str | None = None, token: str | None = None,
                  snapshots: SnapshotPolicy | None = None, retention: Retention | None = None,
-                 block_size: int = DEFAULT_BLOCK, base: BasePin | None = None) -> None:
+                 block_size: int = DEFAULT_BLOCK, base: BasePin | None = None,
+                 direct_positions: int = codec.DIRECT) -> None:
         """`base`: this run's checkpoints are PEFT adapter directories over that base version
-        (trainer/ckpt_cli.py reads it from `base_chain`); full-model ones are then refused."""
+        (trainer/ckpt_cli.py reads it from `base_chain`); full-model ones are then refused.
+        `direct_positions`: how deltas code positions (trainer.publisher.Publisher's)."""
         self.key = keys.load_private(Path(key_path))
         self.base = base
         self.store = ChainStore(Path(chain_dir), self.key.public_key())
@@ -327,6 +329,7 @@ class CheckpointPublisher:
         self.snapshots = snapshots or SnapshotPolicy()
         self.retention = retention or Retention()
         self.block_size = block_size
+        self.direct_positions = direct_positions
         self.ledger = self._load_ledger()
 
     # --- the ledger of published directories -------------------------------------------------
@@ -478,7 +481,8 @@ class CheckpointPublisher:
             parent = FileSource(cur.path)
             delta, _ = write_artifact(self.store.blocks, self.key, kind="delta", parent=parent,
                                       parent_manifest=parent_m, trust_parent=True,
-                                      on_changes=release, **common)
+                                      on_changes=release,
+                                      direct_positions=self.direct_positions, **common)
             release(None)
             _unchanged(ckpt)
             self.store.add(delta)

@@ -132,6 +132,13 @@ class PublishConfig(Section):
     """Versions whose artifacts the chain directory keeps."""
     block_size: int = Field(4 << 20, ge=1 << 16, le=64 << 20)
     """Size of the content-addressed blocks a version's payload is cut into, in bytes."""
+    direct_positions_pct: int = Field(-1, ge=-1, le=100_000)
+    """How deltas code changed positions. -1: as ranks among elements of the same magnitude,
+    the most compact (a region counts through each changed tensor once to decode it). N >= 0:
+    directly, in each 1M-element segment where that costs at most N % more bytes, so a region
+    decodes it reading only the changed elements (serving sooner; on Adam-like updates at 1 %
+    density about 2.8x faster to decode for ~38 % more delta bytes). Upgrade every daemon on
+    the chain before setting it: older builds refuse these deltas (tensor delta mode 3)."""
     base_chain: Path | None = None
     """A LoRA run: the chain directory its base model was published to. Checkpoints are then
     PEFT adapter directories (adapter_config.json + adapter_model.safetensors), each version
@@ -151,7 +158,8 @@ def make_publisher(cfg: PublishConfig):
     return CheckpointPublisher(cfg.chain_dir, cfg.key, cfg.run, cfg.state_dir, cfg.daemon.url,
                                cfg.daemon.bearer(), SnapshotPolicy(every=cfg.snapshot_every),
                                Retention(versions=cfg.retention_versions), cfg.block_size,
-                               base=base_pin(cfg.base_chain) if cfg.base_chain else None)
+                               base=base_pin(cfg.base_chain) if cfg.base_chain else None,
+                               direct_positions=cfg.direct_positions_pct)
 
 
 def base_pin(base_chain: Path):

@@ -91,9 +91,13 @@ class Publisher:
         retention: Retention | None = None,
         block_size: int = DEFAULT_BLOCK,
         base: BasePin | None = None,
+        direct_positions: int = codec.DIRECT,
     ) -> None:
         """`base`: this run publishes LoRA adapters (PEFT tensors, with adapter_config.json in
-        each version's `files`) over that version of another chain (chain/adapters.py)."""
+        each version's `files`) over that version of another chain (chain/adapters.py).
+        `direct_positions`: how deltas code positions (chain.codec.api.DIRECT: -1 the most
+        compact; N >= 0 lets a region decode a segment in O(changes) where that costs at most
+        N % more bytes)."""
         self.key = keys.load_private(Path(key_path))
         self.store = ChainStore(Path(chain_dir), self.key.public_key())
         self.run = run
@@ -103,6 +107,7 @@ class Publisher:
         self.retention = retention or Retention()
         self.block_size = block_size
         self.base = base
+        self.direct_positions = direct_positions
         self._last: dict[str, torch.Tensor] | None = None
         self._views: dict = {}
         """Bit views of `_last`'s tensors (chain.sources.StateDictSource `views`)."""
@@ -158,7 +163,8 @@ class Publisher:
                 delta, stats = write_artifact(self.store.blocks, self.key, kind="delta",
                                               parent=kept, parent_manifest=parent_m,
                                               trust_parent=True,
-                                              on_changes=changes.__setitem__, **common)
+                                              on_changes=changes.__setitem__,
+                                              direct_positions=self.direct_positions, **common)
                 self.store.add(delta)
                 # the head moved: bring the kept copy along now, whatever happens next
                 self._last = _patched(self._last, kept, state_dict, changes)

@@ -1,8 +1,10 @@
 """Lossless sparse tensor delta codec: which elements changed and by how much, coded near the
-entropy of (tensor segment, old exponent) contexts. See chain/codec/kernels.py for the model.
+entropy of (tensor segment, old exponent) contexts. See chain/codec/kernels.py for the model;
+DIRECT is how positions are coded by default (ranks within contexts, or directly).
 """
 
 from chain.codec.api import (
+    DIRECT,
     Changes,
     Layers,
     apply_many,
@@ -14,5 +16,5 @@ from chain.codec.api import (
     payload_stats,
 )
 
-__all__ = ["Changes", "Layers", "apply_many", "apply_tensor_delta", "decode_many", "encode_changes",
-           "encode_many", "encode_tensor_delta", "payload_stats"]
+__all__ = ["DIRECT", "Changes", "Layers", "apply_many", "apply_tensor_delta", "decode_many",
+           "encode_changes", "encode_many", "encode_tensor_delta", "payload_stats"]

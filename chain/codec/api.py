@@ -27,10 +27,12 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 LOG2_SEG = 20
-DIRECT = 10
+DIRECT = -1
 """A segment codes its positions directly (decoded in O(changes), with no pass over the old
 segment) when that takes at most this many percent more bits than coding them as ranks within
-their contexts; -1: ranks always (mode CODED, as before CODED_POS existed)."""
+their contexts (mode CODED_POS); -1: ranks always (mode CODED, which every build reads). On
+Adam-like bf16 updates at 1 % density direct positions cost ~38 % more bytes and decode ~2.8x
+faster; on changes spread evenly over contexts they cost the same (docs/MEASURED.md)."""
 THREADS = 2
 _PARALLEL_MIN = 1 << 18
 _CHANGE_COST = 30  # decoding one change takes about as long as stepping 30 elements

@@ -163,7 +163,8 @@ def parse(payload: bytes | memoryview, verify: bool = True) -> Header:
                        "raw tensors) or re-publish the chain")
     mode, code = fm & 0xF, r.byte()
     if mode not in (NONE, RAW, *CODED_MODES) or code >= len(DTYPE_CODES):
-        raise BadDelta(f"tensor delta has unknown mode {mode} or dtype code {code}")
+        raise BadDelta(f"tensor delta has unknown mode {mode} or dtype code {code}: a newer "
+                       "deltaswarm may have written it (upgrade this one), or it is corrupt")
     h = Header(mode, DTYPE_CODES[code], r.varint(), r.varint())
     if h.k > h.n:
         raise BadDelta(f"tensor delta claims {h.k} changes in {h.n} elements")

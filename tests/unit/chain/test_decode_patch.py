@@ -28,12 +28,14 @@ def _patches(store: ChainStore, w: WeightsDir, upto: int) -> list:
     return out
 
 
+@pytest.mark.parametrize("direct", [-1, 1000], ids=["ranks", "direct-positions"])
 def test_patches_over_the_disk_version_rebuild_every_later_version(tmp_path, signing_key,
-                                                                    monkeypatch):
+                                                                    monkeypatch, direct):
+    """With positions coded either way (chain.codec.api.DIRECT), overlays included."""
     monkeypatch.setattr("chain.fill.BATCH", 1)  # a batch per tensor, as at model sizes
     monkeypatch.setattr("chain.fill.PART", 64)  # and written in several jobs
     store = ChainStore(tmp_path / "chain", signing_key.public_key())
-    states = build_chain(store, signing_key, 5)
+    states = build_chain(store, signing_key, 5, direct_positions=direct)
     w = WeightsDir(tmp_path / "w")
     w.apply(store.plan(None, 1), getter(store))
     patches = _patches(store, w, 5)

@@ -12,7 +12,8 @@ from chain.writer import write_artifact
 from tests.conftest import make_state, perturb
 
 
-def build_chain(store: ChainStore, key, versions: int, snapshot_every: int = 0, run: str = "r1"):
+def build_chain(store: ChainStore, key, versions: int, snapshot_every: int = 0, run: str = "r1",
+                direct_positions: int = -1):
     states = [make_state()]
     m0, _ = write_artifact(store.blocks, key, run=run, version=0, kind="snapshot",
                            new=StateDictSource(states[0]))
@@ -22,7 +23,7 @@ def build_chain(store: ChainStore, key, versions: int, snapshot_every: int = 0, 
         states.append(perturb(states[-1], v))
         m, _ = write_artifact(store.blocks, key, run=run, version=v, kind="delta",
                               new=StateDictSource(states[-1]), parent=StateDictSource(states[-2]),
-                              parent_manifest=parent)
+                              parent_manifest=parent, direct_positions=direct_positions)
         store.add(m)
         parent = m
         if snapshot_every and v % snapshot_every == 0:
