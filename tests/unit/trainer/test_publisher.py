@@ -209,3 +209,34 @@ def test_no_bit_view_is_kept_of_a_tensor_that_bits_view_copies():
     t[0, 1] = 3.0
     bits = StateDictSource({"w": t}, src.views).bits("w")
     assert (bits == t.contiguous().view(torch.int16).numpy().reshape(-1).view(bits.dtype)).all()
+
+
+@pytest.mark.parametrize(("direct", "mode"), [(-1, 1), (1000, 3)])
+def test_direct_positions_reach_the_delta_payloads_and_a_region_applies_them(tmp_path, direct,
+                                                                              mode):
+    """direct_positions_pct (trainer configs) -> Publisher -> each delta record's codec mode
+    (1 CODED: ranks, the default; 3 CODED_POS, here every segment direct); a region's journaled
+    apply of either is bit-exact."""
+    from chain.codec import payload_stats
+    from chain.store import ChainStore
+    from chain.stream import BlockReader
+    from chain.weights import WeightsDir
+
+    keys.generate(tmp_path / "k")
+    pub = Publisher(tmp_path / "chain", tmp_path / "k", run="r", direct_positions=direct,
+                    snapshots=SnapshotPolicy(every=10**6, max_delta_ratio=1e9))
+    states = [_state(0)]
+    states.append(_step(states[0], 1))
+    delta = [pub.publish(v, s) for v, s in enumerate(states)][1].delta
+    store = ChainStore(tmp_path / "chain")
+    get = lambda b: store.blocks.get(b.id, b.size)  # noqa: E731
+    reader = BlockReader.of_blocks(delta.blocks, get)
+    stats = []
+    while (h := reader.next_header()) is not None:
+        payload = reader.read(h.n)
+        assert payload[1] & 0xF == mode
+        stats.append(payload_stats(payload))
+    assert stats and all(s["direct_segments"] == (s["segments"] if mode == 3 else 0)
+                         for s in stats)
+    cur = WeightsDir(tmp_path / "w").apply(store.plan(None, 1), get)
+    assert cur.state_digest == source_digest(StateDictSource(states[1]))
