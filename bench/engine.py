@@ -128,7 +128,7 @@ def main() -> None:
     ap.add_argument("--density", type=float, default=0.01)
     ap.add_argument("--direct-positions", type=int, default=-1,
                     help="the trainer's direct_positions_pct (chain.codec.api.DIRECT): -1 the "
-                    "compact default, 1000 every segment decodable in O(changes)")
+                    "compact default, 1000 codes nearly every segment's positions directly")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--workdir", type=Path)

@@ -298,3 +298,22 @@ def test_direct_positions_decode_reading_only_the_changed_elements():
     (ranked, _), = encode_changes([(old, new, "bfloat16")], direct=-1)
     with pytest.raises(BadDelta):
         decode_many([(other, ranked, "bfloat16")])
+
+
+def test_a_tensor_mixes_direct_and_ranked_segments():
+    """Each segment decides alone: a tensor whose first segment has changes spread evenly and
+    whose second has them confined to one context codes the first directly and the second as
+    ranks, and decodes both (the mode bit of each segment is read where it lies)."""
+    rng = np.random.default_rng(4)
+    seg = 1 << 20
+    old_a = rng.integers(0, 1 << 16, seg, dtype=np.uint16)
+    new_a = old_a.copy()
+    new_a[rng.choice(seg, seg // 100, replace=False)] ^= 1
+    old_b, new_b = _two_contexts(seg, seed=5)
+    old, new = np.concatenate([old_a, old_b]), np.concatenate([new_a, new_b])
+    stats = payload_stats(_codings(old, new, "bfloat16", 5))
+    assert (stats["segments"], stats["direct_segments"]) == (2, 1)
+    # the other way round: the ranked segment first
+    stats = payload_stats(_codings(np.concatenate([old_b, old_a]),
+                                   np.concatenate([new_b, new_a]), "bfloat16", 5))
+    assert (stats["segments"], stats["direct_segments"]) == (2, 1)
