@@ -14,12 +14,15 @@ first use as before. So a machine without a C compiler, a numba without pycc, a 
 since the build or a moved venv all fall back to the JIT, never to stale or foreign machine code
 (the compiled wrappers do not check types themselves: a wrong dtype would crash, hence the
 exact match). Without them a fresh region's first delta waited 15-58 s for the JIT.
+`DELTASWARM_AOT=0` runs the JIT kernels instead, e.g. under NUMBA_BOUNDSCHECK=1 (the compiled
+ones check no bounds; tests/unit/chain/test_codec_boundscheck.py).
 """
 
 import hashlib
 import importlib
 import json
 import logging
+import os
 import sysconfig
 import threading
 from collections.abc import Callable
@@ -140,6 +143,10 @@ def _load() -> dict[str, object]:
         if _state.loaded:
             return _state.modules
         _state.loaded = True
+        if os.environ.get("DELTASWARM_AOT") == "0":  # the JIT's own checks (NUMBA_BOUNDSCHECK)
+            _state.reason = "compiled kernels turned off (DELTASWARM_AOT=0)"
+            log.info("codec kernels: JIT (%s)", _state.reason)
+            return _state.modules
         try:
             stamp = json.loads(STAMP.read_text()) if STAMP.is_file() else None
             now = fingerprint()

@@ -1,6 +1,8 @@
 """Refusal of bad tensor delta payloads: truncated, bit-flipped, forged or mismatched input
 raises BadDelta and leaves the target untouched (the codec decodes into scratch first)."""
 
+import threading
+
 import numpy as np
 import pytest
 import xxhash
@@ -14,7 +16,7 @@ from chain.codec import (
     encode_tensor_delta,
     payload_stats,
 )
-from chain.codec.header import CHECK
+from chain.codec.header import CHECK, ByteReader, put_varint
 from chain.errors import BadDelta
 
 SETTINGS = settings(max_examples=80, deadline=None,
@@ -98,6 +100,49 @@ def test_forged_bodies_are_refused_or_decode_to_the_true_result(coding, at, xor)
         assert np.array_equal(target, OLD)
     else:
         assert np.array_equal(target, NEW)
+
+
+def _claiming(payload: bytes, n: int) -> bytes:
+    """`payload` resealed with its header claiming `n` elements (its streams unchanged)."""
+    r = ByteReader(memoryview(payload), len(payload))
+    r.pos = 3
+    r.varint()
+    head = bytearray(payload[:3])
+    put_varint(head, n)
+    return _reseal(bytes(head) + payload[r.pos:-CHECK])
+
+
+def test_direct_positions_past_the_segment_are_refused():
+    """A forged direct payload whose positions are consistent streams but run past its
+    (claimed, shorter) tensor: refused before any old element past the end is read."""
+    last = int(np.flatnonzero(OLD != NEW)[-1])
+    short = _claiming(CODINGS["direct"], last)  # the last change now lies past the end
+    _refused(short, OLD[:last].copy())
+
+
+def _in_a_fresh_thread(fn) -> None:
+    """fn() on a thread of its own, whose codec scratch is sized for this call alone (one that
+    encoded first holds larger scratch, where an overrun would land unseen); its exception is
+    raised here."""
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as e:  # handed to the caller's thread
+            raised.append(e)
+
+    th = threading.Thread(target=run)
+    th.start()
+    th.join()
+    if raised:
+        raise raised[0]
+
+
+def test_direct_positions_beyond_their_contexts_counts_are_refused():
+    """A base whose elements all share the top context sends every change to that context's
+    steps, past its count and past the scratch the steps live in: refused at the first."""
+    _in_a_fresh_thread(lambda: _refused(CODINGS["direct"], np.full_like(OLD, 0x7F00)))
 
 
 def test_payload_for_another_length_is_refused():
