@@ -44,6 +44,7 @@ from pydantic import Field, field_validator
 
 from chain.config_base import NAME_PATTERN, ConfigError, Section, load_yaml, read_token
 from chain.errors import ChainError
+from trainer.config import DirectPositionsPct
 
 log = logging.getLogger("deltaswarm.watch")
 
@@ -132,14 +133,11 @@ class PublishConfig(Section):
     """Versions whose artifacts the chain directory keeps."""
     block_size: int = Field(4 << 20, ge=1 << 16, le=64 << 20)
     """Size of the content-addressed blocks a version's payload is cut into, in bytes."""
-    direct_positions_pct: int = Field(-1, ge=-1, le=100_000)
-    """How deltas code changed positions. -1: as ranks among elements of the same magnitude,
-    the most compact (a region counts through each changed tensor once to decode it). N >= 0:
-    directly, in each 1M-element segment whose positions take at most N % more bits that way, so
-    a region decodes it reading only the changed elements (serving sooner; on Adam-like updates
-    at 1 % density, 1000 codes every segment directly: 0.55x the decode time for 1.38x the delta
-    bytes). Upgrade every daemon on the chain before setting it: older builds refuse these
-    deltas (tensor delta mode 3)."""
+    direct_positions_pct: DirectPositionsPct = -1
+    """How deltas code changed positions. -1 (default): the most compact. N >= 0: a segment
+    is coded so a region decodes it reading only its changes where that costs at most N % more
+    position bits (1000 at 1B: 0.55x the decode, 1.38x the bytes; see DirectPositionsPct).
+    Upgrade every daemon first: older builds refuse such deltas."""
     base_chain: Path | None = None
     """A LoRA run: the chain directory its base model was published to. Checkpoints are then
     PEFT adapter directories (adapter_config.json + adapter_model.safetensors), each version

@@ -8,7 +8,7 @@ directory is relocatable.
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
@@ -16,6 +16,16 @@ from chain.config_base import NAME_PATTERN, ConfigError, Section, load_yaml
 
 # The trainer's entry point catches this name; it is the shared config error.
 TrainerConfigError = ConfigError
+
+
+DirectPositionsPct = Annotated[int, Field(ge=-1, le=100_000)]
+"""How deltas code changed positions (chain.codec.api.DIRECT), in the trainer's and `deltaswarm
+watch`'s configs. -1: as ranks among elements of the same magnitude, the most compact (a region
+counts through each changed tensor once to decode it). N >= 0: directly, in each 1M-element
+segment whose positions take at most N % more bits that way, so a region decodes it reading only
+the changed elements (on Adam-like updates at 1 % density, 1000 codes every segment directly:
+0.55x the decode time for 1.38x the delta bytes). Upgrade every daemon on the chain before
+setting it: older builds refuse these deltas (tensor delta mode 3)."""
 
 
 class ModelConfig(Section):
@@ -106,14 +116,11 @@ class TrainerConfig(Section):
     `daemon.url` set, the daemon's `retention` settings decide (one decision for both)."""
     block_size: int = Field(4 << 20, ge=1 << 16, le=64 << 20)
     """Size of the content-addressed blocks a version's payload is cut into, in bytes."""
-    direct_positions_pct: int = Field(-1, ge=-1, le=100_000)
-    """How deltas code changed positions. -1: as ranks among elements of the same magnitude,
-    the most compact (a region counts through each changed tensor once to decode it). N >= 0:
-    directly, in each 1M-element segment whose positions take at most N % more bits that way, so
-    a region decodes it reading only the changed elements (serving sooner; on Adam-like updates
-    at 1 % density, 1000 codes every segment directly: 0.55x the decode time for 1.38x the delta
-    bytes). Upgrade every daemon on the chain before setting it: older builds refuse these
-    deltas (tensor delta mode 3)."""
+    direct_positions_pct: DirectPositionsPct = -1
+    """How deltas code changed positions. -1 (default): the most compact. N >= 0: a segment
+    is coded so a region decodes it reading only its changes where that costs at most N % more
+    position bits (1000 at 1B: 0.55x the decode, 1.38x the bytes; see DirectPositionsPct).
+    Upgrade every daemon first: older builds refuse such deltas."""
     on_exit: Literal["stop", "serve"] = "stop"
     """After the last step: exit, or keep the ingest endpoint up."""
 

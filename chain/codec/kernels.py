@@ -540,6 +540,17 @@ def _hit(i, x, e, lo, slack, ptr, gp, gaps, steps, out_pos, out_val, m, width, i
     return _mix(np.uint64(i), kn)
 
 
+@njit(inline="always")
+def _streams_end(gs, vstart, ss, send, vs, sstart):
+    """Whether the gap and sign readers stopped inside their streams' last byte and the
+    magnitude decoder at its stream's end: a segment's symbols used exactly its bytes."""
+    for state, end in ((gs, vstart), (ss, send)):
+        consumed = 8 * state[2] - state[1]
+        if consumed > 8 * end or consumed <= 8 * end - 8:
+            return False
+    return vs[2] == sstart
+
+
 @njit
 def _decode_direct(target, lo, hi, buf, gs, vs, vstart, sstart, send, kseg, shift, cmask, nctx,
                    width, is_float, models, kk, ptr, gp, gaps, steps, out_pos, out_val, obase,
@@ -574,11 +585,7 @@ def _decode_direct(target, lo, hi, buf, gs, vs, vstart, sstart, send, kseg, shif
         if err:
             return err, none
         o += k
-    for state, end in ((gs, vstart), (ss, send)):
-        consumed = 8 * state[2] - state[1]
-        if consumed > 8 * end or consumed <= 8 * end - 8:
-            return ERR_STREAM, none
-    if vs[2] != sstart:
+    if not _streams_end(gs, vstart, ss, send, vs, sstart):
         return ERR_STREAM, none
     sh = np.uint64(shift)
     cm = np.uint64(cmask)
@@ -681,11 +688,7 @@ def decode_segment(target, lo, hi, words, buf, tstart, gstart, vstart, sstart, s
         if err:
             return err, none
         o += k
-    for state, end in ((gs, vstart), (ss, send)):
-        consumed = 8 * state[2] - state[1]
-        if consumed > 8 * end or consumed <= 8 * end - 8:
-            return ERR_STREAM, none
-    if vs[2] != sstart:
+    if not _streams_end(gs, vstart, ss, send, vs, sstart):
         return ERR_STREAM, none
 
     # one pass over the old elements finds every change and finishes its new value
