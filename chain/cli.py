@@ -77,20 +77,24 @@ def delta_stats(a: argparse.Namespace) -> int:
     from chain.deltafile import read_delta_file
 
     _header, tensors, reader = read_delta_file(Path(a.delta))
-    changed = nbytes = 0
+    changed = nbytes = covered = 0
     rows = []
     while (h := reader.next_header()) is not None:
         payload = reader.read(h.n)
-        if h.op == "delta":
+        if h.op != "full":
             s = codec.payload_stats(payload)
             c, n = s["changed"], s["total"]
         else:
             c = n = len(payload) // max(1, _itemsize(h.dtype))
         changed += c
         nbytes += len(payload)
-        rows.append((h.name, h.op, h.dtype, n, c, len(payload)))
+        covered += h.count if h.op == "group" else 1
+        # a group's changes are not split by tensor without the base: one row, its first
+        # tensor named with how many follow it
+        name = f"{h.name} +{h.count - 1}" if h.op == "group" else h.name
+        rows.append((name, h.op, h.dtype, n, c, len(payload)))
     total = sum(t.numel for t in tensors)
-    console.print(f"{a.delta}: {len(tensors)} tensors, {len(rows)} with records; "
+    console.print(f"{a.delta}: {len(tensors)} tensors, {covered} in {len(rows)} records; "
                   f"{changed:,}/{total:,} elements changed ({100 * changed / max(1, total):.3f} %),"
                   f" {nbytes:,} payload bytes, {_bits_per_change(nbytes, changed)} bits/change")
     if a.tensors:
@@ -247,7 +251,8 @@ def main(argv: list[str]) -> int:
     ap.set_defaults(fn=delta_apply)
     s = dsub.add_parser("stats")
     s.add_argument("delta")
-    s.add_argument("--tensors", action="store_true", help="one line per tensor")
+    s.add_argument("--tensors", action="store_true",
+                   help="one line per record (a tensor, or a group of small ones)")
     s.set_defaults(fn=delta_stats)
     c = sub.add_parser("chain", help="list, show and verify a chain directory",
                        epilog=VERIFY_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)

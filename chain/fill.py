@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from chain import codec, lanehash
+from chain.codec import header as hdr
 from chain.codec.api import run_jobs
 from chain.digest import tensor_digests
 from chain.dtypes import BY_NAME
@@ -30,6 +31,21 @@ from chain.versiondir import VersionInfo
 BATCH = 1 << 24
 PART = 1 << 22
 """Elements one write job covers: a multiple of every dtype's elements per 64-bit word."""
+MAX_GROUP = 1 << 22
+"""The most elements a group record may cover (writers make groups of about 1 M): its tensors'
+parent elements are copied end to end to decode it, so a forged count must not make that the
+whole model."""
+
+
+@dataclass
+class _Group:
+    """A group record (chain/stream.py) being read: its payload and the items it covers."""
+
+    payload: bytes
+    dtype: str
+    count: int
+    members: list["_Item"] = field(default_factory=list)
+    elements: int = 0
 
 
 @dataclass
@@ -47,6 +63,10 @@ class _Item:
     """The slot is brought forward from its older version (else copied from the base)."""
     moves: list = field(default_factory=list)
     """Each write job's digest move (lane sums), summed into `digest` at the end."""
+    group: _Group | None = None
+    """On the first tensor of a group record: the group, decoded with the batch."""
+    more: bool = False
+    """A group record goes on past this tensor: the batch may not end here."""
 
 
 class Fill:
@@ -84,8 +104,12 @@ class Fill:
         pending = [r.next_header() for r in readers]
 
         def items(done: set[str]) -> Iterator[_Item]:
+            group: _Group | None = None
             for i, t in enumerate(self.tensors):
                 item = _Item(i, t, t.name in done)
+                if group is not None:
+                    self._join(group, item)
+                    item.more = len(group.members) < group.count
                 for s, r in enumerate(readers):
                     while pending[s] is not None and pending[s].name == t.name:
                         self._read(item, pending[s], r)
@@ -94,7 +118,15 @@ class Fill:
                         raise BadDelta(f"record for {pending[s].name!r} is not a tensor of "
                                        f"{what} or is out of order")
                 self._check_parts(item)
+                if item.group is not None:
+                    group = item.group
+                    item.more = group.count > 1
+                if group is not None and len(group.members) == group.count:
+                    group = None
                 yield item
+            if group is not None:
+                raise BadDelta(f"group record for {group.members[0].t.name!r} covers "
+                               f"{group.count} tensors, past the last of {what}")
 
         self._pass(items, resumed)
         if any(p is not None for p in pending) or not all(r.at_end() for r in readers):
@@ -125,13 +157,16 @@ class Fill:
             for item in items(done):
                 batch.append(item)
                 size += item.t.numel
-                if size >= BATCH:
+                if size >= BATCH and not item.more:
                     self._batch(batch)
                     batch, size = [], 0
             self._batch(batch)
 
     def _read(self, item: _Item, rec: RecordHeader, reader: BlockReader) -> None:
         t = item.t
+        if rec.op == "group":
+            self._open(item, rec, reader)
+            return
         if rec.dtype != t.dtype or rec.shape != t.shape:
             raise BadDelta(f"record for {t.name} disagrees with the manifest's dtype/shape")
         at, count = (0, t.numel) if rec.at is None else (rec.at, rec.count)
@@ -156,6 +191,32 @@ class Fill:
             raise BadDelta(f"delta record for {t.name} is implausibly large ({rec.n} bytes)")
         self._base_of(t)
         item.payloads.append((at, count, reader.read(rec.n)))
+
+    def _open(self, item: _Item, rec: RecordHeader, reader: BlockReader) -> None:
+        """A group record starting at `item`: its payload, read now and decoded with the
+        batch its last tensor ends (a batch never ends inside a group)."""
+        limit = 8 * MAX_GROUP * BY_NAME[rec.dtype].itemsize + (1 << 20)
+        if rec.n > limit:
+            raise BadDelta(f"group record for {item.t.name} is implausibly large ({rec.n} "
+                           "bytes)")
+        item.group = _Group(reader.read(rec.n), rec.dtype, rec.count)
+        self._join(item.group, item)
+
+    def _join(self, group: _Group, item: _Item) -> None:
+        """`item`, the next tensor in table order, is covered by `group`."""
+        t = item.t
+        if t.dtype != group.dtype:
+            raise BadDelta(f"group record covers {t.name}, a {t.dtype} tensor, as {group.dtype}")
+        if item.op is not None:
+            raise BadDelta(f"{t.name} has both a group record and another record")
+        group.elements += t.numel
+        if group.elements > MAX_GROUP:
+            raise BadDelta(f"group record reaching {t.name} covers more than {MAX_GROUP} "
+                           "elements")
+        self._base_of(t)
+        item.op = "delta"
+        item.parts.append((0, t.numel))
+        group.members.append(item)
 
     def _check_parts(self, item: _Item) -> None:
         """A tensor's records may not overlap; full records must cover it exactly."""
@@ -187,25 +248,64 @@ class Fill:
     def _decode(self, batch: list[_Item]) -> None:
         """Decode the batch's delta payloads against the base into each item's changes."""
         coded = [it for it in batch if it.payloads]
-        self.base.prefault_many([it.t.name for it in coded]) if coded else None
-        if coded:
-            records = [(it.t, at, count, payload) for it in coded
-                       for at, count, payload in it.payloads]
-            sources = [self._source(t, at, count) for t, at, count, _ in records]
-            decoded = iter(codec.decode_many(
-                [(base, payload, t.dtype) for (t, _, _, payload), (base, _) in
-                 zip(records, sources, strict=True)],
-                moves=self.moves, overlays=[layers for _, layers in sources]))
-            for it in coded:
-                parts = sorted(((at, next(decoded)) for at, _, _ in it.payloads),
-                               key=lambda p: p[0])
-                whole = len(parts) == 1 and it.payloads[0][:2] == (0, it.t.numel)
-                # a digest move decoded against a part is not the tensor's (its last word
-                # may hold the next part's elements): only a whole-tensor record keeps one
-                it.changes = parts[0][1] if whole else \
-                    codec.Changes(np.concatenate([c.pos + np.int64(at) for at, c in parts]),
-                                  np.concatenate([c.val for _, c in parts]))
-                it.payloads = []
+        groups = [it.group for it in batch if it.group is not None]
+        if not coded and not groups:
+            return
+        self.base.prefault_many([it.t.name for it in coded] +
+                                [m.t.name for g in groups for m in g.members])
+        records = [(it.t, at, count, payload) for it in coded
+                   for at, count, payload in it.payloads]
+        sources = [self._source(t, at, count) for t, at, count, _ in records]
+        cats = [self._group_base(g) for g in groups]
+        decoded = iter(codec.decode_many(
+            [(base, payload, t.dtype) for (t, _, _, payload), (base, _) in
+             zip(records, sources, strict=True)] +
+            [(cat, g.payload, g.dtype) for g, (cat, _) in zip(groups, cats, strict=True)],
+            moves=self.moves, overlays=[layers for _, layers in sources] + [()] * len(groups)))
+        for it in coded:
+            parts = sorted(((at, next(decoded)) for at, _, _ in it.payloads),
+                           key=lambda p: p[0])
+            whole = len(parts) == 1 and it.payloads[0][:2] == (0, it.t.numel)
+            # a digest move decoded against a part is not the tensor's (its last word
+            # may hold the next part's elements): only a whole-tensor record keeps one
+            it.changes = parts[0][1] if whole else \
+                codec.Changes(np.concatenate([c.pos + np.int64(at) for at, c in parts]),
+                              np.concatenate([c.val for _, c in parts]))
+            it.payloads = []
+        for g, (cat, offsets) in zip(groups, cats, strict=True):
+            self._split(g, cat, offsets, next(decoded))
+
+    def _group_base(self, g: _Group) -> tuple[np.ndarray, np.ndarray]:
+        """What group `g` decodes against: its tensors' parent elements end to end (each as
+        `_source` has it, overlaid), and where each tensor starts."""
+        offsets = np.zeros(len(g.members) + 1, np.int64)
+        np.cumsum([m.t.numel for m in g.members], out=offsets[1:])
+        claimed = hdr.claimed_elements(g.payload)
+        if claimed != offsets[-1]:
+            raise BadDelta(f"group record for {g.members[0].t.name} and {len(g.members) - 1} "
+                           f"tensors after it is coded over {claimed} elements; they hold "
+                           f"{offsets[-1]}")
+        cat = np.empty(int(offsets[-1]), BY_NAME[g.dtype].uint)
+        for m, lo, hi in zip(g.members, offsets[:-1].tolist(), offsets[1:].tolist(),
+                             strict=True):
+            base, layers = self._source(m.t, 0, m.t.numel)
+            cat[lo:hi] = base
+            for pos, val in layers:
+                cat[lo + pos] = val
+        return cat, offsets
+
+    def _split(self, g: _Group, cat: np.ndarray, offsets: np.ndarray,
+               changes: codec.Changes) -> None:
+        """A decoded group's changes, each tensor's share in its own positions (and, when
+        this pass checks digests by moves, each one's digest move, in one kernel call)."""
+        cuts = np.searchsorted(changes.pos, offsets).tolist()
+        moves = lanehash.moved_by_groups(cat, changes.pos, changes.val, offsets).tolist() \
+            if self.moves else None
+        for j, m in enumerate(g.members):
+            a, b = cuts[j], cuts[j + 1]
+            m.changes = codec.Changes(changes.pos[a:b] - offsets[j], changes.val[a:b],
+                                      None if moves is None else (moves[j][0], moves[j][1]))
+        g.members[0].group = None
 
     def _batch(self, batch: list[_Item]) -> None:
         self._decode(batch)

@@ -375,6 +375,40 @@ def moved_words(oldw, neww, first, pos, sh, w0, w1):
     return a, b
 
 
+@njit(nogil=True, cache=True)
+def moved_in_groups(old, pos, val, offsets, sh, width, out):
+    """Each member's digest move, for members laid end to end in `old` (member j holds
+    elements offsets[j]..offsets[j + 1] - 1) when `val` is written at sorted `pos`: into
+    out[2j], out[2j + 1]. A member's words count from its own first element, zero-padded
+    past its end, as its digest alone would have them; one walk over the positions, each
+    touched word assembled once (what a group record's tensors cost, chain/writer.py)."""
+    per = 1 << sh
+    emask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - width)
+    j = 0
+    i = 0
+    n = pos.size
+    while i < n:
+        p = pos[i]
+        while p >= offsets[j + 1]:
+            j += 1
+        lo = offsets[j]
+        hi = offsets[j + 1]
+        w = (p - lo) >> sh
+        e0 = lo + (w << sh)
+        xo = np.uint64(0)
+        for k in range(per):
+            if e0 + k < hi:
+                xo |= np.uint64(old[e0 + k]) << np.uint64(width * k)
+        xn = xo
+        while i < n and pos[i] < e0 + per and pos[i] < hi:
+            sft = np.uint64(width * (pos[i] - e0))
+            xn = (xn & ~(emask << sft)) | (np.uint64(val[i]) << sft)
+            i += 1
+        uw = np.uint64(w)
+        out[2 * j] += _mix0(uw, xn) - _mix0(uw, xo)
+        out[2 * j + 1] += _mix1(uw, xn) - _mix1(uw, xo)
+
+
 def words(arr: np.ndarray) -> np.ndarray:
     """The whole 64-bit words of a flat element array, as a uint64 view (no copy)."""
     per = 8 // arr.itemsize
@@ -395,6 +429,7 @@ _sum_at = bind(sum_at, "sum_at")
 _pull = bind(pull, "pull")
 fast_gather = bind(gather, "gather")
 fast_moved_words = bind(moved_words, "moved_words")
+_moved_in_groups = bind(moved_in_groups, "moved_in_groups")
 
 
 def moved_by_put(target: np.ndarray, pos: np.ndarray, val: np.ndarray) -> tuple[int, int]:
@@ -435,6 +470,17 @@ def moved_by_changes(old: np.ndarray, pos: np.ndarray, val: np.ndarray) -> tuple
 
 def moved_between(old: np.ndarray, new: np.ndarray, pos: np.ndarray) -> tuple[int, int]:
     return _diff_pairs(old, words(old), new, words(new), pos, *word_layout(old))
+
+
+def moved_by_groups(old: np.ndarray, pos: np.ndarray, val: np.ndarray, offsets: np.ndarray
+                    ) -> np.ndarray:
+    """`moved_by_changes` for every member of a group at once (see moved_in_groups): a
+    (members, 2) array of lane sums. `pos` must lie in [0, offsets[-1]); `offsets` int64."""
+    if pos.size and (pos[0] < 0 or pos[-1] >= offsets[-1] or offsets[-1] > old.size):
+        raise ValueError("positions or members past the group's elements")
+    out = np.zeros(2 * (offsets.size - 1), np.uint64)
+    _moved_in_groups(old, pos, val, offsets, *word_layout(old), out)
+    return out.reshape(-1, 2)
 
 
 # ---------------------------------------------------------------- digests as strings

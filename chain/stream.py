@@ -4,15 +4,20 @@ An artifact is one byte stream, split at fixed sizes into blocks: a sequence of 
 tensor that is new or changed, in name order. A record is
 `b"DSR2" | u32 header length | header | n payload bytes`, the header being binary:
 `u8 flags | u8 dtype code | varint ndim | varint shape... | varint n | [varint at | varint count]
-| name (UTF-8, the rest)`, flags bit 0 = op `full` (raw bytes; else `delta`, a codec payload
-against the parent's tensor), bit 1 = `at`/`count` present. Unchanged tensors have no record. A
-record of a sharded trainer's rank (manifest format 3) covers only elements [at, at + count) of
-its tensor. Writing and reading are streaming, so memory stays near one block plus one tensor.
+| [varint tensors] | name (UTF-8, the rest)`, flags bit 0 = op `full` (raw bytes; else `delta`, a
+codec payload against the parent's tensor), bit 1 = `at`/`count` present, bit 2 = op `group`.
+Unchanged tensors have no record. A record of a sharded trainer's rank (manifest format 3) covers
+only elements [at, at + count) of its tensor. A `group` record (no shape) covers `tensors`
+(its `count`) consecutive tensors of the manifest's table, the first one named: its codec
+payload is coded against their parent elements laid end to end, in table order. Writing and
+reading are streaming, so memory stays near one block plus one tensor.
 
 Why binary: a record's framing is paid per changed tensor, and models carry 50,000 tensors
 (MoE experts), each with a few changes per version. The first format (`DSR1`, a JSON header of
 ~110 bytes plus the name) cost 1-3 % of a 1 %-dense delta on a 100-tensor model; this one costs
-about 10 bytes plus the name. Streams written as `DSR1` are still read.
+about 10 bytes plus the name. Groups exist for the same reason at MoE scale: a run of small
+tensors (experts of a few thousand elements) pays one record, one codec job and one payload
+header instead of one each (chain/writer.py). Streams written as `DSR1` are still read.
 """
 
 import json
@@ -31,13 +36,14 @@ MAGIC_JSON = b"DSR1"
 """The first record format (JSON headers): read, never written."""
 _HDR = struct.Struct("<4sI")
 MAX_RECORD_HEADER = 1 << 20
-_FULL, _RANGE = 1, 2
+_FULL, _RANGE, _GROUP = 1, 2, 4
 _DTYPE_CODE = {name: i for i, name in enumerate(DTYPE_CODES)}
 
 
 class RecordHeader(NamedTuple):
     """One record's header (a NamedTuple: built once per tensor read or written, where a
-    frozen dataclass's __init__ cost a few percent of an apply at 50,000 tensors)."""
+    frozen dataclass's __init__ cost a few percent of an apply at 50,000 tensors). `op`:
+    full | delta | group; a group's `count` is its number of tensors (`at` None, `shape` [])."""
 
     name: str
     op: str
@@ -49,14 +55,16 @@ class RecordHeader(NamedTuple):
 
 
 def encode_header(h: RecordHeader) -> bytes:
-    body = bytearray(((_FULL if h.op == "full" else 0) | (_RANGE if h.at is not None else 0),
-                      _DTYPE_CODE[h.dtype]))
+    flags = _FULL if h.op == "full" else _GROUP if h.op == "group" else 0
+    body = bytearray((flags | (_RANGE if h.at is not None else 0), _DTYPE_CODE[h.dtype]))
     put_varint(body, len(h.shape))
     for s in h.shape:
         put_varint(body, s)
     put_varint(body, h.n)
     if h.at is not None:
         put_varint(body, h.at)
+        put_varint(body, h.count)
+    if h.op == "group":
         put_varint(body, h.count)
     body += h.name.encode()
     return _HDR.pack(MAGIC, len(body)) + bytes(body)
@@ -65,8 +73,10 @@ def encode_header(h: RecordHeader) -> bytes:
 def _decode_binary(raw: bytes) -> RecordHeader:
     r = ByteReader(memoryview(raw), len(raw), "record header")
     flags, code = r.byte(), r.byte()
-    if flags & ~(_FULL | _RANGE) or code >= len(DTYPE_CODES):
-        raise BadDelta(f"record header has unknown flags {flags:#x} or dtype code {code}")
+    if flags & ~(_FULL | _RANGE | _GROUP) or code >= len(DTYPE_CODES) or \
+            (flags & _GROUP and flags & (_FULL | _RANGE)):
+        raise BadDelta(f"record header has unknown flags {flags:#x} or dtype code {code} (a "
+                       "group record is written by a newer deltaswarm: upgrade this node)")
     ndim = r.varint()
     if ndim > 64:
         raise BadDelta(f"record header claims {ndim} dimensions")
@@ -75,11 +85,16 @@ def _decode_binary(raw: bytes) -> RecordHeader:
     at = count = None
     if flags & _RANGE:
         at, count = r.varint(), r.varint()
+    if flags & _GROUP:
+        count = r.varint()
+        if ndim or count < 1:
+            raise BadDelta(f"group record has a shape or covers {count} tensors")
     try:
         name = raw[r.pos:].decode()
     except UnicodeDecodeError:
         raise BadDelta("record header's tensor name is not UTF-8") from None
-    return RecordHeader(name=name, op="full" if flags & _FULL else "delta",
+    op = "full" if flags & _FULL else "group" if flags & _GROUP else "delta"
+    return RecordHeader(name=name, op=op,
                         dtype=DTYPE_CODES[code], shape=shape, n=n, at=at, count=count)
 
 
@@ -195,8 +210,10 @@ class BlockReader:
             raise BadDelta(f"record header of {length} bytes is implausibly large")
         raw = self.read(length)
         h = _decode_binary(raw) if magic == MAGIC else _decode_json(raw)
-        if h.op not in ("delta", "full") or h.n < 0:
+        if h.op not in ("delta", "full", "group") or h.n < 0:
             raise BadDelta(f"record for {h.name!r} has invalid op {h.op!r} or length {h.n}")
+        if h.op == "group" and (magic != MAGIC or h.at is not None):
+            raise BadDelta(f"record for {h.name!r} is a malformed group")
         if h.at is not None and (h.at < 0 or h.count < 0):
             raise BadDelta(f"record for {h.name!r} covers a negative range ({h.at}, {h.count})")
         return h

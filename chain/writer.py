@@ -6,8 +6,9 @@ tensor raw. Either way the manifest lists every tensor's digest, so the receiver
 the result bit for bit.
 """
 
+import itertools
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -44,7 +45,38 @@ BATCH_ELEMENTS = 1 << 25
 so memory stays bounded while both cores work."""
 
 
+GROUP_BELOW = 1 << 16
+"""Tensors of fewer elements than this, changed in place (the parent's dtype and shape), are
+coded in groups of consecutive ones: one record, one codec segment and one payload header a
+group instead of one each. A tensor costs ~70-100 us of Python in its own record whatever its
+size, about what coding 100,000 elements costs, so models of 50,000 small expert tensors paid
+mostly that (docs/MEASURED.md, "Tensor count"). 0: every tensor its own record, the only kind
+daemons before group records read."""
+GROUP_ELEMENTS = 1 << 20
+"""A group ends once it holds this many elements (one codec segment, chain.codec.LOG2_SEG)."""
+
+
 OnChanges = Callable[[str, "codec.Changes | None"], None]
+
+
+def _units(pending: list, below: int) -> list[tuple[int, int]]:
+    """`pending` cut into ranges [lo, hi): one tensor, or a group of consecutive small
+    tensors of one dtype that each have a parent of the same layout."""
+    units: list[tuple[int, int]] = []
+    lo = 0
+    while lo < len(pending):
+        hi, size = lo + 1, pending[lo][4].size
+        _, dtype, _, old, _ = pending[lo]
+        if old is not None and size < below:
+            while hi < len(pending) and size < GROUP_ELEMENTS:
+                _, d, _, o, b = pending[hi]
+                if o is None or d != dtype or b.size >= below:
+                    break
+                size += b.size
+                hi += 1
+        units.append((lo, hi))
+        lo = hi
+    return units
 
 
 def encode_stream(
@@ -53,6 +85,7 @@ def encode_stream(
     parent_digests: Mapping[str, str] | None = None,
     on_changes: OnChanges | None = None,
     direct_positions: int = codec.DIRECT,
+    group_below: int = GROUP_BELOW,
 ) -> tuple[TensorTable, EncodeStats]:
     """Write the record stream for `new` against `parent` (None or kind=snapshot: all raw).
 
@@ -63,7 +96,8 @@ def encode_stream(
     the digests of `parent`'s tensors, when the caller knows they are right; a delta's
     digests are then moved by its changes instead of hashing `new`. `on_changes(name,
     changes)`: called per tensor with what the delta changes (None: a full record).
-    `direct_positions`: how the codec codes positions (chain.codec.api.DIRECT)."""
+    `direct_positions`: how the codec codes positions (chain.codec.api.DIRECT).
+    `group_below`: tensors under this many elements go in group records (GROUP_BELOW)."""
     stats = EncodeStats()
     t0 = time.perf_counter()
     names: list[str] = []
@@ -75,16 +109,30 @@ def encode_stream(
     pending: list[tuple[str, str, list[int], np.ndarray | None, np.ndarray]] = []
 
     def flush() -> None:
-        deltas = [(old, bits, dtype) for _, dtype, _, old, bits in pending if old is not None]
-        encoded = iter(codec.encode_changes(deltas, changes=parent_digests is not None
+        units = _units(pending, group_below)
+        pairs = []
+        for lo, hi in units:
+            _, dtype, _, old, bits = pending[lo]
+            if hi - lo > 1:  # a group: its tensors' elements end to end, coded as one
+                pairs.append((np.concatenate([p[3] for p in pending[lo:hi]]),
+                              np.concatenate([p[4] for p in pending[lo:hi]]), dtype))
+            elif old is not None:
+                pairs.append((old, bits, dtype))
+        olds = iter([old for old, _, _ in pairs])
+        encoded = iter(codec.encode_changes(pairs, changes=parent_digests is not None
                                             or on_changes is not None,
-                                            direct=direct_positions) if deltas else [])
+                                            direct=direct_positions) if pairs else [])
         hashed = [(dtype, shape, bits) for name, dtype, shape, old, bits in pending
                   if _needs_hash(name, old, digests, parent_digests)]
         fresh = iter(tensor_digests(hashed))
-        for name, dtype, shape, old, bits in pending:
+        for lo, hi in units:
+            if hi - lo > 1:
+                group(pending[lo:hi], next(olds), next(encoded), fresh)
+                continue
+            name, dtype, shape, old, bits = pending[lo]
             changes = None
             if old is not None:
+                next(olds)
                 payload, changes = next(encoded)
             if _needs_hash(name, old, digests, parent_digests):
                 digest = next(fresh)
@@ -92,13 +140,7 @@ def encode_stream(
                 digest = digests[name]
             else:
                 digest = lanehash.add(parent_digests[name], changes.digest)
-            names.append(name)
-            dtypes.append(DTYPE_CODE[dtype])
-            shapes.extend(shape)
-            ranks.append(len(shape))
-            digest_list.append(digest)
-            if on_changes is not None:
-                on_changes(name, changes)
+            entry(name, dtype, shape, digest, changes)
             if old is not None:
                 changed = hdr.claimed_changes(payload)
                 if changed == 0:
@@ -107,13 +149,56 @@ def encode_stream(
             else:
                 payload = memoryview(np.ascontiguousarray(bits)).cast("B")
                 op, changed = "full", bits.size
-            writer.write_record(RecordHeader(name, op, dtype, shape, len(payload)), payload)
-            stats.changed_tensors += 1
-            stats.changed_elements += changed
-            stats.encoded_bytes += len(payload)
-            stats.per_tensor.append({"name": name, "op": op, "changed": int(changed),
-                                     "numel": int(bits.size), "bytes": len(payload)})
+            record(RecordHeader(name, op, dtype, shape, len(payload)), payload, changed,
+                   bits.size)
         pending.clear()
+
+    def entry(name: str, dtype: str, shape: list[int], digest: str,
+              changes: "codec.Changes | None") -> None:
+        names.append(name)
+        dtypes.append(DTYPE_CODE[dtype])
+        shapes.extend(shape)
+        ranks.append(len(shape))
+        digest_list.append(digest)
+        if on_changes is not None:
+            on_changes(name, changes)
+
+    def record(h: RecordHeader, payload: bytes | memoryview, changed: int, numel: int) -> None:
+        writer.write_record(h, payload)
+        stats.changed_tensors += 1
+        stats.changed_elements += changed
+        stats.encoded_bytes += len(payload)
+        stats.per_tensor.append({"name": h.name, "op": h.op, "changed": int(changed),
+                                 "numel": int(numel), "bytes": len(payload)})
+
+    def group(members: list, old: np.ndarray, encoded: tuple, fresh: Iterator[str]) -> None:
+        """One group's entries (each member's digest moved by its share of the changes, all
+        moves in one kernel call) and its one record."""
+        payload, changes = encoded
+        dtype = members[0][1]
+        offsets = np.zeros(len(members) + 1, np.int64)
+        np.cumsum([m[4].size for m in members], out=offsets[1:])
+        split: list = [None] * len(members)
+        if changes is not None:
+            cuts = np.searchsorted(changes.pos, offsets).tolist()
+            moves = lanehash.moved_by_groups(old, changes.pos, changes.val, offsets).tolist()
+            split = [codec.Changes(changes.pos[a:b] - offsets[j], changes.val[a:b],
+                                   (moves[j][0], moves[j][1]))
+                     for j, (a, b) in enumerate(itertools.pairwise(cuts))]
+        for (name, _, shape, old_bits, _), mine in zip(members, split, strict=True):
+            if _needs_hash(name, old_bits, digests, parent_digests):
+                digest = next(fresh)
+            elif digests is not None:
+                digest = digests[name]
+            elif not mine.pos.size:
+                digest = parent_digests[name]
+            else:
+                digest = lanehash.add(parent_digests[name], mine.digest)
+            entry(name, dtype, shape, digest, mine)
+        changed = hdr.claimed_changes(payload)
+        if changed:
+            record(RecordHeader(members[0][0], "group", dtype, [], len(payload), None,
+                                len(members)), payload, changed, int(offsets[-1]))
 
     queued = 0
     for name in new.names():
@@ -160,6 +245,7 @@ def write_artifact(
     on_changes: OnChanges | None = None,
     base: BasePin | None = None,
     direct_positions: int = codec.DIRECT,
+    group_below: int = GROUP_BELOW,
 ) -> tuple[Manifest, EncodeStats]:
     """Encode, store blocks, and return the signed manifest (not yet added to a chain).
     `same_tensors_as`: a manifest already written for this very `new` (the delta of the same
@@ -167,8 +253,8 @@ def write_artifact(
     `trust_parent`: `parent` is known to hold exactly `parent_manifest`'s weights (the
     publisher keeps it so), so a delta's digests are the parent's moved by the changes: no
     tensor is hashed. `on_changes`: see encode_stream. `base`: the base model an adapter
-    version applies to (chain/adapters.py), signed with the rest. `direct_positions`: see
-    encode_stream."""
+    version applies to (chain/adapters.py), signed with the rest. `direct_positions`,
+    `group_below`: see encode_stream."""
     if kind == "delta" and (parent is None or parent_manifest is None):
         raise ValueError("a delta needs the parent's tensors and manifest")
     digests = None
@@ -185,7 +271,8 @@ def write_artifact(
     if kind == "delta" and trust_parent:
         parent_digests = parent_manifest.tensors.digest_map()
     tensors, stats = encode_stream(writer, new, parent if kind == "delta" else None, kind,
-                                   digests, parent_digests, on_changes, direct_positions)
+                                   digests, parent_digests, on_changes, direct_positions,
+                                   group_below)
     stream = writer.close()
     file_entries, file_blocks = [], []
     for fname, data in sorted((files or {}).items()):

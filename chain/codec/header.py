@@ -139,6 +139,18 @@ def claimed_changes(payload: bytes | memoryview) -> int:
     return r.varint()
 
 
+def claimed_elements(payload: bytes | memoryview) -> int:
+    """How many elements a payload says it is coded over, checked no further (`parse` still
+    checks the whole header when it decodes): for naming a group record whose tensors hold
+    another number before decoding it."""
+    buf = memoryview(payload).cast("B")
+    if len(buf) < 4:
+        raise BadDelta(f"delta payload of {len(buf)} bytes is too short to be one")
+    r = ByteReader(buf, len(buf), "delta payload")
+    r.pos = 3
+    return r.varint()
+
+
 def parse(payload: bytes | memoryview, verify: bool = True) -> Header:
     """Header of a payload, every field range-checked; BadDelta on anything malformed."""
     buf = memoryview(payload).cast("B")

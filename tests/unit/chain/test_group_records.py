@@ -1,0 +1,258 @@
+"""Group records (chain/stream.py, chain/writer.py, chain/fill.py): runs of small tensors coded
+as one payload over their elements end to end. A region applies them bit-exactly on disk and
+engine-first; each tensor's digest moves by its own share; what a forged group claims is
+refused with the tensor named."""
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from chain import lanehash
+from chain.decode import decode_patch
+from chain.errors import BadDelta
+from chain.safetensors_io import TensorFiles
+from chain.sources import StateDictSource
+from chain.store import ChainStore
+from chain.stream import BlockReader, BlockWriter, RecordHeader, encode_header
+from chain.versiondir import read_info
+from chain.weights import WeightsDir
+from chain.writer import GROUP_ELEMENTS, write_artifact
+from tests.unit.chain.test_weights import getter, same
+
+UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from([1, 2, 4, 8]), st.lists(st.integers(0, 37), min_size=1, max_size=9),
+       st.data())
+def test_one_call_moves_every_members_digest_as_alone(itemsize, sizes, data):
+    """Members of any length (not whole words: a member's words count from its own start,
+    zero-padded at its end), some unchanged, some empty."""
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    uint = UINT[itemsize]
+    offsets = np.zeros(len(sizes) + 1, np.int64)
+    np.cumsum(sizes, out=offsets[1:])
+    old = rng.integers(0, np.iinfo(uint).max, int(offsets[-1]), dtype=uint, endpoint=True)
+    pos = np.flatnonzero(rng.random(old.size) < data.draw(st.floats(0, 1))).astype(np.int64)
+    val = rng.integers(0, np.iinfo(uint).max, pos.size, dtype=uint, endpoint=True)
+    got = lanehash.moved_by_groups(old, pos, val, offsets)
+    for j, (lo, hi) in enumerate(itertools.pairwise(offsets)):
+        mine = (pos >= lo) & (pos < hi)
+        want = lanehash.moved_by_changes(old[lo:hi].copy(), pos[mine] - lo, val[mine])
+        assert (int(got[j, 0]), int(got[j, 1])) == (int(want[0]) & lanehash.M64,
+                                                    int(want[1]) & lanehash.M64)
+
+
+def test_positions_past_the_group_are_refused():
+    old = np.zeros(8, np.uint16)
+    with pytest.raises(ValueError, match="past the group"):
+        lanehash.moved_by_groups(old, np.array([8], np.int64), np.ones(1, np.uint16),
+                                 np.array([0, 4, 8], np.int64))
+
+
+def experts(n: int, rows: int, seed: int) -> dict[str, torch.Tensor]:
+    """`n` bf16 expert matrices of `rows` x 64 plus two large tensors and odd ones (fp32,
+    int64, empty, a 1-element bias, a tensor whose size is no whole number of words)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {f"layers.{i // 8}.experts.{i % 8}.w": (torch.randn(rows, 64, generator=g) * 0.02
+                                                  ).bfloat16() for i in range(n)}
+    out |= {"embed.weight": (torch.randn(2048, 64, generator=g) * 0.02).bfloat16(),
+            "layers.0.bias": torch.randn(1, generator=g).bfloat16(),
+            "layers.0.odd": torch.randn(7, generator=g).bfloat16(),
+            "layers.1.empty": torch.zeros(0, 4).bfloat16(),
+            "layers.5.frozen": (torch.randn(400, 256, generator=g) * 0.02).bfloat16(),
+            "master.scale": torch.randn(33, generator=g),
+            "step.count": torch.arange(5, dtype=torch.int64)}
+    return out
+
+
+def step(state: dict[str, torch.Tensor], seed: int, density: float = 0.01
+         ) -> dict[str, torch.Tensor]:
+    """About `density` of every float tensor's elements moved by one or two bf16 steps; a few
+    tensors left unchanged (one large: no record, a gap between groups)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for k, t in state.items():
+        if not t.is_floating_point() or not t.numel() or k.endswith((".3.w", "frozen")):
+            out[k] = t.clone()
+            continue
+        bits = t.reshape(-1).view(torch.int16 if t.element_size() == 2 else torch.int32).clone()
+        mask = torch.rand(bits.shape, generator=g) < density
+        bits[mask] += 1 + (torch.rand(int(mask.sum()), generator=g) < 0.3).to(bits.dtype)
+        out[k] = bits.view(t.dtype).reshape(t.shape)
+    return out
+
+
+def records(store: ChainStore, m) -> list[RecordHeader]:
+    reader = BlockReader.of_blocks(m.blocks, getter(store))
+    out = []
+    while (h := reader.next_header()) is not None:
+        reader.skip(h.n)
+        out.append(h)
+    return out
+
+
+def chain_of(tmp_path, key, states, **kw) -> tuple[ChainStore, list]:
+    store = ChainStore(tmp_path / "chain", key.public_key())
+    m, _ = write_artifact(store.blocks, key, run="r", version=0, kind="snapshot",
+                          new=StateDictSource(states[0]))
+    store.add(m)
+    ms = [m]
+    for v in range(1, len(states)):
+        m, _ = write_artifact(store.blocks, key, run="r", version=v, kind="delta",
+                              new=StateDictSource(states[v]),
+                              parent=StateDictSource(states[v - 1]), parent_manifest=ms[-1],
+                              trust_parent=True, **kw)
+        store.add(m)
+        ms.append(m)
+    return store, ms
+
+
+@pytest.mark.parametrize("direct", [-1, 1000], ids=["ranks", "direct-positions"])
+def test_small_tensors_travel_in_groups_and_apply_bit_exactly(tmp_path, signing_key,
+                                                              monkeypatch, direct):
+    """600 experts of 960 elements: a few group records instead of ~600 records; digests equal
+    those of per-tensor records (moved from the parent, not hashed); applied on disk, in
+    batches that never end inside a group, to the exact weights."""
+    monkeypatch.setattr("chain.fill.BATCH", 1 << 14)  # batches end often
+    states = [experts(600, 15, 0)]
+    for v in (1, 2, 3):
+        states.append(step(states[-1], v))
+    store, ms = chain_of(tmp_path / "g", signing_key, states, direct_positions=direct)
+    plain, pms = chain_of(tmp_path / "p", signing_key, states, direct_positions=direct,
+                          group_below=0)
+    for m, pm in zip(ms[1:], pms[1:], strict=True):
+        assert m.tensors.digest_map() == pm.tensors.digest_map()
+        assert m.state_digest == pm.state_digest
+        hs = records(store, m)
+        groups = [h for h in hs if h.op == "group"]
+        assert groups and sum(h.count for h in groups) >= 600
+        assert len(hs) < 20 and all(h.op == "delta" for h in records(plain, pm)[:3])
+        assert max(h.count for h in groups) * 960 <= GROUP_ELEMENTS + 960
+    w = WeightsDir(tmp_path / "w")
+    w.apply(store.plan(None, 1), getter(store))
+    for v in (2, 3):
+        cur = w.apply(store.plan(w.current().version, v), getter(store))
+        assert cur.version == v and cur.state_digest == ms[v].state_digest
+        assert w.verify().version == v
+    from safetensors.torch import load_file
+
+    assert same(load_file(cur.path / "model.safetensors"), states[3])
+
+
+def test_groups_decode_engine_first_over_pending_patches(tmp_path, signing_key):
+    """The region's engine-first decode: v2 and v3 decoded over the disk's v1 with v2's patch
+    laid over it (the parent elements a group is coded against come overlaid)."""
+    states = [experts(300, 15, 1)]
+    for v in (1, 2, 3):
+        states.append(step(states[-1], 10 + v, density=0.05))
+    store, ms = chain_of(tmp_path, signing_key, states)
+    assert any(h.op == "group" for h in records(store, ms[2]))
+    w = WeightsDir(tmp_path / "w")
+    cur = w.apply(store.plan(None, 1), getter(store))
+    files, digests = TensorFiles(cur.path), read_info(cur.path).tensors
+    patches: list = []
+    for v in (2, 3):
+        patches.append(decode_patch(ms[v], files, 1, digests, patches, getter(store)))
+    state = {k: t.clone() for k, t in states[1].items()}
+    for p in patches:
+        for t in p.tensors:
+            flat = state[t.name].reshape(-1)
+            bits = flat.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[
+                flat.element_size()])
+            bits[torch.from_numpy(t.indices)] = torch.from_numpy(t.values.view(
+                bits.numpy().dtype))
+        assert same(state, states[p.version])
+
+
+def forged(store: ChainStore, m, key, edit) -> object:
+    """`m` with its records rewritten by `edit(records, m) -> [(header, payload)]`, re-signed."""
+    reader = BlockReader.of_blocks(m.blocks, getter(store))
+    recs = []
+    while (h := reader.next_header()) is not None:
+        recs.append((h, reader.read(h.n)))
+    w = BlockWriter(store.blocks)
+    for h, payload in edit(recs, m):
+        w.write(encode_header(h))
+        w.write(payload)
+    fields = {k: getattr(m, k) for k in type(m).model_fields}
+    return type(m)(**(fields | {"blocks": w.close(), "signature": None})).signed(key)
+
+
+def _regroup(count, last: bool = False):
+    """The first (last) group record's tensor count rewritten by `count(header)`."""
+    def edit(recs, m):
+        groups = [i for i, (h, _) in enumerate(recs) if h.op == "group"]
+        first = groups[-1 if last else 0]
+        return [(h._replace(count=count(h)) if i == first else h, p)
+                for i, (h, p) in enumerate(recs)]
+    return edit
+
+
+def _own_record_too(recs, m):
+    """The first group's first tensor also gets a delta record of its own, right after."""
+    shapes = {t.name: list(t.shape) for t in m.tensors}
+    out, done = [], False
+    for h, p in recs:
+        out.append((h, p))
+        if h.op == "group" and not done:
+            out.append((h._replace(op="delta", count=None, shape=shapes[h.name]), p))
+            done = True
+    return out
+
+
+@pytest.mark.parametrize("edit,match", [
+    (_regroup(lambda h: 10**6), r"experts\.\d+\.w has both a group record and another"),
+    (_regroup(lambda h: h.count - 1), r"is coded over \d+ elements; they hold"),
+    (_regroup(lambda h: h.count + 1), r"is coded over \d+ elements; they hold"),
+    (_own_record_too, "overlap at element 0"),
+], ids=["into-the-next-group", "one-short", "one-over", "member-with-own-record"])
+def test_forged_groups_are_refused_and_nothing_is_applied(tmp_path, signing_key, edit, match):
+    """1,200 experts: two groups with an unchanged large tensor between them."""
+    states = [experts(1200, 15, 2)]
+    states.append(step(states[-1], 21))
+    states.append(step(states[-1], 22))
+    store, ms = chain_of(tmp_path, signing_key, states)
+    w = WeightsDir(tmp_path / "w")
+    w.apply(store.plan(None, 1), getter(store))
+    bad = forged(store, ms[2], signing_key, edit)
+    with pytest.raises(BadDelta, match=match):
+        w.apply([bad], getter(store))
+    assert w.current().version == 1 and w.verify().version == 1
+
+
+def test_a_group_header_with_other_flags_is_refused():
+    h = RecordHeader("a", "group", "bfloat16", [], 5, None, 3)
+    raw = bytearray(encode_header(h))
+    raw[8] |= 1  # group and full at once
+    reader = BlockReader([bytes(raw) + b"\0" * 5])
+    with pytest.raises(BadDelta, match="unknown flags"):
+        reader.next_header()
+    assert BlockReader([encode_header(h) + b"\0" * 5]).next_header() == h
+
+
+def test_a_group_past_the_limit_or_the_last_tensor_is_refused(tmp_path, signing_key,
+                                                              monkeypatch):
+    states = [experts(64, 15, 3)]
+    states.append(step(states[-1], 31))
+    states.append(step(states[-1], 32))
+    store, ms = chain_of(tmp_path, signing_key, states)
+    w = WeightsDir(tmp_path / "w")
+    w.apply(store.plan(None, 1), getter(store))
+    monkeypatch.setattr("chain.fill.MAX_GROUP", 2000)
+    with pytest.raises(BadDelta, match="covers more than 2000 elements"):
+        w.apply([ms[2]], getter(store))
+    monkeypatch.undo()
+    only_bf16 = {k: t for k, t in states[0].items() if t.dtype == torch.bfloat16}
+    states = [only_bf16, step(only_bf16, 33), step(step(only_bf16, 33), 34)]
+    store, ms = chain_of(tmp_path / "b", signing_key, states)
+    w = WeightsDir(tmp_path / "wb")
+    w.apply(store.plan(None, 1), getter(store))
+    bad = forged(store, ms[2], signing_key, _regroup(lambda h: h.count + 10**6, last=True))
+    with pytest.raises(BadDelta, match="past the last of"):
+        w.apply([bad], getter(store))
+    assert w.current().version == 1 and w.verify().version == 1
