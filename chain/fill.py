@@ -46,6 +46,10 @@ class _Group:
     count: int
     members: list["_Item"] = field(default_factory=list)
     elements: int = 0
+    offsets: np.ndarray | None = None
+    """Once decoded: where each member starts in the group's elements, and the end."""
+    changes: codec.Changes | None = None
+    """Once decoded: the group's changes, in the group's positions."""
 
 
 @dataclass
@@ -65,6 +69,8 @@ class _Item:
     """Each write job's digest move (lane sums), summed into `digest` at the end."""
     group: _Group | None = None
     """On the first tensor of a group record: the group, decoded with the batch."""
+    span: _Group | None = None
+    """On every tensor of a decoded group: the group, written as one where it can be."""
     more: bool = False
     """A group record goes on past this tensor: the batch may not end here."""
 
@@ -305,7 +311,9 @@ class Fill:
             a, b = cuts[j], cuts[j + 1]
             m.changes = codec.Changes(changes.pos[a:b] - offsets[j], changes.val[a:b],
                                       None if moves is None else (moves[j][0], moves[j][1]))
+            m.span = g
         g.members[0].group = None
+        g.payload, g.offsets, g.changes = b"", offsets, changes
 
     def _batch(self, batch: list[_Item]) -> None:
         self._decode(batch)
@@ -365,10 +373,14 @@ class Fill:
             and all(s is not None and s.get(name) is not None for s in self.steps)
 
     def _jobs(self, work: list[_Item]) -> list[tuple[int, Callable[[], None]]]:
-        """Write jobs for `work`: a tensor larger than PART in parts of its own, smaller ones
-        together in jobs of about PART elements (a job and its page faults per 1,000-element
-        tensor cost more than writing it)."""
-        jobs = [job for it in work if it.t.numel > PART for job in self._parts(it)]
+        """Write jobs for `work`: a group's tensors as one where they lie back to back in both
+        directories, a tensor larger than PART in parts of its own, smaller ones together in
+        jobs of about PART elements (a job and its page faults per 1,000-element tensor cost
+        more than writing it)."""
+        spans, work = self._spans(work)
+        jobs = [(int(g.offsets[-1]), self._span_job(g, items, target, source))
+                for g, items, target, source in spans]
+        jobs += [job for it in work if it.t.numel > PART for job in self._parts(it)]
         group: list[_Item] = []
         size = 0
         for it in work:
@@ -381,6 +393,55 @@ class Fill:
         if group:
             jobs.append((size, self._whole_job(group)))
         return jobs
+
+    def _spans(self, work: list[_Item]) -> tuple[list, list[_Item]]:
+        """The decoded groups of `work` that can be written as one (every tensor of the group
+        to write, all brought forward or all copied, back to back in this directory and in
+        the base), with their views; and the rest of `work`."""
+        by_group: dict[int, list[_Item]] = {}
+        for it in work:
+            if it.span is not None:
+                by_group.setdefault(id(it.span), []).append(it)
+        spans, taken = [], set()
+        out_span, base_span = getattr(self.out, "span", None), getattr(self.base, "span", None)
+        for items in by_group.values():
+            g = items[0].span
+            if out_span is None or base_span is None or len(items) != len(g.members) or \
+                    len({it.forward for it in items}) != 1:
+                continue
+            names = [it.t.name for it in items]
+            target, source = out_span(names), base_span(names)
+            if target is None or source is None or target.dtype != source.dtype:
+                continue
+            spans.append((g, items, target, source))
+            taken.update(id(it) for it in items)
+        return spans, [it for it in work if id(it) not in taken]
+
+    def _span_job(self, g: _Group, items: list[_Item], target: np.ndarray, source: np.ndarray
+                  ) -> Callable[[], None]:
+        """One kernel call writing a group's tensors (lanehash.pull_put_groups): brought
+        forward by the positions changed since (each tensor's own, cut to it, in the group's
+        positions), or copied whole from the base; then the group's changes. Each tensor's
+        digest move comes back for `_finish`."""
+        def job() -> None:
+            names = [it.t.name for it in items]
+            starts = g.offsets[:-1].tolist()
+            if items[0].forward:
+                steps = [np.concatenate([np.asarray(_inside(s[it.t.name], it.t.numel), np.int64)
+                                         + off for it, off in zip(items, starts, strict=True)])
+                         for s in self.steps]
+                ppos = steps[0] if len(steps) == 1 else np.unique(np.concatenate(steps))
+                if ppos.size or g.changes.pos.size:
+                    self.out.prefault_many(names)
+            else:
+                self.out.prefault_many(names)
+                target[:] = source
+                ppos = np.empty(0, np.int64)
+            moves = lanehash.moved_by_group_writes(target, source, g.offsets, ppos,
+                                                   g.changes.pos, g.changes.val).tolist()
+            for it, (a, b) in zip(items, moves, strict=True):
+                it.moves = [(a, b)]
+        return job
 
     def _whole_job(self, group: list[_Item]) -> Callable[[], None]:
         def job() -> None:

@@ -409,6 +409,41 @@ def moved_in_groups(old, pos, val, offsets, sh, width, out):
         out[2 * j + 1] += _mix1(uw, xn) - _mix1(uw, xo)
 
 
+@njit(nogil=True, cache=True)
+def pull_put_groups(target, source, offsets, ppos, pos, val, sh, width, out):
+    """Members laid end to end (as moved_in_groups) written in place: target[e] = source[e]
+    at sorted unique `ppos` (the changes since the target's own version), then target[e] =
+    val at sorted `pos`; each member's digest move, read from the target's words before and
+    after, added into out[2j], out[2j + 1]. One walk over both position lists: what a group
+    of small tensors costs a region's disk, instead of a kernel call per tensor."""
+    per = 1 << sh
+    j = 0
+    a = 0
+    b = 0
+    while a < ppos.size or b < pos.size:
+        p = ppos[a] if b >= pos.size or (a < ppos.size and ppos[a] < pos[b]) else pos[b]
+        while p >= offsets[j + 1]:
+            j += 1
+        lo = offsets[j]
+        e0 = lo + (((p - lo) >> sh) << sh)
+        e1 = min(e0 + per, offsets[j + 1])
+        xo = np.uint64(0)
+        for k in range(e1 - e0):
+            xo |= np.uint64(target[e0 + k]) << np.uint64(width * k)
+        while a < ppos.size and ppos[a] < e1:
+            target[ppos[a]] = source[ppos[a]]
+            a += 1
+        while b < pos.size and pos[b] < e1:
+            target[pos[b]] = val[b]
+            b += 1
+        xn = np.uint64(0)
+        for k in range(e1 - e0):
+            xn |= np.uint64(target[e0 + k]) << np.uint64(width * k)
+        uw = np.uint64((p - lo) >> sh)
+        out[2 * j] += _mix0(uw, xn) - _mix0(uw, xo)
+        out[2 * j + 1] += _mix1(uw, xn) - _mix1(uw, xo)
+
+
 def words(arr: np.ndarray) -> np.ndarray:
     """The whole 64-bit words of a flat element array, as a uint64 view (no copy)."""
     per = 8 // arr.itemsize
@@ -430,6 +465,7 @@ _pull = bind(pull, "pull")
 fast_gather = bind(gather, "gather")
 fast_moved_words = bind(moved_words, "moved_words")
 _moved_in_groups = bind(moved_in_groups, "moved_in_groups")
+_pull_put_groups = bind(pull_put_groups, "pull_put_groups")
 
 
 def moved_by_put(target: np.ndarray, pos: np.ndarray, val: np.ndarray) -> tuple[int, int]:
@@ -480,6 +516,22 @@ def moved_by_groups(old: np.ndarray, pos: np.ndarray, val: np.ndarray, offsets: 
         raise ValueError("positions or members past the group's elements")
     out = np.zeros(2 * (offsets.size - 1), np.uint64)
     _moved_in_groups(old, pos, val, offsets, *word_layout(old), out)
+    return out.reshape(-1, 2)
+
+
+def moved_by_group_writes(target: np.ndarray, source: np.ndarray, offsets: np.ndarray,
+                          ppos: np.ndarray, pos: np.ndarray, val: np.ndarray) -> np.ndarray:
+    """pull_put_groups: write a group's members in place and return a (members, 2) array of
+    their digest moves. Positions are the group's (members end to end), sorted; `ppos`
+    unique."""
+    end = int(offsets[-1])
+    for p in (ppos, pos):
+        if p.size and (p[0] < 0 or p[-1] >= end):
+            raise ValueError("positions past the group's elements")
+    if end > min(target.size, source.size) or val.size != pos.size:
+        raise ValueError("the group's members do not fit its target and source")
+    out = np.zeros(2 * (offsets.size - 1), np.uint64)
+    _pull_put_groups(target, source, offsets, ppos, pos, val, *word_layout(target), out)
     return out.reshape(-1, 2)
 
 

@@ -7,6 +7,7 @@ transformers and vLLM like any other.
 """
 
 import errno
+import itertools
 import json
 import mmap
 import os
@@ -168,6 +169,19 @@ def _view(maps: dict[str, _Map], slot: Slot) -> np.ndarray:
     return m.flat[m.base + slot.start : m.base + slot.end].view(dt.uint)
 
 
+def _span(maps: dict[str, _Map], slots: list[Slot]) -> np.ndarray | None:
+    """The elements of `slots` (one dtype) as one flat view, when they lie back to back in one
+    file in this order; else None."""
+    first = slots[0]
+    for a, b in itertools.pairwise(slots):
+        if b.file != first.file or b.start != a.end or b.dtype != first.dtype:
+            return None
+    if first.file not in maps or slots[-1].end == first.start:
+        return None
+    m = maps[first.file]
+    return m.flat[m.base + first.start : m.base + slots[-1].end].view(lookup(first.dtype).uint)
+
+
 MADV_POPULATE_READ, MADV_POPULATE_WRITE = 22, 23  # Linux 5.14+; older kernels skip them
 
 
@@ -236,6 +250,10 @@ class TensorFiles:
 
     def bits(self, name: str) -> np.ndarray:
         return _view(self._maps, self.slots[name])
+
+    def span(self, names: list[str]) -> np.ndarray | None:
+        """These tensors' elements as one view, if they lie back to back (`_span`)."""
+        return _span(self._maps, [self.slots[n] for n in names])
 
     def release(self, name: str) -> None:
         _advise(self._maps, self.slots[name], mmap.MADV_DONTNEED)
@@ -374,6 +392,10 @@ class WritableFiles:
 
     def bits(self, name: str) -> np.ndarray:
         return _view(self._maps, self.slots[name])
+
+    def span(self, names: list[str]) -> np.ndarray | None:
+        """These tensors' elements as one writable view, if they lie back to back."""
+        return _span(self._maps, [self.slots[n] for n in names])
 
     def release(self, name: str) -> None:
         _advise(self._maps, self.slots[name], mmap.MADV_DONTNEED)

@@ -45,7 +45,7 @@ from chain.policy import Retention, SnapshotPolicy
 from chain.sizes import Sizes
 from chain.sources import StateDictSource, source_digest
 from chain.store import ChainStore
-from chain.writer import write_artifact
+from chain.writer import GROUP_BELOW, write_artifact
 
 log = logging.getLogger(__name__)
 
@@ -92,12 +92,14 @@ class Publisher:
         block_size: int = DEFAULT_BLOCK,
         base: BasePin | None = None,
         direct_positions: int = codec.DIRECT,
+        group_below: int = GROUP_BELOW,
     ) -> None:
         """`base`: this run publishes LoRA adapters (PEFT tensors, with adapter_config.json in
         each version's `files`) over that version of another chain (chain/adapters.py).
         `direct_positions`: how deltas code positions (chain.codec.api.DIRECT: -1 the most
         compact; N >= 0 lets a region decode a segment in O(changes) where that costs at most
-        N % more bytes)."""
+        N % more bytes). `group_below`: tensors of fewer elements travel in group records
+        (chain.writer.GROUP_BELOW; 0 for regions running a deltaswarm from before them)."""
         self.key = keys.load_private(Path(key_path))
         self.store = ChainStore(Path(chain_dir), self.key.public_key())
         self.run = run
@@ -108,6 +110,7 @@ class Publisher:
         self.block_size = block_size
         self.base = base
         self.direct_positions = direct_positions
+        self.group_below = group_below
         self._last: dict[str, torch.Tensor] | None = None
         self._views: dict = {}
         """Bit views of `_last`'s tensors (chain.sources.StateDictSource `views`)."""
@@ -164,7 +167,8 @@ class Publisher:
                                               parent=kept, parent_manifest=parent_m,
                                               trust_parent=True,
                                               on_changes=changes.__setitem__,
-                                              direct_positions=self.direct_positions, **common)
+                                              direct_positions=self.direct_positions,
+                                              group_below=self.group_below, **common)
                 self.store.add(delta)
                 # the head moved: bring the kept copy along now, whatever happens next
                 self._last = _patched(self._last, kept, state_dict, changes)

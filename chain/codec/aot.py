@@ -66,6 +66,7 @@ SPEC: dict[str, tuple[str, list[str]]] = {
     "gather": ("chain.lanehash", ["W", "i8", "W"]),
     "moved_words": ("chain.lanehash", ["u8", "u8", "i", "i8", "i", "i", "i"]),
     "moved_in_groups": ("chain.lanehash", ["W", "i8", "W", "i8", "i", "i", "u8"]),
+    "pull_put_groups": ("chain.lanehash", ["W", "W", "i8", "i8", "i8", "W", "i", "i", "u8"]),
     "sum_words": ("chain.lanehash", ["u8", "i"]),
     "put_wide": ("chain.lanehash", ["u4", "u8", "i8", "u2", "i", "i", "i"]),
     "sum_at": ("chain.lanehash", ["i8", "u8"]),

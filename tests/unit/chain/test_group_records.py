@@ -47,11 +47,51 @@ def test_one_call_moves_every_members_digest_as_alone(itemsize, sizes, data):
                                                     int(want[1]) & lanehash.M64)
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from([1, 2, 4, 8]), st.lists(st.integers(0, 37), min_size=1, max_size=9),
+       st.data())
+def test_one_call_writes_every_member_and_moves_its_digest_as_alone(itemsize, sizes, data):
+    """pull_put_groups against the per-tensor kernels: pulls, then puts (a put wins where
+    both touch an element), each member's move as its own digest would have it."""
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    uint = UINT[itemsize]
+    offsets = np.zeros(len(sizes) + 1, np.int64)
+    np.cumsum(sizes, out=offsets[1:])
+    n = int(offsets[-1])
+
+    def some(p: float) -> np.ndarray:
+        return np.flatnonzero(rng.random(n) < p).astype(np.int64)
+
+    target = rng.integers(0, np.iinfo(uint).max, n, dtype=uint, endpoint=True)
+    source = rng.integers(0, np.iinfo(uint).max, n, dtype=uint, endpoint=True)
+    ppos, pos = some(data.draw(st.floats(0, 1))), some(data.draw(st.floats(0, 1)))
+    val = rng.integers(0, np.iinfo(uint).max, pos.size, dtype=uint, endpoint=True)
+    want = target.copy()
+    want[ppos] = source[ppos]
+    want[pos] = val
+    before = target.copy()
+    got = lanehash.moved_by_group_writes(target, source, offsets, ppos, pos, val)
+    assert np.array_equal(target, want)
+    for j, (lo, hi) in enumerate(itertools.pairwise(offsets)):
+        alone = before[lo:hi].copy()
+        mine = (ppos >= lo) & (ppos < hi)
+        a0, b0 = lanehash.moved_by_pull(alone, source[lo:hi], ppos[mine] - lo)
+        mine = (pos >= lo) & (pos < hi)
+        a1, b1 = lanehash.moved_by_put(alone, pos[mine] - lo, val[mine])
+        assert np.array_equal(alone, want[lo:hi])
+        assert (int(got[j, 0]), int(got[j, 1])) == ((int(a0) + int(a1)) & lanehash.M64,
+                                                    (int(b0) + int(b1)) & lanehash.M64)
+
+
 def test_positions_past_the_group_are_refused():
     old = np.zeros(8, np.uint16)
     with pytest.raises(ValueError, match="past the group"):
         lanehash.moved_by_groups(old, np.array([8], np.int64), np.ones(1, np.uint16),
                                  np.array([0, 4, 8], np.int64))
+    with pytest.raises(ValueError, match="past the group"):
+        lanehash.moved_by_group_writes(old, old.copy(), np.array([0, 4, 8], np.int64),
+                                       np.array([-1], np.int64), np.empty(0, np.int64),
+                                       np.empty(0, np.uint16))
 
 
 def experts(n: int, rows: int, seed: int) -> dict[str, torch.Tensor]:
@@ -133,12 +173,21 @@ def test_small_tensors_travel_in_groups_and_apply_bit_exactly(tmp_path, signing_
         assert groups and sum(h.count for h in groups) >= 600
         assert len(hs) < 20 and all(h.op == "delta" for h in records(plain, pm)[:3])
         assert max(h.count for h in groups) * 960 <= GROUP_ELEMENTS + 960
+    calls: list[bool] = []  # one per group written as one: brought forward or not
+    real = lanehash.moved_by_group_writes
+
+    def spy(target, source, offsets, ppos, pos, val):
+        calls.append(bool(ppos.size))
+        return real(target, source, offsets, ppos, pos, val)
+
+    monkeypatch.setattr(lanehash, "moved_by_group_writes", spy)
     w = WeightsDir(tmp_path / "w")
     w.apply(store.plan(None, 1), getter(store))
     for v in (2, 3):
         cur = w.apply(store.plan(w.current().version, v), getter(store))
         assert cur.version == v and cur.state_digest == ms[v].state_digest
         assert w.verify().version == v
+    assert True in calls and False in calls
     from safetensors.torch import load_file
 
     assert same(load_file(cur.path / "model.safetensors"), states[3])
@@ -256,3 +305,19 @@ def test_a_group_past_the_limit_or_the_last_tensor_is_refused(tmp_path, signing_
     with pytest.raises(BadDelta, match="past the last of"):
         w.apply([bad], getter(store))
     assert w.current().version == 1 and w.verify().version == 1
+
+
+@pytest.mark.parametrize("below,grouped", [(0, False), (1 << 16, True)])
+def test_a_publisher_groups_or_not_as_told(tmp_path, below, grouped):
+    """`group_below=0`: one record a tensor, what regions from before group records read."""
+    from chain import keys
+    from trainer.publisher import Publisher
+
+    keys.generate(tmp_path / "k")
+    pub = Publisher(tmp_path / "chain", tmp_path / "k", run="r", group_below=below)
+    states = [experts(40, 15, 4)]
+    states.append(step(states[-1], 41))
+    for v, s in enumerate(states):
+        out = pub.publish(v, s)
+    ops = {h.op for h in records(pub.store, out.delta)}
+    assert ("group" in ops) == grouped and "delta" in ops
