@@ -73,6 +73,8 @@ class _Item:
     """On every tensor of a decoded group: the group, written as one where it can be."""
     more: bool = False
     """A group record goes on past this tensor: the batch may not end here."""
+    grouped: bool = False
+    """A group record covers this tensor: no other record may."""
 
 
 class Fill:
@@ -95,6 +97,7 @@ class Fill:
         self.changes: dict[str, np.ndarray | None] = {}
         self.repaired = 0
         self.resumed = False
+        self._starts: np.ndarray | None = None
 
     def in_place(self, steps: list, own: VersionInfo | None) -> None:
         """The slots hold an older version (`own`, None if unknown) that `steps` (CHANGES per
@@ -181,6 +184,8 @@ class Fill:
                            f"{t.numel}")
         if item.op not in (None, rec.op):
             raise BadDelta(f"{t.name} has both full and delta records")
+        if item.grouped:
+            raise BadDelta(f"{t.name} has both a group record and another record")
         item.op = rec.op
         item.parts.append((at, count))
         itemsize = BY_NAME[t.dtype].itemsize
@@ -201,10 +206,20 @@ class Fill:
     def _open(self, item: _Item, rec: RecordHeader, reader: BlockReader) -> None:
         """A group record starting at `item`: its payload, read now and decoded with the
         batch its last tensor ends (a batch never ends inside a group)."""
-        limit = 8 * MAX_GROUP * BY_NAME[rec.dtype].itemsize + (1 << 20)
-        if rec.n > limit:
+        if self._starts is None:  # where each tensor starts, were the table's laid end to end
+            self._starts = np.zeros(len(self.tensors) + 1, np.int64)
+            np.cumsum([t.numel for t in self.tensors], out=self._starts[1:])
+        end = item.index + rec.count
+        if end > len(self.tensors):
+            raise BadDelta(f"group record for {item.t.name} covers {rec.count} tensors, past "
+                           f"the last of {self.what}")
+        elements = int(self._starts[end] - self._starts[item.index])
+        if elements > MAX_GROUP:
+            raise BadDelta(f"group record for {item.t.name} covers more than {MAX_GROUP} "
+                           "elements")
+        if rec.n > 8 * elements * BY_NAME[rec.dtype].itemsize + (1 << 20):
             raise BadDelta(f"group record for {item.t.name} is implausibly large ({rec.n} "
-                           "bytes)")
+                           f"bytes for {elements} elements)")
         item.group = _Group(reader.read(rec.n), rec.dtype, rec.count)
         self._join(item.group, item)
 
@@ -215,6 +230,7 @@ class Fill:
             raise BadDelta(f"group record covers {t.name}, a {t.dtype} tensor, as {group.dtype}")
         if item.op is not None:
             raise BadDelta(f"{t.name} has both a group record and another record")
+        item.grouped = True
         group.elements += t.numel
         if group.elements > MAX_GROUP:
             raise BadDelta(f"group record reaching {t.name} covers more than {MAX_GROUP} "

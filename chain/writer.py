@@ -53,7 +53,8 @@ size, about what coding 100,000 elements costs, so models of 50,000 small expert
 mostly that (docs/MEASURED.md, "Tensor count"). 0: every tensor its own record, the only kind
 daemons before group records read."""
 GROUP_ELEMENTS = 1 << 20
-"""A group ends once it holds this many elements (one codec segment, chain.codec.LOG2_SEG)."""
+"""A group ends once it holds this many elements (about one codec segment of 2^LOG2_SEG; its
+last tensor may take it to a second)."""
 
 
 OnChanges = Callable[[str, "codec.Changes | None"], None]
@@ -163,9 +164,10 @@ def encode_stream(
         if on_changes is not None:
             on_changes(name, changes)
 
-    def record(h: RecordHeader, payload: bytes | memoryview, changed: int, numel: int) -> None:
+    def record(h: RecordHeader, payload: bytes | memoryview, changed: int, numel: int,
+               tensors: int = 1) -> None:
         writer.write_record(h, payload)
-        stats.changed_tensors += 1
+        stats.changed_tensors += tensors
         stats.changed_elements += changed
         stats.encoded_bytes += len(payload)
         stats.per_tensor.append({"name": h.name, "op": h.op, "changed": int(changed),
@@ -197,8 +199,9 @@ def encode_stream(
             entry(name, dtype, shape, digest, mine)
         changed = hdr.claimed_changes(payload)
         if changed:
+            touched = len(members) if changes is None else sum(1 for m in split if m.pos.size)
             record(RecordHeader(members[0][0], "group", dtype, [], len(payload), None,
-                                len(members)), payload, changed, int(offsets[-1]))
+                                len(members)), payload, changed, int(offsets[-1]), touched)
 
     queued = 0
     for name in new.names():

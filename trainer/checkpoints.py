@@ -68,7 +68,7 @@ from chain.safetensors_io import (
 from chain.sources import FileSource
 from chain.store import ChainStore
 from chain.weights import WeightsDir
-from chain.writer import write_artifact
+from chain.writer import GROUP_BELOW, write_artifact
 
 log = logging.getLogger("deltaswarm.checkpoints")
 
@@ -310,10 +310,11 @@ class CheckpointPublisher:
                  state_dir: Path | str, daemon_url: str | None = None, token: str | None = None,
                  snapshots: SnapshotPolicy | None = None, retention: Retention | None = None,
                  block_size: int = DEFAULT_BLOCK, base: BasePin | None = None,
-                 direct_positions: int = codec.DIRECT) -> None:
+                 direct_positions: int = codec.DIRECT, group_below: int = GROUP_BELOW) -> None:
         """`base`: this run's checkpoints are PEFT adapter directories over that base version
         (trainer/ckpt_cli.py reads it from `base_chain`); full-model ones are then refused.
-        `direct_positions`: how deltas code positions (trainer.publisher.Publisher's)."""
+        `direct_positions`, `group_below`: how deltas code positions and which tensors travel
+        in group records (trainer.publisher.Publisher's)."""
         self.key = keys.load_private(Path(key_path))
         self.base = base
         self.store = ChainStore(Path(chain_dir), self.key.public_key())
@@ -330,6 +331,7 @@ class CheckpointPublisher:
         self.retention = retention or Retention()
         self.block_size = block_size
         self.direct_positions = direct_positions
+        self.group_below = group_below
         self.ledger = self._load_ledger()
 
     # --- the ledger of published directories -------------------------------------------------
@@ -482,7 +484,8 @@ class CheckpointPublisher:
             delta, _ = write_artifact(self.store.blocks, self.key, kind="delta", parent=parent,
                                       parent_manifest=parent_m, trust_parent=True,
                                       on_changes=release,
-                                      direct_positions=self.direct_positions, **common)
+                                      direct_positions=self.direct_positions,
+                                      group_below=self.group_below, **common)
             release(None)
             _unchanged(ckpt)
             self.store.add(delta)

@@ -44,7 +44,7 @@ from pydantic import Field, field_validator
 
 from chain.config_base import NAME_PATTERN, ConfigError, Section, load_yaml, read_token
 from chain.errors import ChainError
-from trainer.config import DirectPositionsPct
+from trainer.config import GROUP_BELOW, DirectPositionsPct, GroupBelow
 
 log = logging.getLogger("deltaswarm.watch")
 
@@ -138,6 +138,10 @@ class PublishConfig(Section):
     is coded so a region decodes it reading only its changes where that costs at most N % more
     position bits (1000 at 1B: 0.55x the decode, 1.38x the bytes; see DirectPositionsPct).
     Upgrade every daemon first: older builds refuse such deltas."""
+    group_below: GroupBelow = GROUP_BELOW
+    """Tensors of fewer elements than this travel in group records: a run of small tensors
+    (MoE experts) costs one record instead of one each. 0: a record per tensor, the only kind
+    daemons from before group records read; set it while such regions remain."""
     base_chain: Path | None = None
     """A LoRA run: the chain directory its base model was published to. Checkpoints are then
     PEFT adapter directories (adapter_config.json + adapter_model.safetensors), each version
@@ -158,7 +162,8 @@ def make_publisher(cfg: PublishConfig):
                                cfg.daemon.bearer(), SnapshotPolicy(every=cfg.snapshot_every),
                                Retention(versions=cfg.retention_versions), cfg.block_size,
                                base=base_pin(cfg.base_chain) if cfg.base_chain else None,
-                               direct_positions=cfg.direct_positions_pct)
+                               direct_positions=cfg.direct_positions_pct,
+                               group_below=cfg.group_below)
 
 
 def base_pin(base_chain: Path):

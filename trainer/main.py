@@ -128,7 +128,8 @@ def run(cfg_path: Path) -> int:
     pub = Publisher(cfg.chain_dir, cfg.key, cfg.run, cfg.daemon.url, cfg.daemon.token,
                     snapshots=SnapshotPolicy(every=cfg.snapshot_every),
                     retention=Retention(versions=cfg.retention_versions),
-                    block_size=cfg.block_size, direct_positions=cfg.direct_positions_pct)
+                    block_size=cfg.block_size, direct_positions=cfg.direct_positions_pct,
+                    group_below=cfg.group_below)
     trainer = GRPOTrainer(model, grpo, version=0, pad_id=tokenizer.pad_token_id)
 
     ckpts = _checkpoints(cfg.state_dir)

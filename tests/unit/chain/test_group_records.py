@@ -242,24 +242,31 @@ def _regroup(count, last: bool = False):
     return edit
 
 
-def _own_record_too(recs, m):
-    """The first group's first tensor also gets a delta record of its own, right after."""
-    shapes = {t.name: list(t.shape) for t in m.tensors}
-    out, done = [], False
-    for h, p in recs:
-        out.append((h, p))
-        if h.op == "group" and not done:
-            out.append((h._replace(op="delta", count=None, shape=shapes[h.name]), p))
-            done = True
-    return out
+def _own_record_too(empty: bool):
+    """The first group's first tensor also gets a delta record of its own, right after: a
+    whole one, or one covering no element (harmless, but a group's tensors have no other)."""
+    def edit(recs, m):
+        shapes = {t.name: list(t.shape) for t in m.tensors}
+        out, done = [], False
+        for h, p in recs:
+            out.append((h, p))
+            if h.op == "group" and not done:
+                out.append((h._replace(op="delta", shape=shapes[h.name], at=0 if empty else None,
+                                       count=0 if empty else None), p))
+                done = True
+        return out
+    return edit
 
 
 @pytest.mark.parametrize("edit,match", [
-    (_regroup(lambda h: 10**6), r"experts\.\d+\.w has both a group record and another"),
+    (_regroup(lambda h: h.count + 50), r"experts\.\d+\.w has both a group record and another"),
+    (_regroup(lambda h: 10**6), "covers 1000000 tensors, past the last of"),
     (_regroup(lambda h: h.count - 1), r"is coded over \d+ elements; they hold"),
     (_regroup(lambda h: h.count + 1), r"is coded over \d+ elements; they hold"),
-    (_own_record_too, "overlap at element 0"),
-], ids=["into-the-next-group", "one-short", "one-over", "member-with-own-record"])
+    (_own_record_too(empty=False), "has both a group record and another record"),
+    (_own_record_too(empty=True), "has both a group record and another record"),
+], ids=["into-the-next-group", "past-the-table", "one-short", "one-over",
+        "member-with-own-record", "member-with-empty-record"])
 def test_forged_groups_are_refused_and_nothing_is_applied(tmp_path, signing_key, edit, match):
     """1,200 experts: two groups with an unchanged large tensor between them."""
     states = [experts(1200, 15, 2)]
@@ -321,3 +328,33 @@ def test_a_publisher_groups_or_not_as_told(tmp_path, below, grouped):
         out = pub.publish(v, s)
     ops = {h.op for h in records(pub.store, out.delta)}
     assert ("group" in ops) == grouped and "delta" in ops
+
+
+def test_a_group_payload_larger_than_its_tensors_could_need_is_refused_unread(tmp_path,
+                                                                              signing_key):
+    """The size bound comes from the tensors the record claims (not the largest group any
+    record could claim), checked before the payload is read."""
+    states = [experts(64, 15, 5)]
+    states.append(step(states[-1], 51))
+    states.append(step(states[-1], 52))
+    store, ms = chain_of(tmp_path, signing_key, states)
+    w = WeightsDir(tmp_path / "w")
+    w.apply(store.plan(None, 1), getter(store))
+
+    def padded(recs, m):
+        first = next(i for i, (h, _) in enumerate(recs) if h.op == "group")
+        h, p = recs[first]
+        big = bytes(p) + bytes(8 * 2 * 15 * 64 * h.count + (1 << 20))
+        return [*recs[:first], (h._replace(n=len(big)), big), *recs[first + 1:]]
+
+    bad = forged(store, ms[2], signing_key, padded)
+    with pytest.raises(BadDelta, match=r"is implausibly large \(\d+ bytes for \d+ elements"):
+        w.apply([bad], getter(store))
+    assert w.current().version == 1 and w.verify().version == 1
+
+
+def test_the_trainer_configs_default_is_the_writers():
+    from chain import writer
+    from trainer import config
+
+    assert config.GROUP_BELOW == writer.GROUP_BELOW
