@@ -44,10 +44,9 @@ class _Group:
     payload: bytes
     dtype: str
     count: int
+    offsets: np.ndarray
+    """Where each member starts in the group's elements, and the end (from the table)."""
     members: list["_Item"] = field(default_factory=list)
-    elements: int = 0
-    offsets: np.ndarray | None = None
-    """Once decoded: where each member starts in the group's elements, and the end."""
     changes: codec.Changes | None = None
     """Once decoded: the group's changes, in the group's positions."""
 
@@ -133,9 +132,6 @@ class Fill:
                 if group is not None and len(group.members) == group.count:
                     group = None
                 yield item
-            if group is not None:
-                raise BadDelta(f"group record for {group.members[0].t.name!r} covers "
-                               f"{group.count} tensors, past the last of {what}")
 
         self._pass(items, resumed)
         if any(p is not None for p in pending) or not all(r.at_end() for r in readers):
@@ -213,14 +209,15 @@ class Fill:
         if end > len(self.tensors):
             raise BadDelta(f"group record for {item.t.name} covers {rec.count} tensors, past "
                            f"the last of {self.what}")
-        elements = int(self._starts[end] - self._starts[item.index])
+        offsets = self._starts[item.index:end + 1] - self._starts[item.index]
+        elements = int(offsets[-1])
         if elements > MAX_GROUP:
             raise BadDelta(f"group record for {item.t.name} covers more than {MAX_GROUP} "
                            "elements")
         if rec.n > 8 * elements * BY_NAME[rec.dtype].itemsize + (1 << 20):
             raise BadDelta(f"group record for {item.t.name} is implausibly large ({rec.n} "
                            f"bytes for {elements} elements)")
-        item.group = _Group(reader.read(rec.n), rec.dtype, rec.count)
+        item.group = _Group(reader.read(rec.n), rec.dtype, rec.count, offsets)
         self._join(item.group, item)
 
     def _join(self, group: _Group, item: _Item) -> None:
@@ -231,10 +228,6 @@ class Fill:
         if item.op is not None:
             raise BadDelta(f"{t.name} has both a group record and another record")
         item.grouped = True
-        group.elements += t.numel
-        if group.elements > MAX_GROUP:
-            raise BadDelta(f"group record reaching {t.name} covers more than {MAX_GROUP} "
-                           "elements")
         self._base_of(t)
         item.op = "delta"
         item.parts.append((0, t.numel))
@@ -300,8 +293,7 @@ class Fill:
     def _group_base(self, g: _Group) -> tuple[np.ndarray, np.ndarray]:
         """What group `g` decodes against: its tensors' parent elements end to end (each as
         `_source` has it, overlaid), and where each tensor starts."""
-        offsets = np.zeros(len(g.members) + 1, np.int64)
-        np.cumsum([m.t.numel for m in g.members], out=offsets[1:])
+        offsets = g.offsets
         claimed = hdr.claimed_elements(g.payload)
         if claimed != offsets[-1]:
             raise BadDelta(f"group record for {g.members[0].t.name} and {len(g.members) - 1} "
@@ -329,7 +321,7 @@ class Fill:
                                       None if moves is None else (moves[j][0], moves[j][1]))
             m.span = g
         g.members[0].group = None
-        g.payload, g.offsets, g.changes = b"", offsets, changes
+        g.payload, g.changes = b"", changes
 
     def _batch(self, batch: list[_Item]) -> None:
         self._decode(batch)

@@ -119,22 +119,23 @@ def encode_stream(
                               np.concatenate([p[4] for p in pending[lo:hi]]), dtype))
             elif old is not None:
                 pairs.append((old, bits, dtype))
-        olds = iter([old for old, _, _ in pairs])
-        encoded = iter(codec.encode_changes(pairs, changes=parent_digests is not None
-                                            or on_changes is not None,
-                                            direct=direct_positions) if pairs else [])
+        # each pair with what it was coded as: (old, new, dtype), (payload, changes)
+        encoded = zip(pairs, codec.encode_changes(pairs, changes=parent_digests is not None
+                                                  or on_changes is not None,
+                                                  direct=direct_positions) if pairs else [],
+                      strict=True)
         hashed = [(dtype, shape, bits) for name, dtype, shape, old, bits in pending
                   if _needs_hash(name, old, digests, parent_digests)]
         fresh = iter(tensor_digests(hashed))
         for lo, hi in units:
             if hi - lo > 1:
-                group(pending[lo:hi], next(olds), next(encoded), fresh)
+                (old, _, _), coded = next(encoded)
+                group(pending[lo:hi], old, coded, fresh)
                 continue
             name, dtype, shape, old, bits = pending[lo]
             changes = None
             if old is not None:
-                next(olds)
-                payload, changes = next(encoded)
+                _, (payload, changes) = next(encoded)
             if _needs_hash(name, old, digests, parent_digests):
                 digest = next(fresh)
             elif digests is not None:

@@ -132,23 +132,22 @@ def claimed_changes(payload: bytes | memoryview) -> int:
     """How many elements a payload says it changes, read from its first bytes and checked no
     further: for statistics of a payload this process has just encoded (`parse` checks a
     payload from elsewhere)."""
-    buf = memoryview(payload).cast("B")
-    r = ByteReader(buf, len(buf))
-    r.pos = 3
-    r.varint()
-    return r.varint()
+    return _claimed(payload)[1]
 
 
 def claimed_elements(payload: bytes | memoryview) -> int:
     """How many elements a payload says it is coded over, checked no further (`parse` still
     checks the whole header when it decodes): for naming a group record whose tensors hold
     another number before decoding it."""
+    return _claimed(payload)[0]
+
+
+def _claimed(payload: bytes | memoryview) -> tuple[int, int]:
+    """(elements, changes) from a payload's first bytes, unchecked beyond running short."""
     buf = memoryview(payload).cast("B")
-    if len(buf) < 4:
-        raise BadDelta(f"delta payload of {len(buf)} bytes is too short to be one")
-    r = ByteReader(buf, len(buf), "delta payload")
+    r = ByteReader(buf, len(buf))
     r.pos = 3
-    return r.varint()
+    return r.varint(), r.varint()
 
 
 def parse(payload: bytes | memoryview, verify: bool = True) -> Header:

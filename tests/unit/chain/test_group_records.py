@@ -152,6 +152,16 @@ def chain_of(tmp_path, key, states, **kw) -> tuple[ChainStore, list]:
     return store, ms
 
 
+def at_v1(tmp_path, key, first: dict[str, torch.Tensor], seed: int
+          ) -> tuple[ChainStore, list, WeightsDir]:
+    """A chain of `first` and two steps of it, and a region's weights applied up to v1."""
+    states = [first, step(first, seed), step(step(first, seed), seed + 1)]
+    store, ms = chain_of(tmp_path, key, states)
+    w = WeightsDir(tmp_path / "w")
+    w.apply(store.plan(None, 1), getter(store))
+    return store, ms, w
+
+
 @pytest.mark.parametrize("direct", [-1, 1000], ids=["ranks", "direct-positions"])
 def test_small_tensors_travel_in_groups_and_apply_bit_exactly(tmp_path, signing_key,
                                                               monkeypatch, direct):
@@ -269,12 +279,7 @@ def _own_record_too(empty: bool):
         "member-with-own-record", "member-with-empty-record"])
 def test_forged_groups_are_refused_and_nothing_is_applied(tmp_path, signing_key, edit, match):
     """1,200 experts: two groups with an unchanged large tensor between them."""
-    states = [experts(1200, 15, 2)]
-    states.append(step(states[-1], 21))
-    states.append(step(states[-1], 22))
-    store, ms = chain_of(tmp_path, signing_key, states)
-    w = WeightsDir(tmp_path / "w")
-    w.apply(store.plan(None, 1), getter(store))
+    store, ms, w = at_v1(tmp_path, signing_key, experts(1200, 15, 2), 21)
     bad = forged(store, ms[2], signing_key, edit)
     with pytest.raises(BadDelta, match=match):
         w.apply([bad], getter(store))
@@ -293,21 +298,14 @@ def test_a_group_header_with_other_flags_is_refused():
 
 def test_a_group_past_the_limit_or_the_last_tensor_is_refused(tmp_path, signing_key,
                                                               monkeypatch):
-    states = [experts(64, 15, 3)]
-    states.append(step(states[-1], 31))
-    states.append(step(states[-1], 32))
-    store, ms = chain_of(tmp_path, signing_key, states)
-    w = WeightsDir(tmp_path / "w")
-    w.apply(store.plan(None, 1), getter(store))
+    full = experts(64, 15, 3)
+    store, ms, w = at_v1(tmp_path, signing_key, full, 31)
     monkeypatch.setattr("chain.fill.MAX_GROUP", 2000)
     with pytest.raises(BadDelta, match="covers more than 2000 elements"):
         w.apply([ms[2]], getter(store))
     monkeypatch.undo()
-    only_bf16 = {k: t for k, t in states[0].items() if t.dtype == torch.bfloat16}
-    states = [only_bf16, step(only_bf16, 33), step(step(only_bf16, 33), 34)]
-    store, ms = chain_of(tmp_path / "b", signing_key, states)
-    w = WeightsDir(tmp_path / "wb")
-    w.apply(store.plan(None, 1), getter(store))
+    only_bf16 = {k: t for k, t in full.items() if t.dtype == torch.bfloat16}
+    store, ms, w = at_v1(tmp_path / "b", signing_key, only_bf16, 33)
     bad = forged(store, ms[2], signing_key, _regroup(lambda h: h.count + 10**6, last=True))
     with pytest.raises(BadDelta, match="past the last of"):
         w.apply([bad], getter(store))
@@ -334,12 +332,7 @@ def test_a_group_payload_larger_than_its_tensors_could_need_is_refused_unread(tm
                                                                               signing_key):
     """The size bound comes from the tensors the record claims (not the largest group any
     record could claim), checked before the payload is read."""
-    states = [experts(64, 15, 5)]
-    states.append(step(states[-1], 51))
-    states.append(step(states[-1], 52))
-    store, ms = chain_of(tmp_path, signing_key, states)
-    w = WeightsDir(tmp_path / "w")
-    w.apply(store.plan(None, 1), getter(store))
+    store, ms, w = at_v1(tmp_path, signing_key, experts(64, 15, 5), 51)
 
     def padded(recs, m):
         first = next(i for i, (h, _) in enumerate(recs) if h.op == "group")
