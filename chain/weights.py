@@ -282,6 +282,31 @@ class WeightsDir:
                 shutil.rmtree(self.path(v), ignore_errors=True)
         return cur, problem
 
+    def damaged(self, version: int, names: list[str] | None = None,
+                read: Callable[[int], None] | None = None) -> list[str]:
+        """Names of the tensors of version directory `version` (all, or just `names`) whose
+        bytes no longer match its VERSION.json; [] when they all do. For a background pass:
+        `read` hears every ~64 MiB read (it paces the pass, or raises to stop it). A directory
+        an apply renamed away meanwhile raises OSError or BadVersionDir: the caller checks
+        again under the writers' lock before acting on a result (`set_aside`)."""
+        path = self.path(version)
+        info = read_info(path)
+        got = _dir_digests(path, names, read)
+        wanted = info.tensors if names is None else {n: info.tensors.get(n, "") for n in names}
+        return sorted(n for n in set(got) | set(wanted) if got.get(n) != wanted.get(n))
+
+    def set_aside(self, version: int) -> str:
+        """Take a damaged version directory out of use, as the start-up check does: the
+        current one is quarantined (`.bad-vN`, `current` removed, so the caller plans from a
+        snapshot), a spare one deleted (the next delta writes a fresh directory). Only with
+        every writer of this root stopped. Returns what was done."""
+        cur = self.current()
+        if cur is not None and cur.version == version:
+            self._quarantine()
+            return f"set aside as .bad-{version_dir_name(version)}; rebuilding from a snapshot"
+        shutil.rmtree(self.path(version), ignore_errors=True)
+        return "deleted (a spare directory: the next version is written whole)"
+
     def _quarantine(self) -> None:
         link = self.root / "current"
         target = self.root / os.readlink(link)
@@ -293,7 +318,10 @@ class WeightsDir:
         fsync_dir(self.root)
 
 
-def _verify_dir(path: Path, info: VersionInfo) -> None:
+def _dir_digests(path: Path, names: list[str] | None = None,
+                 read: Callable[[int], None] | None = None) -> dict[str, str]:
+    """Digests of the tensors in `path` (all, or `names`), recomputed from their bytes in
+    batches of ~64 MiB; `read` hears each batch's bytes (to pace or stop a background pass)."""
     files = TensorFiles(path)
     got: dict[str, str] = {}
     batch: list[str] = []
@@ -302,17 +330,25 @@ def _verify_dir(path: Path, info: VersionInfo) -> None:
     def flush() -> None:
         items = [(*_meta(files, n), files.bits(n)) for n in batch]
         got.update(zip(batch, tensor_digests(items), strict=True))
-        for n in batch:
-            files.release(n)
+        files.release_many(batch)
         batch.clear()
+        if read is not None:
+            read(size)
 
-    for name in files.names():
+    for name in files.names() if names is None else names:
+        if name not in files.slots:
+            continue  # missing: its digest is absent, which the caller sees as a mismatch
         batch.append(name)
         size += files.slots[name].end - files.slots[name].start
         if size >= 1 << 26:
             flush()
             size = 0
     flush()
+    return got
+
+
+def _verify_dir(path: Path, info: VersionInfo) -> None:
+    got = _dir_digests(path)
     if got != info.tensors or state_digest(got) != info.state_digest:
         bad = sorted(n for n in set(got) | set(info.tensors) if got.get(n) != info.tensors.get(n))
         raise DigestMismatch(f"{path}: tensors differ from VERSION.json: {bad[:5]}")

@@ -149,6 +149,10 @@ class SelfCheckConfig(_Section):
     """Re-verify every served block once at start (in the background, within the budget)."""
     interval_s: float = Field(3600.0, ge=1, le=30 * 86400)
     """Seconds between scheduled passes over everything served."""
+    weights: bool = True
+    """Regions: also re-hash every held weight directory on the same schedule and budget (an
+    apply verifies each tensor from the words it touched, so damage elsewhere is found only
+    here or at start); a damaged one is set aside and rebuilt, as at start."""
     bytes_per_s: int = Field(200_000_000, ge=1 << 20, le=1 << 40)
     """Read budget of a pass: keep it well under the disk's throughput so serving and applying
     stay fast (a 14 GB model takes 70 s at the default)."""

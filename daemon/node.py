@@ -71,6 +71,7 @@ from daemon.versions.longpoll import Board
 from daemon.versions.publish import Seeder
 from daemon.versions.retain import Keeper
 from daemon.versions.sync import Syncer
+from daemon.versions.weights_check import WeightsCheck
 
 log = logging.getLogger("deltaswarm.node")
 RELOADABLE = frozenset({"bootstrap", "limits", "retention", "sync", "trajectories",
@@ -232,8 +233,9 @@ class Node:
                               cfg.max_peers, cfg.long_poll_timeout_s, poller,
                               elsewhere=syncer.hears_elsewhere, through=syncer.watched,
                               glance_s=syncer.glance_s)
+        check = WeightsCheck(self.weights, cfg.self_check, syncer.set_aside_damaged)
         return RegionRole(syncer, watcher, self.weights, self.store, self.artifacts,
-                          self.cfg.node)
+                          self.cfg.node, check)
 
     def _fleet(self) -> FleetParts:
         """The fleet board and the reports this daemon sends upstream (daemon/fleet/board.py)."""
@@ -369,8 +371,15 @@ class Node:
                        current=self.role.current, syncer=self.role.syncer, intake=self.intake,
                        notifier=lambda: self.notifier, engine_type=self.cfg.engine.type,
                        upstream=self.cfg.trajectories.upstream,
-                       weights_problem=lambda: self.weights_problem,
+                       weights_problem=self._weights_problem,
+                       weights_check=self.role.weights_check,
                        self_check=self.selfcheck.status, warmup=lambda: dict(self.warmup))
+
+    def _weights_problem(self) -> str | None:
+        """The newest problem with the stored weights: the running check's, else start's."""
+        syncer = self.role.syncer
+        return (syncer.weights_damaged if syncer is not None and syncer.weights_damaged
+                else self.weights_problem)
 
     def status_model(self, swarm: dict | None = None):
         return build_status(self.sources(), swarm)

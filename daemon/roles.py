@@ -17,6 +17,7 @@ from daemon.peering.asking import HeadWatcher
 from daemon.tasks import stop as stop_task
 from daemon.versions.publish import PublishError, Seeder, current_of_head
 from daemon.versions.sync import Syncer
+from daemon.versions.weights_check import WeightsCheck
 
 Spawn = Callable[[Coroutine, str], asyncio.Task]
 
@@ -63,14 +64,19 @@ class TrainerRole:
     def sections(self) -> dict:
         return {"retention": self.seeder.keeper.status(), "checkpoints": self.checkpoints()}
 
+    def weights_check(self) -> dict | None:
+        return None  # a trainer serves blocks, not weights (SelfCheck covers those)
+
 
 class RegionRole:
     name = "region"
     seeder: Seeder | None = None
 
     def __init__(self, syncer: Syncer, watcher: HeadWatcher, weights: WeightsDir,
-                 store: ChainStore, artifacts: Artifacts, node: str) -> None:
+                 store: ChainStore, artifacts: Artifacts, node: str, check: WeightsCheck
+                 ) -> None:
         self.syncer = syncer
+        self.check = check
         self.watcher = watcher
         self.weights = weights
         self.store = store
@@ -89,7 +95,8 @@ class RegionRole:
         await asyncio.to_thread(self.artifacts.reseed, self.store)
         self._tasks = [spawn(self.watcher.run(), "heads"),
                        spawn(self.syncer.notify_loop(), "notify"),
-                       spawn(self.syncer.disk_loop(), "disk")]
+                       spawn(self.syncer.disk_loop(), "disk"),
+                       spawn(self.check.run(), "weights-check")]
         self._loop = spawn(self.syncer.run(), "sync")
 
     async def serving(self) -> None:
@@ -98,6 +105,7 @@ class RegionRole:
     async def stop(self, timeout: float) -> None:
         self.syncer.stopping = True
         self.syncer.wake.set()
+        self.check.stop()
         for task in self._tasks:
             task.cancel()
         if self._loop is not None:
@@ -118,9 +126,13 @@ class RegionRole:
         self.syncer.reconfigure(cfg.sync)
         self.syncer.keeper.reconfigure(cfg.retention.policy(), cfg.retention.live_within_s)
         self.watcher.reconfigure(cfg.max_peers, cfg.long_poll_timeout_s)
+        self.check.cfg = cfg.self_check
 
     def detail(self) -> dict:
         return {"sync": self.syncer.status()}
 
     def sections(self) -> dict:
         return {"sync": self.syncer.sync_status(), "retention": self.syncer.keeper.status()}
+
+    def weights_check(self) -> dict | None:
+        return self.check.status()

@@ -133,6 +133,14 @@ class EngineFirst:
         return decode_patch(m, files, disk.version, read_info(disk.path).tensors,
                             [p.patch for p in self.pending], self.get_block)
 
+    def forget_pending(self) -> None:
+        """Drop the patches decoded over the disk version (it is being set aside; with the
+        lock held). Engines keep what they applied; the region follows from its rebuild."""
+        for p in self.pending:
+            p.path.unlink(missing_ok=True)
+        self.pending.clear()
+        self.held_since = None
+
     # --- engines ---------------------------------------------------------------------------
     def served(self, engine: str, version: int, how: str) -> None:
         ph = self._phase(version)

@@ -166,9 +166,17 @@ class StatusCollector(Collector):
                           1.0 if s.warmup.state == "ready" else 0.0)
         yield from _gauge("warmup_seconds", "How long compiling the codec kernels took",
                           s.warmup.seconds)
-        yield from _gauge("weights_problem", "1 if the start-up check found the stored "
-                          "weights damaged (see /v1/status weights_problem)",
+        yield from _gauge("weights_problem", "1 if the start-up or scheduled check found the "
+                          "stored weights damaged (see /v1/status weights_problem)",
                           float(s.weights_problem is not None))
+        w = s.weights_check
+        if w is not None:
+            yield _counter("weights_check_bytes", "Bytes of stored weights re-read and hashed",
+                           w.bytes_checked)
+            yield _counter("weights_check_damaged_versions", "Weight directories found "
+                           "damaged by the scheduled check and set aside", w.damaged_found)
+            yield from _gauge("weights_check_last_run_timestamp_seconds",
+                              "When the last check of the stored weights ended", w.last_run_at)
         yield from _gauge("apply_seconds", "Last version's apply, verified", s.last_apply_s)
 
     def _engine(self, s: NodeStatus) -> Iterator[Metric]:

@@ -28,6 +28,7 @@ from daemon.observe.status import (
     Transfer,
     Verification,
     Warmup,
+    WeightsCheckStatus,
 )
 from daemon.peering.peers import PeerBook
 from daemon.trajectories.intake import Intake
@@ -56,6 +57,8 @@ class Sources:
     weights_problem: Callable[[], str | None] = lambda: None
     self_check: Callable[[], dict] = dict
     """SelfCheck.status() (daemon/bittorrent/selfcheck.py)."""
+    weights_check: Callable[[], dict | None] = lambda: None
+    """WeightsCheck.status() on a region (daemon/versions/weights_check.py)."""
     warmup: Callable[[], dict] = dict
     """The codec warm-up's state (daemon/node.py)."""
 
@@ -170,11 +173,17 @@ def build_status(node: Sources, swarm: dict | None = None) -> NodeStatus:
                   expires=b.expires, node=_node_of(node.book, b.endpoint))
               for b in node.artifacts.bans.active()],
         self_check=SelfCheckStatus(**node.self_check()),
+        weights_check=_weights_check(node),
         warmup=Warmup(**node.warmup()),
         refused_manifests=refused, refused_by_kind=refused_by, engine=engine, spool=spool,
         engine_check=engine_check, adapter=adapter,
         weights_problem=node.weights_problem(),
         last_apply_s=syncer.applied[-1]["apply_seconds"] if syncer and syncer.applied else None)
+
+
+def _weights_check(node: Sources) -> WeightsCheckStatus | None:
+    doc = node.weights_check()
+    return None if doc is None else WeightsCheckStatus(**doc)
 
 
 def _split(store: ChainStore, artifact: str) -> dict[str, int]:

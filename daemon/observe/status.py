@@ -156,6 +156,32 @@ class SelfCheckStatus(_Model):
     interval_s: float = Field(0.0, ge=0, description="seconds between scheduled passes")
 
 
+class WeightsCheckFind(_Model):
+    version: int
+    tensors: list[str] = Field(description="the first ten tensors that differed")
+    count: int = Field(ge=0, description="tensors that differed")
+    at: float
+    action: str = Field(description="what was done: set aside and rebuilt, or deleted")
+
+
+class WeightsCheckStatus(_Model):
+    """Regions: scheduled re-hashing of every held weight directory against its digests
+    (daemon/versions/weights_check.py); the start-up check is `weights_problem`."""
+
+    enabled: bool = True
+    state: Literal["idle", "running"] = "idle"
+    runs: int = Field(0, ge=0, description="passes finished since start")
+    last_run_at: float | None = Field(None, description="unix time the last pass finished")
+    last_seconds: float | None = None
+    bytes_checked: int = Field(0, ge=0, description="bytes read and hashed since start")
+    versions_checked: int = Field(0, ge=0)
+    damaged_found: int = Field(0, ge=0, description="directories found damaged and set aside")
+    found: list[WeightsCheckFind] = Field(default_factory=list,
+                                          description="the most recent finds, oldest first")
+    bytes_per_s: int = Field(0, ge=0, description="read budget")
+    interval_s: float = Field(0.0, ge=0, description="seconds between passes")
+
+
 class Warmup(_Model):
     """Compiling the codec and digest kernels in the background at start, so the first apply
     costs what later ones do."""
@@ -281,6 +307,8 @@ class NodeStatus(_Model):
     bans: list[Ban] = Field(default_factory=list,
                             description="bad-data bans, one per (peer endpoint, artifact)")
     self_check: SelfCheckStatus = Field(default_factory=SelfCheckStatus)
+    weights_check: WeightsCheckStatus | None = Field(
+        None, description="regions only: the scheduled check of the stored weights")
     warmup: Warmup = Field(default_factory=Warmup)
     refused_manifests: list[RefusedManifest] = Field(
         default_factory=list, description="the most recent refusals, oldest first"
@@ -293,8 +321,9 @@ class NodeStatus(_Model):
         None, description="LoRA runs only: base held, adapter versions served (engines/lora.py)")
     spool: SpoolStatus = Field(default_factory=SpoolStatus)
     weights_problem: str | None = Field(
-        None, description="what the start-up check of the weights found (the damaged version was "
-        "set aside and the node rebuilds from the best snapshot); None when they verified")
+        None, description="what the start-up or scheduled check of the weights found last (the "
+        "damaged version was set aside and the node rebuilds from the best snapshot); None "
+        "when they verified")
     last_apply_s: float | None = Field(
         None, ge=0, description="seconds the last version's apply took (verified, journaled)")
     identity: dict | None = Field(

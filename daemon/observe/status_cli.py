@@ -121,6 +121,12 @@ def summary(s: NodeStatus) -> Table:
     table.add_row("self-check", _plain(
         f"{c.state}, {c.runs} passes, {_human(c.bytes_checked)} read, {c.corrupt_found} corrupt, "
         f"{c.repaired} repaired", style="red" if c.corrupt_found > c.repaired else ""))
+    wc = s.weights_check
+    if wc is not None:
+        table.add_row("weights check", _plain(
+            f"{wc.state}, {wc.runs} passes, {_human(wc.bytes_checked)} read, "
+            f"{wc.damaged_found} damaged" + (" (off)" if not wc.enabled else ""),
+            style="red" if wc.damaged_found else ""))
     w = s.warmup
     table.add_row("warm-up", _plain(w.state + (f" ({w.seconds:.1f}s)" if w.seconds else "")
                                     + (f": {w.error}" if w.error else "")))

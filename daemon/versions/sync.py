@@ -139,6 +139,10 @@ class Syncer:
         self._notify_pending: tuple[int, Path, str, Path | None] | None = None
         self._notify_disk: tuple[int, Path, str, None] | None = None
         self.engine_first = engine_first
+        self.writing = asyncio.Lock()
+        """Held while this syncer writes the weights, and by `set_aside_damaged`."""
+        self.weights_damaged: str | None = None
+        """What the last confirmed find of the weights check did (None: none since start)."""
         self._notify_wake = asyncio.Event()
         self._head_heard = asyncio.Event()
         self._index_read: dict[str, float] = {}
@@ -730,6 +734,39 @@ class Syncer:
 
     # --- apply ----------------------------------------------------------------------------
     async def apply(self, m: Manifest) -> None:
+        async with self.writing:
+            await self._apply(m)
+
+    async def set_aside_damaged(self, version: int, names: list[str]) -> str | None:
+        """The weights check found `version`'s directory differing from its digests: hold
+        every writer of the weights (this syncer's applies, engine first's decodes and disk
+        passes), hash those tensors again, and if they still differ set the directory aside
+        as the start-up check does. A current one takes the patches decoded over it along
+        (the engines keep serving; the disk is rebuilt from a snapshot, then followed).
+        Returns what was done, or None when the damage did not hold up (an apply rewrote
+        the directory while the check read it)."""
+        ef = self.engine_first
+        async with self.writing, (ef.lock if ef is not None else contextlib.nullcontext()):
+            try:
+                still = await asyncio.to_thread(self.weights.damaged, version, names)
+            except (ChainError, OSError):
+                return None  # renamed by an apply: no longer that version's directory
+            if not still:
+                return None
+            cur = self.weights.current()
+            if ef is not None and cur is not None and cur.version == version:
+                ef.forget_pending()
+                self._notify_pending = None  # its patch file is gone
+            what = await asyncio.to_thread(self.weights.set_aside, version)
+        tensors = ", ".join(still[:3]) + (f" and {len(still) - 3} more" if len(still) > 3
+                                          else "")
+        self.weights_damaged = (f"v{version} on disk differed from its digests at a scheduled "
+                                f"check ({tensors}): {what}")
+        log.error("weights check: %s", self.weights_damaged)
+        self.wake.set()
+        return what
+
+    async def _apply(self, m: Manifest) -> None:
         cur = self.current_version()
         if cur is not None and cur >= m.version:
             return

@@ -1,13 +1,14 @@
 """A region whose current weights were damaged while it was stopped (one flipped byte in a
 shard, a truncated VERSION.json) does not serve them after a restart: the start-up check sets
 them aside, status says why, and the region rebuilds the head from the snapshot and deltas the
-trainer still holds, then keeps applying later deltas."""
+trainer still holds, then keeps applying later deltas. Damage done while it runs is found by
+the scheduled weights check and handled the same way, without a restart."""
 
 from collections.abc import Callable
 from pathlib import Path
 
 from chain.weights import WeightsDir
-from tests.integration.harness import Cluster, Daemon, step, tiny_model, wait_until
+from tests.integration.harness import Cluster, Daemon, http, step, tiny_model, wait_until
 
 
 def flip_last_shard_byte(d: Path) -> None:
@@ -77,3 +78,54 @@ def test_flipped_byte_in_current_weights_is_set_aside_and_rebuilt(tmp_path: Path
 
 def test_truncated_version_json_is_reported_and_rebuilt(tmp_path: Path) -> None:
     damaged_region_recovers(tmp_path, truncate_version_json, "truncated")
+
+
+def test_damage_while_running_is_found_by_the_scheduled_check_and_rebuilt(tmp_path: Path
+                                                                          ) -> None:
+    with Cluster(tmp_path) as c:
+        trainer = c.trainer()
+        r1 = c.region("r1", self_check={"interval_s": 2})
+        c.start_all()
+        states = [tiny_model(0)]
+        c.publish(0, states[0], snapshot=True)
+        for v in (1, 2):
+            states.append(step(states[-1], v))
+            c.publish(v, states[v])
+        c.wait_all_at(2, 60)
+        head_digest = trainer.status()["state_digest"]
+        weights = WeightsDir(r1.state_dir / "weights")
+        wait_until(lambda: (cur := weights.current()) is not None and cur.version == 2, 30,
+                   "the disk to reach v2 (engine first brings it forward after serving)")
+        wait_until(lambda: r1.status()["weights_check"]["runs"] >= 1, 30, "a weights check")
+        clean = r1.status()
+        assert clean["weights_check"]["damaged_found"] == 0 and clean["weights_problem"] is None
+        assert clean["weights_check"]["bytes_checked"] > 0
+        pid = r1.proc.pid
+
+        flip_last_shard_byte(weights.current().path)
+        wait_until(lambda: r1.status()["weights_check"]["damaged_found"] >= 1, 60,
+                   "the scheduled check to find the flipped byte")
+        st = r1.status()
+        assert "scheduled check" in st["weights_problem"], st["weights_problem"]
+        [found] = st["weights_check"]["found"]
+        assert found["version"] == 2 and found["count"] == 1 and "set aside" in found["action"]
+        assert (weights.root / ".bad-v00000002").is_dir()
+
+        def rebuilt() -> bool:
+            cur = weights.current()
+            return cur is not None and cur.version == 2 and weights.verify() == cur
+        wait_until(rebuilt, 60, "the region to rebuild v2 from the snapshot")
+        assert weights.verify().state_digest == head_digest  # the files, not just the label
+        applied = [a["artifact"] for a in r1.status()["detail"]["sync"]["applied"]]
+        assert applied[-3:] == ["v00000000.snapshot", "v00000001.delta", "v00000002.delta"], \
+            applied
+        assert r1.proc.pid == pid and r1.proc.poll() is None  # no restart
+        metrics = http(f"{r1.url}/metrics", token=None)[1].decode()
+        assert "deltaswarm_weights_check_damaged_versions_total 1.0" in metrics
+        assert "deltaswarm_weights_problem 1.0" in metrics
+
+        states.append(step(states[-1], 3))
+        c.publish(3, states[3])
+        c.wait_all_at(3, 60)
+        assert r1.status()["state_digest"] == trainer.status()["state_digest"]
+        wait_until(lambda: weights.verify().version == 3, 30, "the disk to reach v3")
