@@ -65,11 +65,11 @@ class _Open:
 class HostDeltas:
     """Queues slices (old and new on the host) and writes their records to `writer` in the
     order they were added, BATCH_ELEMENTS at a time on `threads` codec threads; `flush`
-    before writing anything else."""
+    before writing anything else. `direct`: how positions are coded (chain.codec.api.DIRECT)."""
 
     def __init__(self, writer: BlockWriter, batch: int = BATCH_ELEMENTS,
-                 threads: int = THREADS) -> None:
-        self.writer, self.batch, self.threads = writer, batch, threads
+                 threads: int = THREADS, direct: int = codec.DIRECT) -> None:
+        self.writer, self.batch, self.threads, self.direct = writer, batch, threads, direct
         self._queue: list[tuple[_Open, int, int]] = []
         self._queued = 0
 
@@ -106,7 +106,8 @@ class HostDeltas:
             return _interior_move(old, lo, pos, val, sh, 8 * old.itemsize, wa, wb)
 
         out = codec.encode_changes([(sl.old[s0:s1], sl.new[s0:s1], sl.where.dtype)
-                                    for sl, s0, s1 in queue], self.threads, moved=moved)
+                                    for sl, s0, s1 in queue], self.threads, moved=moved,
+                                   direct=self.direct)
         for (sl, s0, s1), (payload, ch) in zip(queue, out, strict=True):
             if ch.pos.size:
                 r = sl.out

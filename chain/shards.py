@@ -216,11 +216,11 @@ def write_segment(writer: BlockWriter, where: Placed, s0: int, s1: int,
 
 
 def write_delta(writer: BlockWriter, where: Placed, old: np.ndarray, pos: np.ndarray,
-                val: np.ndarray, threads: int = THREADS) -> int:
+                val: np.ndarray, threads: int = THREADS, direct: int = codec.DIRECT) -> int:
     """Records turning slice `old` into old-with-old[pos]=val, for changes found elsewhere (on
     the device that holds the new slice): one codec payload per segment that changed, each
     rebuilt from `old` in bounded scratch, so the new slice is never held whole. Returns the
-    payload bytes written."""
+    payload bytes written. `direct`: how positions are coded (chain.codec.api.DIRECT)."""
     seg = 1 << LOG2_SEG
     bounds = np.searchsorted(pos, np.arange(0, old.size + seg, seg, dtype=np.int64))
     todo = [(s * seg, min(old.size, (s + 1) * seg), bounds[s], bounds[s + 1])
@@ -233,8 +233,8 @@ def write_delta(writer: BlockWriter, where: Placed, old: np.ndarray, pos: np.nda
             new = old[s0:s1].copy()
             new[pos[j0:j1] - s0] = val[j0:j1]
             pairs.append((old[s0:s1], new, where.dtype))
-        for (s0, s1, _, _), payload in zip(batch, codec.encode_many(pairs, threads),
-                                           strict=True):
+        coded = codec.encode_changes(pairs, threads, changes=False, direct=direct)
+        for (s0, s1, _, _), (payload, _) in zip(batch, coded, strict=True):
             written += write_segment(writer, where, s0, s1, payload)
     return written
 

@@ -28,7 +28,7 @@ import torch
 from chain import shards
 from chain.atomic import write_atomic
 from chain.blocks import BlockStore
-from chain.codec.api import THREADS
+from chain.codec.api import DIRECT, THREADS
 from chain.errors import ChainError
 from chain.host_deltas import HostDeltas, SliceDelta
 from chain.stream import BlockWriter
@@ -95,9 +95,10 @@ def _edges(s: Slice) -> np.ndarray:
 
 class RankEncoder:
     def __init__(self, blocks: BlockStore, parts_dir: Path, rank: int, block_size: int,
-                 threads: int = THREADS) -> None:
+                 threads: int = THREADS, direct: int = DIRECT) -> None:
+        """`direct`: how delta records code positions (chain.codec.api.DIRECT)."""
         self.blocks, self.parts_dir, self.rank = blocks, Path(parts_dir), rank
-        self.block_size, self.threads = block_size, threads
+        self.block_size, self.threads, self.direct = block_size, threads, direct
         self.held: dict[str, _Held] = {}
         self._pending: dict[str, _Held | _Moved | SliceDelta] | None = None
 
@@ -125,7 +126,7 @@ class RankEncoder:
         prior = self._prior(version, parent_digest, snapshot)
         self._pending = {}
         dw = BlockWriter(self.blocks, self.block_size)
-        one_pass = HostDeltas(dw, threads=self.threads)
+        one_pass = HostDeltas(dw, threads=self.threads, direct=self.direct)
         later: list[Callable[[BlockWriter], int]] = []  # records held back while `prior`
         d2h = encoded = 0
         for s in slices:
@@ -141,7 +142,7 @@ class RankEncoder:
                     h.sums, shards.interior_move(h.host, s.lo, f.pos, f.val)),
                     f.pos_dev, f.val_dev)
                 if f.pos.size:
-                    write = _delta_writer(s, h.host, f.pos, f.val, self.threads)
+                    write = _delta_writer(s, h.host, f.pos, f.val, self.threads, self.direct)
             else:
                 n = self._pending[s.name] = _held(s, _host_copy(s.bits))
                 if delta:
@@ -236,8 +237,8 @@ class RankEncoder:
 
 
 def _delta_writer(where: Slice, old: np.ndarray, pos: np.ndarray, val: np.ndarray,
-                  threads: int) -> Callable[[BlockWriter], int]:
-    return lambda w: shards.write_delta(w, where, old, pos, val, threads)
+                  threads: int, direct: int) -> Callable[[BlockWriter], int]:
+    return lambda w: shards.write_delta(w, where, old, pos, val, threads, direct)
 
 
 def _full_writer(where: Slice, bits: np.ndarray) -> Callable[[BlockWriter], int]:

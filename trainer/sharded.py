@@ -34,7 +34,7 @@ import xxhash
 
 from chain import dtypes, keys, shards
 from chain.blocks import DEFAULT_BLOCK, BlockStore
-from chain.codec.api import THREADS
+from chain.codec.api import DIRECT, THREADS
 from chain.digest import pieces_root
 from chain.errors import ChainError
 from chain.follow import publisher_retain
@@ -132,7 +132,10 @@ class ShardedPublisher:
                  group: dist.ProcessGroup | None = None, assembler: int = 0,
                  daemon_url: str | None = None, token: str | None = None,
                  snapshots: SnapshotPolicy | None = None, retention: Retention | None = None,
-                 block_size: int = DEFAULT_BLOCK, codec_threads: int | None = None) -> None:
+                 block_size: int = DEFAULT_BLOCK, codec_threads: int | None = None,
+                 direct_positions: int = DIRECT) -> None:
+        """`direct_positions`: how this rank's delta records code positions, as the
+        Publisher's (chain.codec.api.DIRECT; -1, the default, ranks as older daemons read)."""
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.assembler = assembler
@@ -141,7 +144,7 @@ class ShardedPublisher:
         self.run = run
         self.encoder = RankEncoder(BlockStore(chain_dir / "blocks", chain_lock(chain_dir)),
                                    chain_dir / "parts", self.rank, block_size,
-                                   codec_threads or local_codec_threads())
+                                   codec_threads or local_codec_threads(), direct_positions)
         self.head: int | None = None
         if self.rank == assembler:
             if key_path is None:

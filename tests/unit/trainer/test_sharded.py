@@ -58,12 +58,31 @@ def _publish(store, key, encs, version, state, snapshot):
     return parts, out
 
 
-def test_three_simulated_ranks_rebuild_bit_identical_to_the_single_process_publisher(tmp_path):
+def _codings(store: ChainStore, blocks) -> set[tuple[int, bool]]:
+    """(codec mode, every segment coded directly) of each delta record in `blocks` whose
+    changes are coded (not raw: a tensor changed throughout, as `step.count` is)."""
+    from chain.codec import payload_stats
+    from chain.stream import BlockReader
+
+    reader = BlockReader.of_blocks(blocks, lambda b: store.blocks.get(b.id, b.size))
+    out = set()
+    while (h := reader.next_header()) is not None:
+        payload = reader.read(h.n)
+        if h.op == "delta" and (payload[1] & 0xF) != 2:
+            st = payload_stats(payload)
+            out.add((payload[1] & 0xF, st["direct_segments"] == st["segments"]))
+    return out
+
+
+@pytest.mark.parametrize("direct", [-1, 1000], ids=["ranks", "direct"])
+def test_three_simulated_ranks_rebuild_bit_identical_to_the_single_process_publisher(tmp_path,
+                                                                                    direct):
     key = keys.generate(tmp_path / "k")
     store = ChainStore(tmp_path / "chain", key.public_key())
     ref = Publisher(tmp_path / "ref", tmp_path / "k", run="r",
                     snapshots=SnapshotPolicy(every=2, max_delta_ratio=1e9))
-    encs = [RankEncoder(store.blocks, tmp_path / "chain" / "parts", r, 4096) for r in range(3)]
+    encs = [RankEncoder(store.blocks, tmp_path / "chain" / "parts", r, 4096, direct=direct)
+            for r in range(3)]
     state, wd = make_state(0, scale=3), WeightsDir(tmp_path / "w")
     for v in range(5):
         parts, made = _publish(store, key, encs, v, state, snapshot=v % 2 == 0)
@@ -75,6 +94,9 @@ def test_three_simulated_ranks_rebuild_bit_identical_to_the_single_process_publi
         assert cur.state_digest == made[0].state_digest
         if v:
             assert sum(s.changed for p in parts for s in p.slices) == want.changed_elements
+            # direct_positions reaches every rank's records: mode 3, every segment direct
+            assert _codings(store, made[0].blocks) == ({(3, True)} if direct >= 0
+                                                       else {(1, False)})
         state = perturb(state, v)
     snap = WeightsDir(tmp_path / "from-snapshot")  # a late joiner: snapshot v4 only
     assert snap.apply(store.plan(None, 4), lambda b: store.blocks.get(b.id, b.size)
@@ -140,7 +162,8 @@ def test_plain_tensors_do_not_import_dtensor():
     assert out.stdout.strip() == "False", out.stderr
 
 
-def test_finding_changes_first_writes_what_the_one_pass_writes(tmp_path):
+@pytest.mark.parametrize("direct", [-1, 1000], ids=["ranks", "direct"])
+def test_finding_changes_first_writes_what_the_one_pass_writes(tmp_path, direct):
     """Two ranks, slices of several codec segments cut mid-word: a rank restarted with
     different weights than it persisted finds its changes first and rebuilds segments from
     them (the GPU path); a fresh rank encodes in one pass. Same parts, same blocks."""
@@ -159,7 +182,7 @@ def test_finding_changes_first_writes_what_the_one_pass_writes(tmp_path):
     encs[1].encode(1, _split(other, 2)[1], parent_digest=parent, snapshot=False)  # then died
 
     def fresh(parts_dir: str) -> RankEncoder:
-        e = RankEncoder(store.blocks, tmp_path / parts_dir, 1, 1 << 16)
+        e = RankEncoder(store.blocks, tmp_path / parts_dir, 1, 1 << 16, direct=direct)
         e.adopt(_split(s0, 2)[1])
         e.commit()
         return e
@@ -173,6 +196,8 @@ def test_finding_changes_first_writes_what_the_one_pass_writes(tmp_path):
     assert sum(s.changed for s in one_pass.slices) > 10_000
     assert found_first.delta_blocks == one_pass.delta_blocks
     assert found_first.encoded_bytes == one_pass.encoded_bytes
+    assert _codings(store, one_pass.delta_blocks) == ({(3, True)} if direct >= 0
+                                                      else {(1, False)})
 
 
 def test_ranks_sharing_a_host_split_its_cores_between_their_codec_threads(monkeypatch):
