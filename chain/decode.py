@@ -21,7 +21,7 @@ from chain.codec.api import map_jobs, merge_changes, overlaid
 from chain.digest import state_digest
 from chain.dtypes import BY_NAME
 from chain.errors import BadDelta, ChainError, DigestMismatch
-from chain.fill import Fill, _Item
+from chain.fill import Fill, _Group, _Item
 from chain.gcpause import without_gc
 from chain.manifest import Manifest, TensorEntry
 from chain.patchfile import Patch, TensorPatch
@@ -77,6 +77,12 @@ class _Decode(Fill):
         if layers and (at, count) == (0, t.numel) and t.name not in self.olds:
             return self._base_of(t), [(p.indices, p.values) for p in layers]
         return self._old(t)[at:at + count], ()
+
+    def _group_view(self, g: _Group) -> np.ndarray | None:
+        """In place only where no member has patches to lay over it (else Fill's copy)."""
+        if any(self.overlay.get(m.t.name) or m.t.name in self.olds for m in g.members):
+            return None
+        return super()._group_view(g)
 
     def _old(self, t: TensorEntry) -> np.ndarray:
         """Tensor `t` as the parent version holds it: the disk's, overlaid in a copy."""

@@ -247,12 +247,24 @@ class Fill:
                            f"{item.t.numel}")
 
     def _base_of(self, t: TensorEntry) -> np.ndarray:
+        self._check_base(t)
+        return self.base.bits(t.name)
+
+    def _check_base(self, t: TensorEntry) -> None:
         b = self.base
         if b is None or t.name not in b.slots or \
                 (b.slots[t.name].dtype, b.slots[t.name].shape) != (t.dtype, t.shape):
             raise BadDelta(f"{self.what}: tensor {t.name} needs a full record (no parent "
                            "tensor)")
-        return b.bits(t.name)
+
+    def _group_view(self, g: _Group) -> np.ndarray | None:
+        """Group `g`'s parent elements as one view of the base, where its tensors lie back to
+        back there (always, in a directory a region wrote) and nothing is laid over them: the
+        group decodes in place instead of from a copy (a memory pass over the group saved)."""
+        for m in g.members:
+            self._check_base(m.t)
+        span = getattr(self.base, "span", None)
+        return None if span is None else span([m.t.name for m in g.members])
 
     def _source(self, t: TensorEntry, at: int, count: int
                 ) -> tuple[np.ndarray, codec.Layers]:
@@ -299,6 +311,9 @@ class Fill:
             raise BadDelta(f"group record for {g.members[0].t.name} and {len(g.members) - 1} "
                            f"tensors after it is coded over {claimed} elements; they hold "
                            f"{offsets[-1]}")
+        view = self._group_view(g)
+        if view is not None and view.size == offsets[-1]:
+            return view, offsets
         cat = np.empty(int(offsets[-1]), BY_NAME[g.dtype].uint)
         for m, lo, hi in zip(g.members, offsets[:-1].tolist(), offsets[1:].tolist(),
                              strict=True):

@@ -81,18 +81,16 @@ def write_changes(directory: Path, version: int, changes: dict[str, np.ndarray |
     Not fsync'd: a file lost to a power cut is noticed (checksum) and costs a full copy."""
     names = sorted(changes)
     counts = [WHOLE if changes[n] is None else int(changes[n].size) for n in names]
-    h = xxhash.xxh3_64()
-    for n in names:
-        if changes[n] is not None:
-            h.update(memoryview(np.ascontiguousarray(changes[n], np.int64)).cast("B"))
+    # one body, hashed and written once: per-tensor hashing and writes cost ~10 us a tensor,
+    # half a second of a 50,000-tensor apply
+    parts = [changes[n] for n in names if changes[n] is not None]
+    body = np.concatenate(parts, dtype=np.int64) if parts else np.empty(0, np.int64)
     head = json.dumps({"version": version, "tensors": names, "counts": counts,
-                       "check": h.hexdigest()}).encode()
+                       "check": xxhash.xxh3_64_hexdigest(memoryview(body).cast("B"))}).encode()
     with atomic_writer(Path(directory) / CHANGES_FILE, mode, durable=False) as f:
         f.write(_HEAD.pack(_MAGIC, len(head)))
         f.write(head)
-        for n in names:
-            if changes[n] is not None:
-                f.write(memoryview(np.ascontiguousarray(changes[n], np.int64)).cast("B"))
+        f.write(memoryview(body).cast("B"))
 
 
 def read_changes(directory: Path, version: int) -> dict[str, np.ndarray | None] | None:

@@ -71,6 +71,10 @@ class Current:
     path: Path
 
 
+STATE_DIGEST = "(VERSION.json state_digest)"
+"""What `WeightsDir.damaged` names when every tensor matches but the state digest does not."""
+
+
 def version_dir_name(version: int) -> str:
     return f"v{version:08d}"
 
@@ -92,6 +96,12 @@ class WeightsDir:
 
     def path(self, version: int) -> Path:
         return self.root / version_dir_name(version)
+
+    def is_current(self, version: int) -> bool:
+        """Whether `current` names this version's directory (read from the link alone, so it
+        answers even when that directory's VERSION.json is damaged)."""
+        link = self.root / "current"
+        return link.is_symlink() and os.readlink(link) == version_dir_name(version)
 
     def staging(self) -> list[Path]:
         return sorted(self.root.glob(".staging-*"))
@@ -293,15 +303,17 @@ class WeightsDir:
         info = read_info(path)
         got = _dir_digests(path, names, read)
         wanted = info.tensors if names is None else {n: info.tensors.get(n, "") for n in names}
-        return sorted(n for n in set(got) | set(wanted) if got.get(n) != wanted.get(n))
+        bad = sorted(n for n in set(got) | set(wanted) if got.get(n) != wanted.get(n))
+        if not bad and names is None and state_digest(got) != info.state_digest:
+            bad = [STATE_DIGEST]
+        return bad
 
     def set_aside(self, version: int) -> str:
         """Take a damaged version directory out of use, as the start-up check does: the
         current one is quarantined (`.bad-vN`, `current` removed, so the caller plans from a
         snapshot), a spare one deleted (the next delta writes a fresh directory). Only with
         every writer of this root stopped. Returns what was done."""
-        cur = self.current()
-        if cur is not None and cur.version == version:
+        if self.is_current(version):
             self._quarantine()
             return f"set aside as .bad-{version_dir_name(version)}; rebuilding from a snapshot"
         shutil.rmtree(self.path(version), ignore_errors=True)

@@ -341,16 +341,16 @@ class Node:
 
     async def _notify(self, version: int, path: Path, digest: str,
                       patch: Path | None = None) -> None:
-        """A hook that takes patches gets each version as its patch (engine first) and a
-        version on disk only if it has not served it; any other hook gets versions on disk."""
+        """A hook that takes patches gets each version it has not served yet, as its patch
+        (engine first) or from disk; any other hook gets versions on disk."""
         n = self.notifier
         if n is None:
             return
         patches = takes_patches(n.hook)
         if patch is not None and not patches:
             return
-        if patch is None and patches and (n.last_version or -1) >= version:
-            return
+        if patches and (n.last_version or -1) >= version:
+            return  # it has it (or, after a rebuild from a snapshot, something newer)
         if await n.notify(version, path, digest, patch) and n.kind != "none":
             syncer = self.role.syncer
             if syncer is not None and syncer.engine_first is not None:

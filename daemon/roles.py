@@ -126,7 +126,6 @@ class RegionRole:
         self.syncer.reconfigure(cfg.sync)
         self.syncer.keeper.reconfigure(cfg.retention.policy(), cfg.retention.live_within_s)
         self.watcher.reconfigure(cfg.max_peers, cfg.long_poll_timeout_s)
-        self.check.cfg = cfg.self_check
 
     def detail(self) -> dict:
         return {"sync": self.syncer.status()}

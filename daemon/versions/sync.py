@@ -737,27 +737,40 @@ class Syncer:
         async with self.writing:
             await self._apply(m)
 
-    async def set_aside_damaged(self, version: int, names: list[str]) -> str | None:
-        """The weights check found `version`'s directory differing from its digests: hold
-        every writer of the weights (this syncer's applies, engine first's decodes and disk
-        passes), hash those tensors again, and if they still differ set the directory aside
-        as the start-up check does. A current one takes the patches decoded over it along
-        (the engines keep serving; the disk is rebuilt from a snapshot, then followed).
-        Returns what was done, or None when the damage did not hold up (an apply rewrote
-        the directory while the check read it)."""
+    async def set_aside_damaged(self, version: int, names: list[str] | None) -> str | None:
+        """The weights check found `version`'s directory differing from its digests (in
+        `names`, or unreadable: None): hold every writer of the weights (this syncer's
+        applies, engine first's decodes and disk passes), check again, and if it still
+        differs set the directory aside as the start-up check does. A current one takes the
+        patches decoded over it along (the engines keep serving what they hold; the disk is
+        rebuilt from a snapshot, and engines hear only of versions past theirs). Shielded: a
+        shutdown never lets an apply in before the directory is set aside. Returns what was
+        done, or None when the damage did not hold up (an apply renamed the directory while
+        the check read it)."""
+        return await asyncio.shield(self._set_aside_held(version, names))
+
+    async def _set_aside_held(self, version: int, names: list[str] | None) -> str | None:
         ef = self.engine_first
         async with self.writing, (ef.lock if ef is not None else contextlib.nullcontext()):
+            if not self.weights.path(version).is_dir():
+                return None  # renamed by an apply: no longer that version's directory
             try:
                 still = await asyncio.to_thread(self.weights.damaged, version, names)
-            except (ChainError, OSError):
-                return None  # renamed by an apply: no longer that version's directory
+            except (ChainError, OSError) as e:  # still there, and unreadable
+                still = [f"({type(e).__name__}: {e})"[:300]]
             if not still:
                 return None
-            cur = self.weights.current()
-            if ef is not None and cur is not None and cur.version == version:
-                ef.forget_pending()
+            if self.weights.is_current(version):
+                if ef is not None:
+                    ef.forget_pending()
                 self._notify_pending = None  # its patch file is gone
-            what = await asyncio.to_thread(self.weights.set_aside, version)
+                self._notify_disk = None  # it names the directory being set aside
+            try:
+                what = await asyncio.to_thread(self.weights.set_aside, version)
+            except OSError as e:
+                log.error("weights check: v%d is damaged and could not be set aside: %s",
+                          version, e)
+                return None
         tensors = ", ".join(still[:3]) + (f" and {len(still) - 3} more" if len(still) > 3
                                           else "")
         self.weights_damaged = (f"v{version} on disk differed from its digests at a scheduled "
@@ -770,6 +783,9 @@ class Syncer:
         cur = self.current_version()
         if cur is not None and cur >= m.version:
             return
+        if cur is None and m.kind == "delta":  # planned before the weights were set aside
+            raise SyncError(f"no weights to apply {m.artifact} over (set aside by the weights "
+                            "check); planning again from a snapshot")
         self.applying = {"artifact": m.artifact, "done": 0, "total": len(m.tensors)}
 
         def progress(artifact: str, done: int, total: int) -> None:

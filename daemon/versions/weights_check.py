@@ -18,17 +18,19 @@ apply renamed or rewrote meanwhile is simply checked again at the next pass.
 
 import asyncio
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 
 from chain.errors import ChainError
-from chain.weights import WeightsDir
+from chain.weights import STATE_DIGEST, WeightsDir
 from daemon.config import SelfCheckConfig
 
 log = logging.getLogger("deltaswarm.weightscheck")
-SetAside = Callable[[int, list[str]], Awaitable[str | None]]
-"""(version, damaged tensors) -> what was done, or None when the damage did not hold up."""
+SetAside = Callable[[int, list[str] | None], Awaitable[str | None]]
+"""(version, damaged tensors or None for the whole directory) -> what was done, or None when
+the damage did not hold up."""
 
 
 class Stopping(Exception):
@@ -41,6 +43,7 @@ class WeightsCheck:
         self.cfg = cfg
         self.set_aside = set_aside
         self._stopping = False
+        self._stop = threading.Event()
         self.state = "idle"
         self.runs = 0
         self.last_run_at: float | None = None
@@ -60,6 +63,7 @@ class WeightsCheck:
 
     def stop(self) -> None:
         self._stopping = True
+        self._stop.set()
 
     async def check(self) -> None:
         """One pass over every held version directory, newest first (the one engines read)."""
@@ -69,16 +73,20 @@ class WeightsCheck:
             for version in sorted(self.weights.versions(), reverse=True):
                 if self._stopping:
                     return
+                names: list[str] | None
                 try:
-                    bad = await asyncio.to_thread(self._scan, version)
+                    bad = names = await asyncio.to_thread(self._scan, version)
                 except Stopping:
                     return
-                except (ChainError, OSError) as e:  # renamed or rewritten by an apply meanwhile
-                    log.debug("weights check of v%d skipped: %s", version, e)
-                    continue
+                except (ChainError, OSError) as e:
+                    if not self.weights.path(version).is_dir():
+                        continue  # renamed by an apply meanwhile: checked at the next pass
+                    bad, names = [f"({type(e).__name__}: {e})"[:300]], None  # unreadable
+                if bad == [STATE_DIGEST]:
+                    names = None
                 self.versions_checked += 1
                 if bad:
-                    await self._confirm(version, bad)
+                    await self._confirm(version, bad, names)
             self.runs += 1
             self.last_run_at = time.time()
             self.last_seconds = round(time.monotonic() - t0, 3)
@@ -86,23 +94,23 @@ class WeightsCheck:
             self.state = "idle"
 
     def _scan(self, version: int) -> list[str]:
-        """Tensors of `version` whose bytes differ from its VERSION.json (thread; paced)."""
+        """Tensors of `version` whose bytes differ from its VERSION.json (thread; paced, and
+        woken at once by `stop`)."""
         t0, done = time.monotonic(), 0
 
         def read(n: int) -> None:
             nonlocal done
-            if self._stopping:
-                raise Stopping
             done += n
             self.bytes_checked += n
-            time.sleep(max(0.0, done / self.cfg.bytes_per_s - (time.monotonic() - t0)))
+            if self._stop.wait(max(0.0, done / self.cfg.bytes_per_s - (time.monotonic() - t0))):
+                raise Stopping
 
         return self.weights.damaged(version, read=read)
 
-    async def _confirm(self, version: int, bad: list[str]) -> None:
-        log.warning("weights check: v%d differs from its digests in %d tensor(s) (%s); "
-                    "checking again with the writers held", version, len(bad), ", ".join(bad[:3]))
-        what = await self.set_aside(version, bad)
+    async def _confirm(self, version: int, bad: list[str], names: list[str] | None) -> None:
+        log.warning("weights check: v%d differs from its digests (%s); checking again with "
+                    "the writers held", version, ", ".join(bad[:3]))
+        what = await self.set_aside(version, names)
         if what is None:
             return
         self.damaged_found += 1

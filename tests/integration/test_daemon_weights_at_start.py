@@ -7,6 +7,8 @@ the scheduled weights check and handled the same way, without a restart."""
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from chain.weights import WeightsDir
 from tests.integration.harness import Cluster, Daemon, http, step, tiny_model, wait_until
 
@@ -19,6 +21,11 @@ def flip_last_shard_byte(d: Path) -> None:
         b = f.read(1)
         f.seek(-1, 2)
         f.write(bytes([b[0] ^ 0x01]))
+
+
+def delete_shards(d: Path) -> None:
+    for shard in d.glob("*.safetensors"):
+        shard.unlink()
 
 
 def truncate_version_json(d: Path) -> None:
@@ -80,8 +87,11 @@ def test_truncated_version_json_is_reported_and_rebuilt(tmp_path: Path) -> None:
     damaged_region_recovers(tmp_path, truncate_version_json, "truncated")
 
 
-def test_damage_while_running_is_found_by_the_scheduled_check_and_rebuilt(tmp_path: Path
-                                                                          ) -> None:
+@pytest.mark.parametrize(("damage", "expect"), [(flip_last_shard_byte, "layers.3.weight"),
+                                               (delete_shards, "no .safetensors")],
+                         ids=["flipped-byte", "shards-deleted"])
+def test_damage_while_running_is_found_by_the_scheduled_check_and_rebuilt(
+        tmp_path: Path, damage: Callable[[Path], None], expect: str) -> None:
     with Cluster(tmp_path) as c:
         trainer = c.trainer()
         r1 = c.region("r1", self_check={"interval_s": 2})
@@ -102,11 +112,12 @@ def test_damage_while_running_is_found_by_the_scheduled_check_and_rebuilt(tmp_pa
         assert clean["weights_check"]["bytes_checked"] > 0
         pid = r1.proc.pid
 
-        flip_last_shard_byte(weights.current().path)
+        damage(weights.current().path)
         wait_until(lambda: r1.status()["weights_check"]["damaged_found"] >= 1, 60,
                    "the scheduled check to find the flipped byte")
         st = r1.status()
         assert "scheduled check" in st["weights_problem"], st["weights_problem"]
+        assert expect in st["weights_problem"], st["weights_problem"]
         [found] = st["weights_check"]["found"]
         assert found["version"] == 2 and found["count"] == 1 and "set aside" in found["action"]
         assert (weights.root / ".bad-v00000002").is_dir()

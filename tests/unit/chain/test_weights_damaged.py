@@ -12,7 +12,8 @@ from safetensors.torch import load_file
 
 from chain.safetensors_io import read_header
 from chain.store import ChainStore
-from chain.weights import WeightsDir
+from chain.versiondir import read_info, write_info
+from chain.weights import STATE_DIGEST, WeightsDir
 from tests.unit.chain.test_store import build_chain
 from tests.unit.chain.test_weights import getter, same
 
@@ -88,3 +89,16 @@ def test_a_tensor_the_directory_does_not_hold_counts_as_damaged(tmp_path, signin
     w = WeightsDir(tmp_path / "w")
     w.apply(store.plan(None, 1), getter(store))
     assert w.damaged(1, ["no.such.tensor"]) == ["no.such.tensor"]
+
+
+def test_a_state_digest_that_disagrees_with_its_tensors_is_damage(tmp_path, signing_key) -> None:
+    store = ChainStore(tmp_path / "chain", signing_key.public_key())
+    build_chain(store, signing_key, 1)
+    w = WeightsDir(tmp_path / "w")
+    cur = w.apply(store.plan(None, 1), getter(store))
+    assert w.is_current(1) and not w.is_current(0)
+    info = read_info(cur.path)
+    write_info(cur.path, info.__class__(info.version, "0" * len(info.state_digest), info.run,
+                                        info.tensors), None)
+    assert w.damaged(1) == [STATE_DIGEST]
+    assert w.is_current(1)  # read from the link: answers whatever VERSION.json holds
