@@ -106,7 +106,9 @@ def test_damage_while_running_is_found_by_the_scheduled_check_and_rebuilt(
         weights = WeightsDir(r1.state_dir / "weights")
         wait_until(lambda: (cur := weights.current()) is not None and cur.version == 2, 30,
                    "the disk to reach v2 (engine first brings it forward after serving)")
-        wait_until(lambda: r1.status()["weights_check"]["runs"] >= 1, 30, "a weights check")
+        runs = r1.status()["weights_check"]["runs"]  # passes may have run before v0 landed
+        wait_until(lambda: r1.status()["weights_check"]["runs"] > runs, 30,
+                   "a weights check over the held versions")
         clean = r1.status()
         assert clean["weights_check"]["damaged_found"] == 0 and clean["weights_problem"] is None
         assert clean["weights_check"]["bytes_checked"] > 0
@@ -140,3 +142,45 @@ def test_damage_while_running_is_found_by_the_scheduled_check_and_rebuilt(
         c.wait_all_at(3, 60)
         assert r1.status()["state_digest"] == trainer.status()["state_digest"]
         wait_until(lambda: weights.verify().version == 3, 30, "the disk to reach v3")
+
+
+def test_damaged_disk_under_pending_patches_is_rebuilt_and_the_patches_follow(tmp_path: Path
+                                                                              ) -> None:
+    """Engine first with a disk held back (it catches up only after 100 versions or an hour
+    idle): v1 and v2 are patches over a disk at v0 when the check finds v0 damaged. The
+    patches decoded over it go with it; the region rebuilds v0 from the snapshot and decodes
+    v1 and v2 again over the clean copy, then follows v3."""
+    with Cluster(tmp_path) as c:
+        c.trainer()
+        r1 = c.region("r1", self_check={"interval_s": 2},
+                      sync={"disk_batch_versions": 100, "disk_idle_s": 3600})
+        c.start_all()
+        states = [tiny_model(0)]
+        c.publish(0, states[0], snapshot=True)
+        c.wait_all_at(0, 60)
+
+        def pending() -> list[int]:
+            return r1.status()["detail"]["sync"]["engine_first"]["pending"]
+
+        for v in (1, 2):
+            states.append(step(states[-1], v))
+            c.publish(v, states[v])
+        wait_until(lambda: pending() == [1, 2], 60, "v1 and v2 patched over the disk at v0")
+        weights = WeightsDir(r1.state_dir / "weights")
+        assert weights.current().version == 0  # held back
+
+        flip_last_shard_byte(weights.current().path)
+        wait_until(lambda: r1.status()["weights_check"]["damaged_found"] >= 1, 60,
+                   "the scheduled check to find the flipped byte under the patches")
+        assert (weights.root / ".bad-v00000000").is_dir()
+        wait_until(lambda: pending() == [1, 2] and r1.current() == 0, 60,
+                   "v0 rebuilt and v1, v2 decoded again over it")
+        assert weights.verify().version == 0
+        applied = [a["artifact"] for a in r1.status()["detail"]["sync"]["applied"]]
+        assert applied[-3:] == ["v00000000.snapshot", "v00000001.delta", "v00000002.delta"], \
+            applied
+
+        states.append(step(states[-1], 3))
+        c.publish(3, states[3])
+        wait_until(lambda: pending() == [1, 2, 3], 60, "v3 patched over the rebuilt disk")
+        assert_running(r1)
