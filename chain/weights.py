@@ -296,11 +296,14 @@ class WeightsDir:
                 read: Callable[[int], None] | None = None) -> list[str]:
         """Names of the tensors of version directory `version` (all, or just `names`) whose
         bytes no longer match its VERSION.json; [] when they all do. For a background pass:
-        `read` hears every ~64 MiB read (it paces the pass, or raises to stop it). A directory
+        `read` hears every ~64 MiB read (it paces the pass, or raises to stop it); `names`
+        [STATE_DIGEST] checks VERSION.json's state digest against its own tensors. A directory
         an apply renamed away meanwhile raises OSError or BadVersionDir: the caller checks
         again under the writers' lock before acting on a result (`set_aside`)."""
         path = self.path(version)
         info = read_info(path)
+        if names == [STATE_DIGEST]:  # VERSION.json against itself: no tensor read
+            return [] if state_digest(info.tensors) == info.state_digest else [STATE_DIGEST]
         got = _dir_digests(path, names, read)
         wanted = info.tensors if names is None else {n: info.tensors.get(n, "") for n in names}
         bad = sorted(n for n in set(got) | set(wanted) if got.get(n) != wanted.get(n))

@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 
 from chain.errors import ChainError
-from chain.weights import STATE_DIGEST, WeightsDir
+from chain.weights import WeightsDir
 from daemon.config import SelfCheckConfig
 
 log = logging.getLogger("deltaswarm.weightscheck")
@@ -82,8 +82,6 @@ class WeightsCheck:
                     if not self.weights.path(version).is_dir():
                         continue  # renamed by an apply meanwhile: checked at the next pass
                     bad, names = [f"({type(e).__name__}: {e})"[:300]], None  # unreadable
-                if bad == [STATE_DIGEST]:
-                    names = None
                 self.versions_checked += 1
                 if bad:
                     await self._confirm(version, bad, names)

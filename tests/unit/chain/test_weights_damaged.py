@@ -101,4 +101,7 @@ def test_a_state_digest_that_disagrees_with_its_tensors_is_damage(tmp_path, sign
     write_info(cur.path, info.__class__(info.version, "0" * len(info.state_digest), info.run,
                                         info.tensors), None)
     assert w.damaged(1) == [STATE_DIGEST]
+    assert w.damaged(1, [STATE_DIGEST]) == [STATE_DIGEST]  # the re-check reads no tensor
+    write_info(cur.path, info, None)
+    assert w.damaged(1, [STATE_DIGEST]) == [] and w.damaged(1) == []
     assert w.is_current(1)  # read from the link: answers whatever VERSION.json holds
