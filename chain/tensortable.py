@@ -147,6 +147,10 @@ class TensorRow(Sized):
                 f"digest={self.digest!r})")
 
 
+_last_json: "tuple[TensorTable, str] | None" = None
+"""The last table TensorTable.canonical_json wrote, and its text."""
+
+
 class TensorTable(Columns):
     """The tensors of a manifest: name, dtype, shape and digest of each, in manifest order."""
 
@@ -266,7 +270,18 @@ class TensorTable(Columns):
     def canonical_json(self) -> str:
         """`as_dicts()` as canonical JSON (sorted keys, no spaces, ASCII), built from the
         columns: what `chain.manifest.canonical_json` makes of the list, without the 50,000
-        dicts and the encoder's walk over them (a third of a publish's manifest work)."""
+        dicts and the encoder's walk over them (a third of a publish's manifest work). The
+        last table's text is kept (one, not one per table held): a new manifest is signed,
+        checked and written in turn, three calls on one table."""
+        global _last_json
+        last = _last_json
+        if last is not None and last[0] is self:
+            return last[1]
+        text = self._canonical_json()
+        _last_json = (self, text)
+        return text
+
+    def _canonical_json(self) -> str:
         lay = self._layout
         shapes, at = lay.shapes.tolist(), lay.shape_at.tolist()
         names = self.names()

@@ -115,8 +115,8 @@ def encode_stream(
         for lo, hi in units:
             _, dtype, _, old, bits = pending[lo]
             if hi - lo > 1:  # a group: its tensors' elements end to end, coded as one
-                pairs.append((np.concatenate([p[3] for p in pending[lo:hi]]),
-                              np.concatenate([p[4] for p in pending[lo:hi]]), dtype))
+                pairs.append((end_to_end([p[3] for p in pending[lo:hi]]),
+                              end_to_end([p[4] for p in pending[lo:hi]]), dtype))
             elif old is not None:
                 pairs.append((old, bits, dtype))
         # each pair with what it was coded as: (old, new, dtype), (payload, changes)
@@ -222,6 +222,21 @@ def encode_stream(
     flush()
     stats.seconds = time.perf_counter() - t0
     return TensorTable.from_columns(names, bytes(dtypes), shapes, ranks, digest_list), stats
+
+
+def end_to_end(arrays: list[np.ndarray]) -> np.ndarray:
+    """The arrays' elements end to end, read-only: a view where they already lie back to
+    back in memory (a publisher's kept copy, a file's tensors), else a copy. The view is
+    valid while every array is (the writer holds them until their group is encoded)."""
+    first = arrays[0]
+    at = first.__array_interface__["data"][0]
+    for a in arrays:
+        if a.__array_interface__["data"][0] != at or not a.flags.c_contiguous or \
+                a.dtype != first.dtype:
+            return np.concatenate(arrays)
+        at += a.nbytes
+    return np.lib.stride_tricks.as_strided(first, shape=(sum(a.size for a in arrays),),
+                                           strides=(first.itemsize,), writeable=False)
 
 
 def _needs_hash(name: str, old: np.ndarray | None, digests: Mapping[str, str] | None,

@@ -223,7 +223,22 @@ def notify_daemon(daemon_url: str | None, token: str | None, version: int) -> bo
 
 
 def _cpu_copy(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
+    """A CPU copy of `state` in one allocation, tensors back to back in name order (each
+    from an 8-byte boundary), as the writer reads them: a group record's parent elements
+    are then one view of it, not a copy (chain.writer.end_to_end). Tensors `_patched`
+    later replaces (new, reshaped, retyped) are held apart; their old bytes stay in the
+    allocation until the next copy, so the kept copy holds at most twice the model."""
+    names = sorted(state)
+    sizes = [state[k].numel() * state[k].element_size() for k in names]
+    flat = torch.empty(sum(-(-n // 8) * 8 for n in sizes), dtype=torch.uint8)
+    out, at = {}, 0
+    for name, size in zip(names, sizes, strict=True):
+        t = state[name].detach()
+        view = flat[at:at + size].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        out[name] = view
+        at += -(-size // 8) * 8
+    return out
 
 
 def _patched(last: dict[str, torch.Tensor], kept: StateDictSource,

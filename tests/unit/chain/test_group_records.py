@@ -28,14 +28,14 @@ UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 @settings(max_examples=60, deadline=None)
 @given(st.sampled_from([1, 2, 4, 8]), st.lists(st.integers(0, 37), min_size=1, max_size=9),
-       st.data())
-def test_one_call_moves_every_members_digest_as_alone(itemsize, sizes, data):
+       st.booleans(), st.data())
+def test_one_call_moves_every_members_digest_as_alone(itemsize, sizes, whole, data):
     """Members of any length (not whole words: a member's words count from its own start,
-    zero-padded at its end), some unchanged, some empty."""
+    zero-padded at its end), some unchanged, some empty; `whole`: every member whole 64-bit
+    words, which takes the straight-loop kernel."""
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
     uint = UINT[itemsize]
-    offsets = np.zeros(len(sizes) + 1, np.int64)
-    np.cumsum(sizes, out=offsets[1:])
+    offsets = _offsets(sizes, itemsize if whole else 8)
     old = rng.integers(0, np.iinfo(uint).max, int(offsets[-1]), dtype=uint, endpoint=True)
     pos = np.flatnonzero(rng.random(old.size) < data.draw(st.floats(0, 1))).astype(np.int64)
     val = rng.integers(0, np.iinfo(uint).max, pos.size, dtype=uint, endpoint=True)
@@ -49,14 +49,14 @@ def test_one_call_moves_every_members_digest_as_alone(itemsize, sizes, data):
 
 @settings(max_examples=60, deadline=None)
 @given(st.sampled_from([1, 2, 4, 8]), st.lists(st.integers(0, 37), min_size=1, max_size=9),
-       st.data())
-def test_one_call_writes_every_member_and_moves_its_digest_as_alone(itemsize, sizes, data):
+       st.booleans(), st.data())
+def test_one_call_writes_every_member_and_moves_its_digest_as_alone(itemsize, sizes, whole, data):
     """pull_put_groups against the per-tensor kernels: pulls, then puts (a put wins where
-    both touch an element), each member's move as its own digest would have it."""
+    both touch an element), each member's move as its own digest would have it; `whole` as
+    above."""
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
     uint = UINT[itemsize]
-    offsets = np.zeros(len(sizes) + 1, np.int64)
-    np.cumsum(sizes, out=offsets[1:])
+    offsets = _offsets(sizes, itemsize if whole else 8)
     n = int(offsets[-1])
 
     def some(p: float) -> np.ndarray:
@@ -81,6 +81,42 @@ def test_one_call_writes_every_member_and_moves_its_digest_as_alone(itemsize, si
         assert np.array_equal(alone, want[lo:hi])
         assert (int(got[j, 0]), int(got[j, 1])) == ((int(a0) + int(a1)) & lanehash.M64,
                                                     (int(b0) + int(b1)) & lanehash.M64)
+
+
+def _offsets(sizes: list[int], itemsize: int) -> np.ndarray:
+    """Members' bounds end to end; each size counts words of `itemsize`-byte elements' worth
+    of 8 bytes (itemsize 8: elements, any length)."""
+    offsets = np.zeros(len(sizes) + 1, np.int64)
+    np.cumsum([s * (8 // itemsize) for s in sizes], out=offsets[1:])
+    return offsets
+
+
+def test_members_with_more_changes_than_a_kernel_chunk_move_as_alone():
+    """Whole-word members of 20,000 bf16 elements, one with 15,000 changes (several of the
+    straight loops' chunks), one with none: both group kernels agree with each member alone,
+    and with the general walk the same group takes when its members are not whole words."""
+    rng = np.random.default_rng(5)
+    offsets = np.array([0, 20_000, 40_000, 60_000], np.int64)
+    old = rng.integers(0, 2**16, 60_000, dtype=np.uint16)
+    pos = np.concatenate([np.sort(rng.choice(20_000, 15_000, replace=False)),
+                          40_000 + np.sort(rng.choice(20_000, 300, replace=False))])
+    val = rng.integers(0, 2**16, pos.size, dtype=np.uint16)
+    got = lanehash.moved_by_groups(old, pos, val, offsets)
+    target = old.copy()
+    wrote = lanehash.moved_by_group_writes(target, target.copy(), offsets, pos[:0], pos, val)
+    for j, (lo, hi) in enumerate(itertools.pairwise(offsets)):
+        mine = (pos >= lo) & (pos < hi)
+        want = lanehash.moved_by_changes(old[lo:hi].copy(), pos[mine] - lo, val[mine])
+        want = (int(want[0]) & lanehash.M64, int(want[1]) & lanehash.M64)
+        assert (int(got[j, 0]), int(got[j, 1])) == want
+        assert (int(wrote[j, 0]), int(wrote[j, 1])) == want
+    assert tuple(got[1]) == (0, 0)
+    ragged = offsets + np.array([0, 1, 1, 0])  # members of 20,001 and 19,999: not whole words
+    general = lanehash.moved_by_groups(old, pos, val, ragged)
+    mine = pos < 20_001
+    want = lanehash.moved_by_changes(old[:20_001].copy(), pos[mine], val[mine])
+    assert (int(general[0, 0]), int(general[0, 1])) == (int(want[0]) & lanehash.M64,
+                                                        int(want[1]) & lanehash.M64)
 
 
 def test_positions_past_the_group_are_refused():
