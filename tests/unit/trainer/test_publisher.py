@@ -5,10 +5,12 @@ snapshot."""
 import gc
 import weakref
 
+import numpy as np
 import pytest
 import torch
 
 import chain.writer
+import trainer.publisher
 from chain import keys
 from chain.digest import tensor_digest
 from chain.errors import ChainError
@@ -82,6 +84,50 @@ def test_the_kept_copy_follows_the_published_weights_without_sharing_them(publis
     s2 = _step(_step(s0, 1), 2)
     p2 = publisher.publish(2, s2)
     assert p2.delta.state_digest == source_digest(StateDictSource(s2))
+
+
+def test_small_tensors_are_kept_back_to_back_so_their_group_reads_the_parent_in_place(
+        publisher, monkeypatch):
+    """The kept copy is one allocation in name order, so a group record's parent elements
+    are one view of it (chain.writer.end_to_end), not a copy; the new weights, held apart,
+    are copied."""
+    state = {f"e{i:02d}.w": torch.randn(4, 8).to(torch.bfloat16) for i in range(12)}
+    publisher.publish(0, state)
+    seen = []
+    real = chain.writer.end_to_end
+
+    def spy(arrays):
+        out = real(arrays)
+        seen.append((len(arrays), not out.flags.owndata))
+        return out
+
+    monkeypatch.setattr(chain.writer, "end_to_end", spy)
+    step = _step(state, 1)
+    out = publisher.publish(1, step)
+    assert seen == [(12, True), (12, False)]  # the group's parent, then its new elements
+    assert out.delta.state_digest == source_digest(StateDictSource(step))
+
+
+def test_the_kept_copy_starts_each_tensor_on_an_8_byte_boundary():
+    """Back to back in name order, a tensor whose bytes end off the boundary padded (the
+    kernels read 64-bit words), and equal to what it copies."""
+    state = {"a": torch.randn(3).to(torch.bfloat16), "b": torch.randn(5),
+             "c": torch.randn(2, 2).to(torch.bfloat16)}
+    kept = trainer.publisher._cpu_copy(state)
+    assert [kept[k].data_ptr() - kept["a"].data_ptr() for k in "abc"] == [0, 8, 32]
+    assert all(torch.equal(kept[k], state[k]) and kept[k].shape == state[k].shape
+               for k in state)
+
+
+def test_end_to_end_copies_arrays_that_are_not_back_to_back():
+    flat = np.arange(40, dtype=np.uint16)
+    view = chain.writer.end_to_end([flat[0:8], flat[8:20], flat[20:40]])
+    assert not view.flags.owndata and not view.flags.writeable
+    assert np.array_equal(view, flat)
+    gap = chain.writer.end_to_end([flat[0:8], flat[12:20]])
+    assert gap.flags.owndata and np.array_equal(gap, np.r_[flat[0:8], flat[12:20]])
+    retyped = chain.writer.end_to_end([flat[0:8], flat[8:16].view(np.int16)])
+    assert retyped.flags.owndata
 
 
 def test_resume_accepts_the_head_weights_only(publisher, tmp_path):
