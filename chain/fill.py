@@ -145,7 +145,7 @@ class Fill:
             for i, t in enumerate(self.tensors):
                 ch = changes.get(t.name)
                 if ch is not None:
-                    self._base_of(t)
+                    self._check_base(t)
                 yield _Item(i, t, t.name in done, None if ch is None else "delta", changes=ch)
 
         self._pass(items, resumed)
@@ -196,7 +196,7 @@ class Fill:
             return
         if rec.n > 8 * count * itemsize + (1 << 20):
             raise BadDelta(f"delta record for {t.name} is implausibly large ({rec.n} bytes)")
-        self._base_of(t)
+        self._check_base(t)
         item.payloads.append((at, count, reader.read(rec.n)))
 
     def _open(self, item: _Item, rec: RecordHeader, reader: BlockReader) -> None:
@@ -228,7 +228,7 @@ class Fill:
         if item.op is not None:
             raise BadDelta(f"{t.name} has both a group record and another record")
         item.grouped = True
-        self._base_of(t)
+        self._check_base(t)
         item.op = "delta"
         item.parts.append((0, t.numel))
         group.members.append(item)
