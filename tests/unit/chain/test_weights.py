@@ -182,7 +182,9 @@ def test_kill_during_apply_restarts_into_a_verified_state_and_converges(tmp_path
     assert same(load_file(cur.path / "model.safetensors"), prev)
     assert cur.state_digest == WeightsDir(ref).current().state_digest
     assert not w.staging()
-    assert cut >= 8, f"only {cut} of 12 kills landed inside an apply"
+    # the six fresh starts are killed before 45 % of an uninterrupted apply; a resumed one
+    # has less left to do and may finish first on a busy host (8 of 12 flaked once in ~26)
+    assert cut >= 6, f"only {cut} of 12 kills landed inside an apply"
     assert in_place >= 1, "no kill landed inside an in-place bring-forward"
 
 
