@@ -89,8 +89,8 @@ def test_the_kept_copy_follows_the_published_weights_without_sharing_them(publis
 def test_small_tensors_are_kept_back_to_back_so_their_group_reads_the_parent_in_place(
         publisher, monkeypatch):
     """The kept copy is one allocation in name order, so a group record's parent elements
-    are one view of it (chain.writer.end_to_end), not a copy; the new weights, held apart,
-    are copied."""
+    are one view of it (chain.writer.end_to_end), not a copy (the new weights, held apart,
+    are copied into the writer's scratch buffer: test_a_batchs_groups_share_one_buffer)."""
     state = {f"e{i:02d}.w": torch.randn(4, 8).to(torch.bfloat16) for i in range(12)}
     publisher.publish(0, state)
     seen = []
@@ -104,8 +104,27 @@ def test_small_tensors_are_kept_back_to_back_so_their_group_reads_the_parent_in_
     monkeypatch.setattr(chain.writer, "end_to_end", spy)
     step = _step(state, 1)
     out = publisher.publish(1, step)
-    assert seen == [(12, True), (12, False)]  # the group's parent, then its new elements
+    assert seen == [(12, True)]  # the group's parent
     assert out.delta.state_digest == source_digest(StateDictSource(step))
+
+
+def test_a_batchs_groups_share_one_buffer():
+    """A batch's groups of new elements: views where back to back, else copies laid in one
+    buffer (8-byte boundaries), kept for the next batch."""
+    scratch = chain.writer._Scratch()
+    flat = np.arange(64, dtype=np.uint16)
+    apart = [np.arange(5, dtype=np.uint16), np.arange(7, dtype=np.uint16) + 100]
+    wide = [np.arange(3, dtype=np.float32), np.ones(2, np.float32)]
+    got = scratch.end_to_end([apart, [flat[:16], flat[16:64]], wide])
+    assert [g.dtype for g in got] == [np.uint16, np.uint16, np.float32]
+    assert np.array_equal(got[0], np.concatenate(apart))
+    assert np.array_equal(got[1], flat) and not got[1].flags.writeable  # a view
+    assert np.array_equal(got[2], np.concatenate(wide))
+    buf = scratch.buf
+    assert np.shares_memory(got[0], buf) and np.shares_memory(got[2], buf)
+    assert got[2].__array_interface__["data"][0] - buf.__array_interface__["data"][0] == 24
+    again = scratch.end_to_end([[apart[1], apart[0]]])
+    assert scratch.buf is buf and np.array_equal(again[0], np.r_[apart[1], apart[0]])
 
 
 def test_the_kept_copy_starts_each_tensor_on_an_8_byte_boundary():
