@@ -346,12 +346,11 @@ class Fill:
         run_jobs(self._jobs(work))
         # a tensor brought forward whose older version was not what VERSION.json says:
         # copied whole from the base instead, then patched
-        redo = [it for it in work if not self._finish(it)]
+        redo = [it for it, ok in zip(work, self._finish(work), strict=True) if not ok]
         for it in redo:
             it.forward, it.repaired = False, True
         run_jobs(self._jobs(redo))
-        for it in redo:
-            self._finish(it)
+        self._finish(redo)
         full = [it for it in batch if not it.done and it.op == "full"]
         for it, d in zip(full, tensor_digests([(it.t.dtype, it.t.shape,
                                                 self.out.bits(it.t.name)) for it in full]),
@@ -544,15 +543,17 @@ class Fill:
 
         return [(hi - lo, part(k, lo, hi)) for k, (lo, hi) in enumerate(spans)]
 
-    def _finish(self, it: _Item) -> bool:
-        """Sum the parts' digest moves into `it.digest`; False if a tensor brought forward
-        does not reach its digest (the caller copies it whole instead)."""
-        name = it.t.name
-        start = self.own[name] if it.forward else self.base_digests[name]  # type: ignore
-        a = sum(int(m[0]) for m in it.moves)
-        b = sum(int(m[1]) for m in it.moves)
-        it.digest = lanehash.add(start, (a, b))
-        return not it.forward or it.digest == it.t.digest
+    def _finish(self, items: list[_Item]) -> list[bool]:
+        """Sum each item's parts' digest moves into its `digest`; False for a tensor brought
+        forward that does not reach its digest (the caller copies it whole instead)."""
+        starts = [self.own[it.t.name] if it.forward else  # type: ignore[index]
+                  self.base_digests[it.t.name] for it in items]
+        moves = [it.moves[0] if len(it.moves) == 1 else
+                 (sum(int(m[0]) for m in it.moves), sum(int(m[1]) for m in it.moves))
+                 for it in items]
+        for it, digest in zip(items, lanehash.add_many(starts, moves), strict=True):
+            it.digest = digest
+        return [not it.forward or it.digest == it.t.digest for it in items]
 
 
 def _inside(pos: np.ndarray, n: int) -> np.ndarray:

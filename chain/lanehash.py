@@ -633,6 +633,17 @@ def add(digest: str, delta: tuple[int, int]) -> str:
     return to_hex(a + int(delta[0]), b + int(delta[1]))
 
 
+def add_many(digests: Sequence[str], deltas: Sequence[tuple[int, int]]) -> list[str]:
+    """`add` of each digest and its move, in a few array operations instead of two integer
+    parses and a format a digest (what 50,000 tensors' digests cost a region's apply)."""
+    if not digests:
+        return []
+    lanes = np.frombuffer(bytes.fromhex("".join(digests)), ">u8").reshape(-1, 2)
+    moves = np.array([(int(a) & M64, int(b) & M64) for a, b in deltas], np.uint64)
+    text = (lanes.astype(np.uint64) + moves.reshape(-1, 2)).astype(">u8").tobytes().hex()
+    return [text[i:i + 32] for i in range(0, len(text), 32)]
+
+
 def word_layout(arr: np.ndarray) -> tuple[int, int]:
     """(log2 of elements per 64-bit word, bits per element) of a flat unsigned element array."""
     return _LOG2_PER_WORD[arr.itemsize], 8 * arr.itemsize

@@ -28,12 +28,16 @@ class StateDictSource:
     """Tensors of a state dict (moved to CPU one at a time when read). `views`: bit views
     kept from an earlier source over tensors this one shares (a publisher's kept copy of the
     last version, mostly patched in place), so a 50,000-tensor model is not viewed again
-    every version; a view is reused only for the very tensor object it was made from."""
+    every version; a view is reused only for the very tensor object it was made from, and
+    only while that object still views the same memory, unless `owned`: the state is a copy
+    its holder never hands out (the publisher's kept copy), so nothing can have re-pointed its
+    tensors and the check (five torch calls a tensor) is skipped."""
 
     def __init__(self, state: Mapping[str, "torch.Tensor"],
-                 views: "dict[str, tuple[torch.Tensor, np.ndarray, tuple]] | None" = None
-                 ) -> None:
+                 views: "dict[str, tuple[torch.Tensor, np.ndarray, tuple]] | None" = None,
+                 owned: bool = False) -> None:
         self._state = state
+        self._owned = owned
         self.views = None if views is None else \
             {k: v for k, v in views.items() if state.get(k) is v[0]}
 
@@ -51,7 +55,7 @@ class StateDictSource:
         kept = self.views.get(name)
         # the same object over the same memory in the same layout: `t.data = ...` and `set_`
         # keep the object but change what it views, `t_()` and `as_strided_` its strides
-        if kept is not None and kept[0] is t and kept[2] == _layout(t):
+        if kept is not None and kept[0] is t and (self._owned or kept[2] == _layout(t)):
             return kept[1]
         bits = dtypes.bits_view(t)
         # kept only where it is a view of the tensor's own memory: bits_view copies a tensor

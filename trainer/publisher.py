@@ -162,7 +162,7 @@ class Publisher:
             if head is not None:
                 assert self._last is not None
                 parent_m = self.store.get(head, "delta") or self.store.get(head, "snapshot")
-                kept = StateDictSource(self._last, self._views)
+                kept = StateDictSource(self._last, self._views, owned=True)
                 delta, stats = write_artifact(self.store.blocks, self.key, kind="delta",
                                               parent=kept, parent_manifest=parent_m,
                                               trust_parent=True,
@@ -226,8 +226,8 @@ def _cpu_copy(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A CPU copy of `state` in one allocation, tensors back to back in name order (each
     from an 8-byte boundary), as the writer reads them: a group record's parent elements
     are then one view of it, not a copy (chain.writer.end_to_end). Tensors `_patched`
-    later replaces (new, reshaped, retyped) are held apart; their old bytes stay in the
-    allocation until the next copy, so the kept copy holds at most twice the model."""
+    later replaces (new, reshaped, retyped) are held apart; the bytes of those and of dropped
+    ones stay in the allocation until `_compacted` copies the rest out."""
     names = sorted(state)
     sizes = [state[k].numel() * state[k].element_size() for k in names]
     flat = torch.empty(sum(-(-n // 8) * 8 for n in sizes), dtype=torch.uint8)
@@ -256,4 +256,22 @@ def _patched(last: dict[str, torch.Tensor], kept: StateDictSource,
             if c.pos.size:
                 kept.bits(name)[c.pos] = c.val
             out[name] = last[name]
-    return out
+    replaced = len(out) != len(last) or any(c is None for c in changes.values())
+    return _compacted(out) if replaced else out
+
+
+def _compacted(kept: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`kept` after a version replaced or dropped tensors: copied into one new allocation
+    when less than half of an allocation its tensors share still holds kept tensors, so the
+    kept copy stays within about 1.5x the model (and groups read their parents in place
+    again); else as it is."""
+    live: dict[int, int] = {}
+    size: dict[int, int] = {}
+    for t in kept.values():
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        live[key] = live.get(key, 0) + t.numel() * t.element_size()
+        size[key] = storage.nbytes()
+    if all(2 * live[k] >= size[k] for k in live):
+        return kept
+    return _cpu_copy(kept)

@@ -114,3 +114,16 @@ def test_the_encoder_reports_exactly_the_changed_positions_values_and_digest_mov
     (moved,) = codec.decode_many([(ro, payload, "bfloat16")], moves=True)
     assert moved.digest == ch.digest  # summed over its 48 segments, each moved by its thread
     assert codec.decode_many([(old, payload, "bfloat16")])[0].digest is None
+
+
+def test_many_digests_move_as_each_would_alone():
+    rng = np.random.default_rng(3)
+    digests = [lanehash.to_hex(int(a), int(b))
+               for a, b in rng.integers(0, 2**63, (50, 2), dtype=np.uint64)]
+    digests[0] = "f" * 32  # both lanes wrap around
+    moves = [(int(a), int(b)) for a, b in rng.integers(0, 2**63, (50, 2), dtype=np.uint64)]
+    moves[1] = (2**64 + 5, 3 * 2**64)  # sums of parts past 64 bits
+    moves[2] = (np.uint64(7), np.uint64(2**64 - 1))
+    assert lanehash.add_many(digests, moves) == [lanehash.add(d, m) for d, m in
+                                                  zip(digests, moves, strict=True)]
+    assert lanehash.add_many([], []) == []

@@ -230,7 +230,8 @@ def test_a_publisher_whose_daemon_never_decided_deletes_nothing(tmp_path):
 def test_a_tensor_dropped_from_the_state_is_not_kept_alive_by_its_bit_view(publisher):
     """The publisher keeps bit views of its kept copy across versions; a view of a tensor
     the next state dropped would hold that tensor alive (a whole second copy after a model is
-    retyped) until the publish after."""
+    retyped) until the publish after. Its bytes are also let go, though the kept copy holds
+    its tensors in one allocation."""
     big = torch.zeros(1 << 20, dtype=torch.bfloat16)
     publisher.publish(0, {"big": big, "small": torch.zeros(8, dtype=torch.bfloat16)})
     nxt = big.clone()
@@ -240,6 +241,8 @@ def test_a_tensor_dropped_from_the_state_is_not_kept_alive_by_its_bit_view(publi
     publisher.publish(2, {"small": torch.full((8,), 2, dtype=torch.bfloat16)})
     gc.collect()
     assert kept() is None
+    # nor by the one allocation the kept copy shared with it: the rest is copied out of it
+    assert publisher._last["small"].untyped_storage().nbytes() == 16
 
 
 @pytest.mark.parametrize("swap", ["set_", "data", "t_", "as_strided_"])
