@@ -192,15 +192,19 @@ def encode_stream(
             split = [codec.Changes(changes.pos[a:b] - offsets[j], changes.val[a:b],
                                    (moves[j][0], moves[j][1]))
                      for j, (a, b) in enumerate(itertools.pairwise(cuts))]
+        moved: Iterator[str] = iter(())
+        if digests is None and parent_digests is not None and changes is not None:
+            known = [(parent_digests[m[0]], c.digest) for m, c in zip(members, split,
+                                                                      strict=True)
+                     if m[0] in parent_digests]
+            moved = iter(lanehash.add_many([d for d, _ in known], [c for _, c in known]))
         for (name, _, shape, old_bits, _), mine in zip(members, split, strict=True):
             if _needs_hash(name, old_bits, digests, parent_digests):
                 digest = next(fresh)
             elif digests is not None:
                 digest = digests[name]
-            elif not mine.pos.size:
-                digest = parent_digests[name]
-            else:
-                digest = lanehash.add(parent_digests[name], mine.digest)
+            else:  # the parent's digest moved by this member's changes (all at once above)
+                digest = next(moved)
             entry(name, dtype, shape, digest, mine)
         changed = hdr.claimed_changes(payload)
         if changed:
