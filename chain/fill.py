@@ -88,7 +88,9 @@ class Fill:
                  base: TensorFiles | None, base_digests: dict[str, str],
                  progress: Callable[[str, int, int], None] | None = None,
                  journal: Path | None = None) -> None:
-        self.out, self.tensors, self.what = out, tensors, what
+        # rows made once: a table makes a row object each time it is walked, and the pass
+        # walks it twice (the group starts, then the items)
+        self.out, self.tensors, self.what = out, list(tensors), what
         self.base, self.base_digests = base, base_digests
         self.progress, self.journal_path = progress, journal
         self.steps: list[dict[str, np.ndarray | None] | None] = []
@@ -235,6 +237,8 @@ class Fill:
 
     def _check_parts(self, item: _Item) -> None:
         """A tensor's records may not overlap; full records must cover it exactly."""
+        if len(item.parts) < 2 and item.op != "full":  # nothing to overlap (most tensors)
+            return
         end = 0
         for at, count in sorted(item.parts):
             if at < end:
