@@ -228,11 +228,15 @@ def _cpu_copy(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     are then one view of it, not a copy (chain.writer.end_to_end). Tensors `_patched`
     later replaces (new, reshaped, retyped) are held apart; the bytes of those and of dropped
     ones stay in the allocation until `_compacted` copies the rest out."""
-    names = sorted(state)
-    sizes = [state[k].numel() * state[k].element_size() for k in names]
+    plain = sorted(k for k, t in state.items() if t.layout == torch.strided and
+                   not t.is_quantized)
+    # sparse or quantized tensors (not weights an RL trainer publishes) are copied apart
+    out = {k: t.detach().to("cpu", copy=True).contiguous() for k, t in state.items()
+           if t.layout != torch.strided or t.is_quantized}
+    sizes = [state[k].numel() * state[k].element_size() for k in plain]
     flat = torch.empty(sum(-(-n // 8) * 8 for n in sizes), dtype=torch.uint8)
-    out, at = {}, 0
-    for name, size in zip(names, sizes, strict=True):
+    at = 0
+    for name, size in zip(plain, sizes, strict=True):
         t = state[name].detach()
         view = flat[at:at + size].view(t.dtype).view(t.shape)
         view.copy_(t)
