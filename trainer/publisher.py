@@ -233,15 +233,18 @@ def _cpu_copy(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     # sparse or quantized tensors (not weights an RL trainer publishes) are copied apart
     out = {k: t.detach().to("cpu", copy=True).contiguous() for k, t in state.items()
            if t.layout != torch.strided or t.is_quantized}
-    sizes = [state[k].numel() * state[k].element_size() for k in plain]
-    flat = torch.empty(sum(-(-n // 8) * 8 for n in sizes), dtype=torch.uint8)
-    at = 0
-    for name, size in zip(plain, sizes, strict=True):
+    starts, at = [], 0
+    for k in plain:  # each from a multiple of 8 bytes and of its element size
+        align = max(8, state[k].element_size())
+        at = -(-at // align) * align
+        starts.append(at)
+        at += state[k].numel() * state[k].element_size()
+    flat = torch.empty(at, dtype=torch.uint8)
+    for name, start in zip(plain, starts, strict=True):
         t = state[name].detach()
-        view = flat[at:at + size].view(t.dtype).view(t.shape)
+        view = flat[start:start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
         view.copy_(t)
         out[name] = view
-        at += -(-size // 8) * 8
     return out
 
 

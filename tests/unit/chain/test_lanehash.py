@@ -127,3 +127,10 @@ def test_many_digests_move_as_each_would_alone():
     assert lanehash.add_many(digests, moves) == [lanehash.add(d, m) for d, m in
                                                   zip(digests, moves, strict=True)]
     assert lanehash.add_many([], []) == []
+
+
+def test_a_malformed_digest_among_many_spoils_only_its_own():
+    good = lanehash.to_hex(5, 6)
+    got = lanehash.add_many([good, good[:30], good], [(1, 2), (0, 0), (3, 4)])
+    assert got[0] == lanehash.add(good, (1, 2)) and got[2] == lanehash.add(good, (3, 4))
+    assert got[1] == lanehash.add(good[:30], (0, 0)) != good

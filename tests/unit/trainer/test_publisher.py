@@ -131,9 +131,10 @@ def test_the_kept_copy_starts_each_tensor_on_an_8_byte_boundary():
     """Back to back in name order, a tensor whose bytes end off the boundary padded (the
     kernels read 64-bit words), and equal to what it copies."""
     state = {"a": torch.randn(3).to(torch.bfloat16), "b": torch.randn(5),
-             "c": torch.randn(2, 2).to(torch.bfloat16)}
+             "c": torch.randn(2, 2).to(torch.bfloat16), "d": torch.randn(1, dtype=torch.cdouble)}
     kept = trainer.publisher._cpu_copy(state)
-    assert [kept[k].data_ptr() - kept["a"].data_ptr() for k in "abc"] == [0, 8, 32]
+    # d, 16-byte elements, from a multiple of 16
+    assert [kept[k].data_ptr() - kept["a"].data_ptr() for k in "abcd"] == [0, 8, 32, 48]
     assert all(torch.equal(kept[k], state[k]) and kept[k].shape == state[k].shape
                for k in state)
 
