@@ -99,6 +99,8 @@ class Fill:
         self.repaired = 0
         self.resumed = False
         self._starts: np.ndarray | None = None
+        self._based: set[str] = set()
+        """Tensors `_check_base` found a parent for (a grouped tensor is asked twice)."""
 
     def in_place(self, steps: list, own: VersionInfo | None) -> None:
         """The slots hold an older version (`own`, None if unknown) that `steps` (CHANGES per
@@ -255,11 +257,14 @@ class Fill:
         return self.base.bits(t.name)
 
     def _check_base(self, t: TensorEntry) -> None:
+        if t.name in self._based:
+            return
         b = self.base
-        if b is None or t.name not in b.slots or \
-                (b.slots[t.name].dtype, b.slots[t.name].shape) != (t.dtype, t.shape):
+        slot = None if b is None else b.slots.get(t.name)
+        if slot is None or (slot.dtype, slot.shape) != (t.dtype, t.shape):
             raise BadDelta(f"{self.what}: tensor {t.name} needs a full record (no parent "
                            "tensor)")
+        self._based.add(t.name)
 
     def _group_view(self, g: _Group) -> np.ndarray | None:
         """Group `g`'s parent elements as one view of the base, where its tensors lie back to
@@ -331,12 +336,16 @@ class Fill:
                changes: codec.Changes) -> None:
         """A decoded group's changes, each tensor's share in its own positions (and, when
         this pass checks digests by moves, each one's digest move, in one kernel call)."""
-        cuts = np.searchsorted(changes.pos, offsets).tolist()
+        cuts = np.searchsorted(changes.pos, offsets)
         moves = lanehash.moved_by_groups(cat, changes.pos, changes.val, offsets).tolist() \
             if self.moves else None
+        # every change in its own tensor's positions in one array operation (each member's a
+        # view of it), not a subtraction and an array per member
+        own = changes.pos - np.repeat(offsets[:-1], np.diff(cuts))
+        cuts = cuts.tolist()
         for j, m in enumerate(g.members):
             a, b = cuts[j], cuts[j + 1]
-            m.changes = codec.Changes(changes.pos[a:b] - offsets[j], changes.val[a:b],
+            m.changes = codec.Changes(own[a:b], changes.val[a:b],
                                       None if moves is None else (moves[j][0], moves[j][1]))
             m.span = g
         g.members[0].group = None
@@ -378,6 +387,7 @@ class Fill:
                     self.progress(self.what, it.index + 1, len(self.tensors))
         finally:  # the tensors verified before a mismatch or a stop stay done
             self._done(finished)
+            _unlink(batch)
 
     def _done(self, names: list[str]) -> None:
         """Journal verified tensors (one write per batch) and drop their pages from this
@@ -558,6 +568,15 @@ class Fill:
         for it, digest in zip(items, lanehash.add_many(starts, moves), strict=True):
             it.digest = digest
         return [not it.forward or it.digest == it.t.digest for it in items]
+
+
+def _unlink(batch: list[_Item]) -> None:
+    """Break the cycles a batch's groups make (a group lists its members, each member points
+    back at it), so reference counting frees the batch as it ends. Left to the cyclic
+    collector, a 50,000-tensor apply left ~450,000 objects behind that one collection took
+    0.2 s to free, every version."""
+    for it in batch:
+        it.span = it.group = None
 
 
 def _inside(pos: np.ndarray, n: int) -> np.ndarray:

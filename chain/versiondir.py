@@ -45,9 +45,18 @@ class VersionInfo:
     tensors: dict[str, str]
 
     def to_bytes(self) -> bytes:
-        return json.dumps({"format": FORMAT, "version": self.version,
+        """The same bytes as `json.dumps(..., indent=1)`, with the tensor map written by the
+        C string encoder: with an indent, json takes its pure-Python encoder, 0.1-0.2 s for a
+        50,000-tensor VERSION.json at every apply."""
+        head = json.dumps({"format": FORMAT, "version": self.version,
                            "state_digest": self.state_digest, "run": self.run,
-                           "tensors": self.tensors}, indent=1).encode()
+                           "tensors": {}}, indent=1)
+        if not self.tensors:
+            return head.encode()
+        enc = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]
+        rows = ",\n  ".join(f"{enc(str(k))}: {enc(str(v))}" for k, v in self.tensors.items())
+        cut = head.rindex("{}")
+        return (head[:cut] + "{\n  " + rows + "\n }" + head[cut + 2:]).encode()
 
 
 def read_info(directory: Path) -> VersionInfo:

@@ -387,3 +387,37 @@ def test_the_trainer_configs_default_is_the_writers():
     from trainer import config
 
     assert config.GROUP_BELOW == writer.GROUP_BELOW
+
+
+def test_a_grouped_apply_and_decode_leave_no_cycles_for_the_collector(tmp_path, signing_key):
+    """A group and its members refer to each other; the passes unlink them as each batch
+    ends, so reference counting frees a batch: left to the cyclic collector, a 50,000-tensor
+    apply left ~450,000 objects that one collection took 0.2 s to free, every version."""
+    import gc
+
+    from chain.fill import _Group, _Item
+
+    states = [experts(400, 15, 2)]
+    for v in (1, 2):
+        states.append(step(states[-1], 20 + v))
+    store, ms = chain_of(tmp_path, signing_key, states)
+    assert any(h.op == "group" for h in records(store, ms[2]))
+    w = WeightsDir(tmp_path / "w")
+    v1 = w.apply(store.plan(None, 1), getter(store))
+    files, digests = TensorFiles(v1.path), read_info(v1.path).tensors
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)  # what the collector finds is kept in gc.garbage
+    try:
+        patch = decode_patch(ms[2], files, 1, digests, [], getter(store))
+        cur = w.apply(store.plan(1, 2), getter(store))
+        gc.collect()
+        left = sum(isinstance(o, (_Item, _Group)) for o in gc.garbage)
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        if enabled:
+            gc.enable()
+    assert patch.version == 2 and cur.version == 2
+    assert left == 0
