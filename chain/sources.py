@@ -31,10 +31,11 @@ class StateDictSource:
     every version; a view is reused only for the very tensor object it was made from, and
     only while that object still views the same memory, unless `owned`: the state is a copy
     its holder never hands out (the publisher's kept copy), so nothing can have re-pointed its
-    tensors and the check (five torch calls a tensor) is skipped."""
+    tensors and the check (five torch calls a tensor) is skipped, and its dtype and shape are
+    the ones noted with the view."""
 
     def __init__(self, state: Mapping[str, "torch.Tensor"],
-                 views: "dict[str, tuple[torch.Tensor, np.ndarray, tuple]] | None" = None,
+                 views: "dict[str, tuple[torch.Tensor, np.ndarray, tuple, tuple]] | None" = None,
                  owned: bool = False) -> None:
         self._state = state
         self._owned = owned
@@ -46,6 +47,10 @@ class StateDictSource:
 
     def meta(self, name: str) -> tuple[str, list[int]]:
         t = self._state[name]
+        if self._owned and self.views is not None:  # kept with its view: nothing reshaped it
+            kept = self.views.get(name)
+            if kept is not None and kept[0] is t:
+                return kept[3][0], list(kept[3][1])
         return dtypes.of_tensor(t).name, list(t.shape)
 
     def bits(self, name: str) -> np.ndarray:
@@ -61,7 +66,7 @@ class StateDictSource:
         # kept only where it is a view of the tensor's own memory: bits_view copies a tensor
         # off the CPU or not contiguous, and a copy would go stale at the next in-place write
         if t.device.type == "cpu" and t.is_contiguous():
-            self.views[name] = (t, bits, _layout(t))
+            self.views[name] = (t, bits, _layout(t), (dtypes.of_tensor(t).name, list(t.shape)))
         return bits
 
 

@@ -187,11 +187,12 @@ def encode_stream(
         np.cumsum([m[4].size for m in members], out=offsets[1:])
         split: list = [None] * len(members)
         if changes is not None:
-            cuts = np.searchsorted(changes.pos, offsets).tolist()
+            cuts = np.searchsorted(changes.pos, offsets)
             moves = lanehash.moved_by_groups(old, changes.pos, changes.val, offsets).tolist()
-            split = [codec.Changes(changes.pos[a:b] - offsets[j], changes.val[a:b],
-                                   (moves[j][0], moves[j][1]))
-                     for j, (a, b) in enumerate(itertools.pairwise(cuts))]
+            # each change in its member's own positions in one array operation
+            own = changes.pos - np.repeat(offsets[:-1], np.diff(cuts))
+            split = [codec.Changes(own[a:b], changes.val[a:b], (moves[j][0], moves[j][1]))
+                     for j, (a, b) in enumerate(itertools.pairwise(cuts.tolist()))]
         moved: Iterator[str] = iter(())
         if digests is None and parent_digests is not None and changes is not None:
             known = [(parent_digests[m[0]], c.digest) for m, c in zip(members, split,
