@@ -195,12 +195,17 @@ def _advise(maps: dict[str, _Map], slot: Slot, advice: int,
     tensor (from its start)."""
     if slot.end == slot.start or slot.file not in maps:
         return
-    mm, base, _ = maps[slot.file]
+    start, end = (slot.start, slot.end) if span is None else \
+        (slot.start + span[0], min(slot.end, slot.start + span[1]))
+    _advise_range(maps[slot.file], start, end, advice)
+
+
+def _advise_range(m: _Map, start: int, end: int, advice: int) -> None:
+    """madvise bytes start..end of a file's data, widened to whole pages."""
+    mm, base, _ = m
     raw = getattr(mm, "_mmap", None)
     if raw is None:
         return
-    start, end = (slot.start, slot.end) if span is None else \
-        (slot.start + span[0], min(slot.end, slot.start + span[1]))
     page = mmap.PAGESIZE
     lo = (base + start) // page * page
     hi = min(len(raw), -(-(base + end) // page) * page)
@@ -214,19 +219,22 @@ def _advise(maps: dict[str, _Map], slot: Slot, advice: int,
 
 def _advise_many(maps: dict[str, _Map], slots: list[Slot], advice: int) -> None:
     """`_advise` for several tensors, one madvise per run of adjacent ones: tensors are laid
-    out back to back, so a batch of 10,000 small tensors is a few calls, not 10,000."""
-    runs: dict[str, list[list[int]]] = {}
-    for slot in sorted(slots, key=lambda s: (s.file, s.start)):
+    out back to back, so a batch of 10,000 small tensors is a few calls, not 10,000. Runs
+    are merged in the order given (callers go in table order, which is file order): no sort,
+    which with its key cost as much as the calls; slots out of order only make more calls."""
+    file, lo, hi = "", 0, 0
+    for slot in slots:
         if slot.end == slot.start or slot.file not in maps:
             continue
-        spans = runs.setdefault(slot.file, [])
-        if spans and slot.start <= spans[-1][1]:
-            spans[-1][1] = max(spans[-1][1], slot.end)
-        else:
-            spans.append([slot.start, slot.end])
-    for file, spans in runs.items():
-        for start, end in spans:
-            _advise(maps, Slot("", "uint8", [end - start], file, start, end), advice)
+        if slot.file == file and lo <= slot.start <= hi:
+            if slot.end > hi:
+                hi = slot.end
+            continue
+        if hi > lo:
+            _advise_range(maps[file], lo, hi, advice)
+        file, lo, hi = slot.file, slot.start, slot.end
+    if hi > lo:
+        _advise_range(maps[file], lo, hi, advice)
 
 
 class TensorFiles:

@@ -69,3 +69,38 @@ def test_a_header_seen_before_is_reused_only_for_the_same_bytes_and_size(tmp_pat
     path.write_bytes(path.read_bytes()[:-4])
     with pytest.raises(ChainError, match="truncated or corrupt"):
         TensorFiles(path)
+
+
+def test_advice_for_many_tensors_covers_each_once_per_run_of_neighbours(tmp_path, monkeypatch):
+    """Tensors next to each other in the file take one madvise; given out of file order they
+    take more calls, never fewer bytes; empty tensors none."""
+    from chain import safetensors_io as sio
+
+    path = tmp_path / "m.safetensors"
+    names = [f"t{i:02d}" for i in range(12)]
+    state = {n: torch.full((1000 + 37 * i,), float(i), dtype=torch.bfloat16)
+             for i, n in enumerate(names)}
+    state["t05"] = torch.zeros(0, dtype=torch.bfloat16)
+    save_file(state, str(path))
+    files = TensorFiles(path)
+    calls: list[tuple[int, int]] = []
+    monkeypatch.setattr(sio, "_advise_range",
+                        lambda m, start, end, advice: calls.append((start, end)))
+
+    def covered(picked: list[str]) -> None:
+        want = {b for n in picked for b in range(files.slots[n].start, files.slots[n].end)}
+        got = {b for lo, hi in calls for b in range(lo, hi)}
+        assert want <= got and all(hi > lo for lo, hi in calls)
+
+    files.release_many(names)
+    assert len(calls) == 1
+    covered(names)
+    calls.clear()
+    picked = ["t00", "t01", "t03", "t04", "t05", "t06", "t11"]  # gaps at t02, t07..t10
+    files.prefault_many(picked)
+    assert len(calls) == 3
+    covered(picked)
+    calls.clear()
+    files.release_many(names[::-1])
+    assert 1 < len(calls) <= len(names)
+    covered(names)
