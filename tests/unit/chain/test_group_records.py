@@ -421,3 +421,31 @@ def test_a_grouped_apply_and_decode_leave_no_cycles_for_the_collector(tmp_path, 
             gc.enable()
     assert patch.version == 2 and cur.version == 2
     assert left == 0
+
+
+def test_group_digests_moved_on_the_codec_threads_equal_per_tensor_records(tmp_path,
+                                                                           signing_key,
+                                                                           monkeypatch):
+    """Enough changes that the writer moves the groups' member digests on the codec's threads
+    (chain.writer._group_moves): each equals the digest of the tensor in its own record."""
+    import threading
+
+    from chain.codec.api import usable_cpus
+
+    threads: list[str] = []
+    real = lanehash.moved_by_groups
+
+    def spy(old, pos, val, offsets):
+        threads.append(threading.current_thread().name)
+        return real(old, pos, val, offsets)
+
+    monkeypatch.setattr(lanehash, "moved_by_groups", spy)
+    states = [experts(600, 32, 3)]
+    states.append(step(states[0], 30, density=0.3))
+    store, ms = chain_of(tmp_path / "g", signing_key, states)
+    _, pms = chain_of(tmp_path / "p", signing_key, states, group_below=0)
+    assert sum(h.count for h in records(store, ms[1]) if h.op == "group") >= 600
+    assert ms[1].tensors.digest_map() == pms[1].tensors.digest_map()
+    assert ms[1].state_digest == pms[1].state_digest
+    if usable_cpus() >= 2:
+        assert any(t.startswith("codec") for t in threads)
