@@ -287,8 +287,8 @@ class Fill:
         groups = [it.group for it in batch if it.group is not None]
         if not coded and not groups:
             return
-        self.base.prefault_many([it.t.name for it in coded] +
-                                [m.t.name for g in groups for m in g.members])
+        # the same tensors in table order, so adjacent ones share a call
+        self.base.prefault_many([it.t.name for it in batch if it.payloads or it.grouped])
         records = [(it.t, at, count, payload) for it in coded
                    for at, count, payload in it.payloads]
         sources = [self._source(t, at, count) for t, at, count, _ in records]

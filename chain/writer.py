@@ -189,7 +189,8 @@ def encode_stream(
         offsets = _offsets(members)
         split: list = [None] * len(members)
         if changes is not None:
-            assert moved_by is not None
+            if moved_by is None:  # not computed ahead (a caller outside flush)
+                moved_by = lanehash.moved_by_groups(old, changes.pos, changes.val, offsets)
             cuts = np.searchsorted(changes.pos, offsets)
             moves = moved_by.tolist()
             # each change in its member's own positions in one array operation
