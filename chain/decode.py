@@ -21,7 +21,7 @@ from chain.codec.api import map_jobs, merge_changes, overlaid
 from chain.digest import state_digest
 from chain.dtypes import BY_NAME
 from chain.errors import BadDelta, ChainError, DigestMismatch
-from chain.fill import Fill, _Group, _Item, _unlink
+from chain.fill import Fill, _Group, _Item
 from chain.gcpause import without_gc
 from chain.manifest import Manifest, TensorEntry
 from chain.patchfile import Patch, TensorPatch
@@ -130,7 +130,6 @@ class _Decode(Fill):
             self.olds.pop(t.name, None)
         # one madvise per run of adjacent tensors, not one per tensor
         self.base.release_many([it.t.name for it in batch if it.t.name in self.base.slots])
-        _unlink(batch)
 
 
 @without_gc

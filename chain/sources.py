@@ -51,7 +51,7 @@ class StateDictSource:
             kept = self.views.get(name)
             if kept is not None and kept[0] is t:
                 return kept[3][0], list(kept[3][1])
-        return dtypes.of_tensor(t).name, list(t.shape)
+        return _meta(t)
 
     def bits(self, name: str) -> np.ndarray:
         t = self._state[name]
@@ -66,8 +66,12 @@ class StateDictSource:
         # kept only where it is a view of the tensor's own memory: bits_view copies a tensor
         # off the CPU or not contiguous, and a copy would go stale at the next in-place write
         if t.device.type == "cpu" and t.is_contiguous():
-            self.views[name] = (t, bits, _layout(t), (dtypes.of_tensor(t).name, list(t.shape)))
+            self.views[name] = (t, bits, _layout(t), _meta(t))
         return bits
+
+
+def _meta(t: "torch.Tensor") -> tuple[str, list[int]]:
+    return dtypes.of_tensor(t).name, list(t.shape)
 
 
 def _layout(t: "torch.Tensor") -> tuple:

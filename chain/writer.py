@@ -6,7 +6,6 @@ tensor raw. Either way the manifest lists every tensor's digest, so the receiver
 the result bit for bit.
 """
 
-import itertools
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -117,9 +116,11 @@ def encode_stream(
         news = iter(scratch.end_to_end([[p[4] for p in pending[lo:hi]]
                                         for lo, hi in units if hi - lo > 1]))
         pairs = []
+        groups: list[tuple[int, int, int]] = []  # (first, end) in pending, its pair's index
         for lo, hi in units:
             _, dtype, _, old, bits = pending[lo]
             if hi - lo > 1:
+                groups.append((lo, hi, len(pairs)))
                 pairs.append((end_to_end([p[3] for p in pending[lo:hi]]), next(news), dtype))
             elif old is not None:
                 pairs.append((old, bits, dtype))
@@ -128,15 +129,17 @@ def encode_stream(
                                                      or on_changes is not None,
                                                      direct=direct_positions) if pairs else [],
                          strict=True))
-        moves = _group_moves(units, pending, coded)
+        splits = _members_changes([(lo, pairs[k][0], coded[k][1][1],
+                                    np.cumsum([0] + [p[4].size for p in pending[lo:hi]],
+                                              dtype=np.int64))
+                                   for lo, hi, k in groups])
         encoded = iter(coded)
         hashed = [(dtype, shape, bits) for name, dtype, shape, old, bits in pending
                   if _needs_hash(name, old, digests, parent_digests)]
         fresh = iter(tensor_digests(hashed))
         for lo, hi in units:
             if hi - lo > 1:
-                (old, _, _), got = next(encoded)
-                group(pending[lo:hi], old, got, fresh, moves.pop(lo, None))
+                group(pending[lo:hi], next(encoded)[1], fresh, splits.get(lo))
                 continue
             name, dtype, shape, old, bits = pending[lo]
             changes = None
@@ -180,23 +183,15 @@ def encode_stream(
         stats.per_tensor.append({"name": h.name, "op": h.op, "changed": int(changed),
                                  "numel": int(numel), "bytes": len(payload)})
 
-    def group(members: list, old: np.ndarray, encoded: tuple, fresh: Iterator[str],
-              moved_by: np.ndarray | None) -> None:
-        """One group's entries (each member's digest moved by its share of the changes:
-        `moved_by`, `_group_moves`'s) and its one record."""
+    def group(members: list, encoded: tuple, fresh: Iterator[str],
+              split: "list[codec.Changes] | None") -> None:
+        """One group's entries (each member's digest moved by its share of the changes,
+        `split`: `_members_changes`'s, None when the coding kept no changes) and its one
+        record."""
         payload, changes = encoded
         dtype = members[0][1]
-        offsets = _offsets(members)
-        split: list = [None] * len(members)
-        if changes is not None:
-            if moved_by is None:  # not computed ahead (a caller outside flush)
-                moved_by = lanehash.moved_by_groups(old, changes.pos, changes.val, offsets)
-            cuts = np.searchsorted(changes.pos, offsets)
-            moves = moved_by.tolist()
-            # each change in its member's own positions in one array operation
-            own = changes.pos - np.repeat(offsets[:-1], np.diff(cuts))
-            split = [codec.Changes(own[a:b], changes.val[a:b], (moves[j][0], moves[j][1]))
-                     for j, (a, b) in enumerate(itertools.pairwise(cuts.tolist()))]
+        if split is None:
+            split = [None] * len(members)
         moved: Iterator[str] = iter(())
         if digests is None and parent_digests is not None and changes is not None:
             known = [(parent_digests[m[0]], c.digest) for m, c in zip(members, split,
@@ -215,7 +210,8 @@ def encode_stream(
         if changed:
             touched = len(members) if changes is None else sum(1 for m in split if m.pos.size)
             record(RecordHeader(members[0][0], "group", dtype, [], len(payload), None,
-                                len(members)), payload, changed, int(offsets[-1]), touched)
+                                len(members)), payload, changed,
+                   sum(m[4].size for m in members), touched)
 
     queued = 0
     for name in new.names():
@@ -237,36 +233,25 @@ def encode_stream(
     return TensorTable.from_columns(names, bytes(dtypes), shapes, ranks, digest_list), stats
 
 
-def _offsets(members: list) -> np.ndarray:
-    """Where each of a group's pending tensors starts in its elements end to end, and the
-    end."""
-    offsets = np.zeros(len(members) + 1, np.int64)
-    np.cumsum([m[4].size for m in members], out=offsets[1:])
-    return offsets
-
-
-def _group_moves(units: list[tuple[int, int]], pending: list, coded: list
-                 ) -> dict[int, np.ndarray]:
-    """Each group's members' digest moves (lanehash.moved_by_groups), by the group's first
-    pending index, computed on the codec's threads: one call per group on the main thread
+def _members_changes(groups: list[tuple[int, np.ndarray, "codec.Changes | None", np.ndarray]]
+                     ) -> "dict[int, list[codec.Changes]]":
+    """Each group's changes as its members' (codec.split_changes), with each member's digest
+    move (lanehash.moved_by_groups), keyed by the group's first pending index; `groups`:
+    (that index, the parent elements end to end, the group's changes or None, member
+    offsets). On the codec's threads, a job a group: one call per group on the main thread
     left the other core idle for 0.3 s of a 50,000-tensor publish."""
-    out: dict[int, np.ndarray] = {}
-    jobs = []
-    for (lo, hi), ((old, _, _), (_, changes)) in zip(
-            [u for u in units if u[1] - u[0] > 1 or pending[u[0]][3] is not None], coded,
-            strict=True):
-        if hi - lo > 1 and changes is not None:
-            jobs.append((int(changes.pos.size),
-                         _move_job(out, lo, old, changes, _offsets(pending[lo:hi]))))
-    run_jobs(jobs)
+    out: dict[int, list[codec.Changes]] = {}
+
+    def job(lo: int, old: np.ndarray, changes: codec.Changes,
+            offsets: np.ndarray) -> Callable[[], None]:
+        def run() -> None:
+            moves = lanehash.moved_by_groups(old, changes.pos, changes.val, offsets)
+            out[lo] = codec.split_changes(changes, offsets, moves)
+        return run
+
+    run_jobs([(int(changes.pos.size), job(lo, old, changes, offsets))
+              for lo, old, changes, offsets in groups if changes is not None])
     return out
-
-
-def _move_job(out: dict[int, np.ndarray], lo: int, old: np.ndarray, changes: codec.Changes,
-              offsets: np.ndarray) -> Callable[[], None]:
-    def job() -> None:
-        out[lo] = lanehash.moved_by_groups(old, changes.pos, changes.val, offsets)
-    return job
 
 
 def end_to_end(arrays: list[np.ndarray]) -> np.ndarray:

@@ -14,7 +14,9 @@ from chain.codec.api import (
     encode_many,
     encode_tensor_delta,
     payload_stats,
+    split_changes,
 )
 
 __all__ = ["DIRECT", "Changes", "Layers", "apply_many", "apply_tensor_delta", "decode_many",
-           "encode_changes", "encode_many", "encode_tensor_delta", "payload_stats"]
+           "encode_changes", "encode_many", "encode_tensor_delta", "payload_stats",
+           "split_changes"]

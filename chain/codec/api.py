@@ -6,6 +6,7 @@ reused, so a call allocates only its output and an exact-size scratch for the de
 Guarantee on refusal: `apply_*` raises BadDelta before writing anything to any target.
 """
 
+import itertools
 import os
 import sys
 import threading
@@ -224,6 +225,20 @@ def merge_changes(earlier: Changes, later: Changes) -> Changes:
                       np.ascontiguousarray(later.pos, np.int64), np.ascontiguousarray(later.val),
                       pos, val)
     return Changes(pos[:n], val[:n])
+
+
+def split_changes(changes: Changes, offsets: np.ndarray,
+                  moves: np.ndarray | None = None) -> list[Changes]:
+    """A group record's changes (positions in its tensors' elements end to end, member j
+    from offsets[j] to offsets[j + 1]) as each member's, in its own positions: one array
+    operation for the whole group, each member's arrays views of it. `moves`: the members'
+    digest moves, (members, 2) lane sums (lanehash.moved_by_groups)."""
+    cuts = np.searchsorted(changes.pos, offsets)
+    own = changes.pos - np.repeat(offsets[:-1], np.diff(cuts))
+    moved = moves.tolist() if moves is not None else None
+    return [Changes(own[a:b], changes.val[a:b], None if moved is None else
+                    (moved[j][0], moved[j][1]))
+            for j, (a, b) in enumerate(itertools.pairwise(cuts.tolist()))]
 
 
 def encode_many(pairs: Sequence[tuple[np.ndarray, np.ndarray, str]],
