@@ -10,7 +10,6 @@ import struct
 from pathlib import Path
 from typing import BinaryIO
 
-from chain.digest import state_digest
 from chain.errors import BadDelta
 from chain.sources import TensorSource, source_digest
 from chain.stream import BlockReader, RecordHeader, encode_header
@@ -36,7 +35,7 @@ def write_delta_file(path: Path, old: TensorSource, new: TensorSource) -> Encode
         tensors, stats = encode_stream(_FileSink(f), new, old, "delta")
     header = {
         "parent_state_digest": source_digest(old),
-        "state_digest": state_digest(tensors.digest_map()),
+        "state_digest": tensors.state_digest(),
         "tensors": tensors.as_dicts(),
         "stats": stats.as_dict(),
     }

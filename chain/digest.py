@@ -9,7 +9,7 @@ package importing libtorrent.
 """
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import xxhash
@@ -44,13 +44,14 @@ def tensor_digests(items: Sequence[tuple[str, Sequence[int], np.ndarray | bytes]
 
 
 def state_digest(tensor_digests: dict[str, str]) -> str:
-    h = xxhash.xxh3_128()
-    for name in sorted(tensor_digests):
-        h.update(name.encode())
-        h.update(b"\0")
-        h.update(tensor_digests[name].encode())
-        h.update(b"\n")
-    return h.hexdigest()
+    return state_digest_of_sorted(sorted(tensor_digests.items()))
+
+
+def state_digest_of_sorted(pairs: Iterable[tuple[str, str]]) -> str:
+    """The state digest of (name, tensor digest) pairs already in name order: xxh3-128 over
+    `name NUL digest LF` of each. One string hashed once (four hash updates a tensor were
+    0.1 s of a 50,000-tensor publish, paid again by the manifest's check)."""
+    return xxhash.xxh3_128_hexdigest("".join([f"{n}\0{d}\n" for n, d in pairs]).encode())
 
 
 def pieces_root(data: bytes | memoryview) -> str:

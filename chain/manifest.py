@@ -17,7 +17,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from chain import keys
 from chain.blocktable import MAX_SIZE, BlockRow, BlockTable
-from chain.digest import state_digest
 from chain.dtypes import BY_NAME
 from chain.errors import BadManifest, BadSignature, Unsigned
 from chain.tensortable import Sized, TensorTable
@@ -120,8 +119,7 @@ class Manifest(_Strict):
             raise ValueError("duplicate block ids")
         if any(f.block not in ids for f in self.files):
             raise ValueError("every file's block must be listed in blocks")
-        if state_digest(dict(zip(names, self.tensors.digests(), strict=True))) \
-                != self.state_digest:
+        if self.tensors.state_digest() != self.state_digest:
             raise ValueError("state_digest does not match the tensor digests")
         if self.format == FORMAT and self.streams is not None:
             raise ValueError("format 2 has one stream: `streams` needs format 3")

@@ -28,6 +28,7 @@ import numpy as np
 import xxhash
 
 from chain.columns import Columns, refusal
+from chain.digest import state_digest_of_sorted
 from chain.dtypes import BY_NAME
 
 DTYPES: tuple[str, ...] = tuple(sorted(BY_NAME))
@@ -47,7 +48,7 @@ SHARED_LAYOUTS = 8
 class _Layout:
     """Names, dtypes and shapes of a table: equal from one version of a run to the next."""
 
-    __slots__ = ("dtypes", "key", "name_at", "names", "shape_at", "shapes")
+    __slots__ = ("_numels", "dtypes", "key", "name_at", "names", "shape_at", "shapes")
 
     def __init__(self, names: str, name_at: np.ndarray, dtypes: bytes, shapes: np.ndarray,
                  shape_at: np.ndarray, names_utf8: bytes) -> None:
@@ -57,6 +58,14 @@ class _Layout:
         for part in (name_at, dtypes, shapes, shape_at):
             h.update(part)
         self.key = h.digest()
+        self._numels: list[int] | None = None
+
+    def numels(self) -> list[int]:
+        """Elements of each tensor (made once a layout, which every version of a run shares)."""
+        if self._numels is None:
+            shapes, at = self.shapes.tolist(), self.shape_at.tolist()
+            self._numels = [numel(shapes[a:b]) for a, b in itertools.pairwise(at)]
+        return self._numels
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, _Layout) and self.key == other.key \
@@ -117,14 +126,17 @@ class TensorRow(Sized):
     numel, nbytes, model_dump) without pydantic's validation, as every loop over a manifest's
     tensors makes one per tensor. Already checked: the table checked its columns."""
 
-    __slots__ = ("digest", "dtype", "name", "shape")
+    __slots__ = ("digest", "dtype", "name", "numel", "shape")
 
-    def __init__(self, name: str, dtype: str, shape: list[int], digest: str) -> None:
+    def __init__(self, name: str, dtype: str, shape: list[int], digest: str,
+                 elements: int | None = None) -> None:
         set_ = object.__setattr__
         set_(self, "name", name)
         set_(self, "dtype", dtype)
         set_(self, "shape", shape)
         set_(self, "digest", digest)
+        # held, not derived on each read: a region's fill reads it ~7 times a tensor
+        set_(self, "numel", numel(shape) if elements is None else elements)
 
     def __setattr__(self, key: str, value: Any) -> None:
         raise AttributeError(f"a tensor row is read-only (set {key!r}): build a new table")
@@ -154,11 +166,12 @@ _last_json: "tuple[TensorTable, str] | None" = None
 class TensorTable(Columns):
     """The tensors of a manifest: name, dtype, shape and digest of each, in manifest order."""
 
-    __slots__ = ("_digests", "_layout")
+    __slots__ = ("_digests", "_layout", "_state")
     WHAT = "tensors"
 
     def __init__(self, layout: _Layout, digests: bytes) -> None:
         self._layout, self._digests = layout, digests
+        self._state: str | None = None
 
     # --- building -------------------------------------------------------------------------
     @classmethod
@@ -229,9 +242,10 @@ class TensorTable(Columns):
     def __iter__(self) -> Iterator["TensorRow"]:
         lay = self._layout
         shapes, at = lay.shapes.tolist(), lay.shape_at.tolist()
-        for i, (name, code, digest) in enumerate(zip(self.names(), lay.dtypes, self.digests(),
-                                                     strict=True)):
-            yield TensorRow(name, DTYPES[code], shapes[at[i]:at[i + 1]], digest)
+        for i, (name, code, digest, n) in enumerate(zip(self.names(), lay.dtypes,
+                                                        self.digests(), lay.numels(),
+                                                        strict=True)):
+            yield TensorRow(name, DTYPES[code], shapes[at[i]:at[i + 1]], digest, n)
 
     def _row(self, i: int) -> TensorRow:
         lay = self._layout
@@ -258,6 +272,22 @@ class TensorTable(Columns):
     def digest_map(self) -> dict[str, str]:
         """{name: digest}: what state_digest and the appliers read, without an entry each."""
         return dict(zip(self.names(), self.digests(), strict=True))
+
+    def metas(self) -> list[tuple[str, list[int]]]:
+        """(dtype, shape) of each tensor, in table order."""
+        lay = self._layout
+        shapes, at = lay.shapes.tolist(), lay.shape_at.tolist()
+        return [(DTYPES[c], shapes[at[i]:at[i + 1]]) for i, c in enumerate(lay.dtypes)]
+
+    def state_digest(self) -> str:
+        """`chain.digest.state_digest` of the table's tensors, made once: a new manifest's is
+        computed by its writer and checked by its validator (two walks over 50,000 names)."""
+        if self._state is None:
+            pairs = list(zip(self.names(), self.digests(), strict=True))
+            if any(a[0] >= b[0] for a, b in itertools.pairwise(pairs)):
+                pairs.sort()
+            self._state = state_digest_of_sorted(pairs)
+        return self._state
 
     def as_dicts(self) -> list[dict]:
         """The JSON form: the list of entries a manifest carries (and signs)."""

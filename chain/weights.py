@@ -179,7 +179,7 @@ class WeightsDir:
             fill.run([BlockReader.of_blocks(b, get_block) for b in m.substreams], resumed)
         else:
             fill.run_changes(changes, resumed)
-        if state_digest(m.tensors.digest_map()) != m.state_digest:
+        if m.tensors.state_digest() != m.state_digest:
             raise ChainError(f"{m.artifact}: state digest mismatch")
         mode = _file_mode(staging)
         # changes merged over several versions are not the step from m.version - 1: record
@@ -390,14 +390,17 @@ def _info_or_none(path: Path) -> VersionInfo | None:
 
 
 def _same_layout(path: Path, m: Manifest) -> bool:
+    """Whether the directory holds exactly the manifest's tensors, each of its dtype and shape
+    (compared from the table's columns: no row object a tensor)."""
     try:
         slots = {}
         for f in sorted(path.glob("*.safetensors")):
             slots.update(read_header(f)[1])
     except (ChainError, OSError):
         return False
-    return {n: (s.dtype, s.shape) for n, s in slots.items()} == \
-        {t.name: (t.dtype, t.shape) for t in m.tensors}
+    names = m.tensors.names()
+    return len(slots) == len(names) and all(n in slots for n in names) and \
+        [(slots[n].dtype, slots[n].shape) for n in names] == m.tensors.metas()
 
 
 def _write_files(staging: Path, m: Manifest, get_block: GetBlock, mode: int) -> None:

@@ -17,7 +17,7 @@ from chain import codec, lanehash
 from chain.blocks import DEFAULT_BLOCK, BlockStore
 from chain.codec import header as hdr
 from chain.codec.api import run_jobs
-from chain.digest import pieces_root, state_digest, tensor_digests
+from chain.digest import pieces_root, tensor_digests
 from chain.gcpause import without_gc
 from chain.manifest import FORMAT, BasePin, BlockEntry, FileEntry, Manifest, Parent
 from chain.sources import TensorSource
@@ -362,7 +362,7 @@ def write_artifact(
         file_entries.append(FileEntry(name=fname, block=bid, size=len(data)))
         if all(b.id != bid for b in stream + file_blocks):
             file_blocks.append(BlockEntry(id=bid, size=len(data), root=pieces_root(data)))
-    digest = state_digest(tensors.digest_map())
+    digest = tensors.state_digest()
     parent_ref = None
     if kind == "delta":
         parent_ref = Parent(version=parent_manifest.version,
