@@ -10,6 +10,10 @@ sharded publishing costs against the single-process Publisher. One JSON line las
   of step. Publisher.publish of each delta and WeightsDir.apply of it (the region's journaled,
   digest-checked pass), median of `--versions` deltas, sides interleaved so load from other
   work favours neither.
+- `moe_read_floor_s`, `moe_publish_floor_over_dense`: reading the 50,000-tensor state dict's
+  dtypes, shapes and bit views once (what the writer does a tensor before any coding), and
+  (dense publish + that) / dense publish: a lower bound of `moe_publish_over_dense` for any
+  publisher handed torch tensors, measured in the same run.
 - `delta_file_over_payload`: a 101-tensor Llama-shaped model's 1 %-dense delta as it travels
   (the artifact's block bytes) over the codec payloads its records carry.
 - `sharded_1rank_over_publisher`, `ranks2_over_ranks1` (with --ranks): bench/scale.py --ranks 2
@@ -53,6 +57,7 @@ sys.path.insert(0, str(ROOT))
 
 from chain import keys  # noqa: E402
 from chain.policy import SnapshotPolicy  # noqa: E402
+from chain.sources import StateDictSource  # noqa: E402
 from chain.store import ChainStore  # noqa: E402
 from chain.stream import BlockReader  # noqa: E402
 from chain.weights import WeightsDir  # noqa: E402
@@ -181,10 +186,33 @@ def tensor_count_costs(elements: int, moe_tensors: int, n_versions: int, rounds:
             log(f"round {r + 1} {name}: publish {p:.3f} s, apply {a:.3f} s per delta")
             b = best.setdefault(name, {"publish": p, "apply": a})
             b["publish"], b["apply"] = min(b["publish"], p), min(b["apply"], a)
+    floor = read_floor_s(sides["moe"])
+    log(f"reading the {len(sides['moe'])} tensors' dtype, shape and bits once: {floor:.3f} s")
     return {"tensors_moe": len(sides["moe"]), "tensors_dense": len(sides["dense"]),
             "elements": elements, "seconds": best,
             "moe_publish_over_dense": round(best["moe"]["publish"] / best["dense"]["publish"], 3),
-            "moe_apply_over_dense": round(best["moe"]["apply"] / best["dense"]["apply"], 3)}
+            "moe_apply_over_dense": round(best["moe"]["apply"] / best["dense"]["apply"], 3),
+            "moe_read_floor_s": round(floor, 3),
+            "moe_publish_floor_over_dense": round(
+                (best["dense"]["publish"] + floor) / best["dense"]["publish"], 3)}
+
+
+def read_floor_s(shapes: dict[str, list[int]], repeats: int = 3) -> float:
+    """Seconds to read every tensor of a state dict of `shapes` once the way a publisher must
+    (its dtype and shape, to see what changed layout, and a bit view of its data: the writer's
+    own calls), best of `repeats`. Any publish of that state dict costs at least the dense
+    publish of the same bytes plus this, so (dense + this) / dense bounds
+    `moe_publish_over_dense` from below for a publisher handed torch tensors."""
+    state = next(versions(shapes, 0, 0.01, seed=7))
+    best = float("inf")
+    for _ in range(repeats):
+        src = StateDictSource(state)
+        t0 = time.perf_counter()
+        for name in src.names():
+            src.meta(name)
+            src.bits(name)
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def framing(elements: int) -> dict:
