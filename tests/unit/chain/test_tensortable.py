@@ -1,9 +1,11 @@
 """A manifest's tensors held as columns: same bytes, same refusals, a fraction of the memory."""
 
 import json
+import math
 import tracemalloc
 
 import pytest
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -126,6 +128,23 @@ def test_any_valid_list_round_trips(entries):
     assert [table.name(i) for i in range(len(rows))] == [r["name"] for r in rows]
     # the list a manifest signs, written from the columns: byte for byte json's
     assert table.canonical_json().encode() == canonical_json(rows)
+    assert [t.numel for t in table] == [math.prod(r["shape"]) for r in rows]
+    assert table.metas() == [(r["dtype"], r["shape"]) for r in rows]
+    if len({r["name"] for r in rows}) == len(rows):  # a manifest's names are unique
+        assert table.state_digest() == state_digest(table.digest_map()) \
+            == streamed_state_digest({r["name"]: r["digest"] for r in rows})
+
+
+def streamed_state_digest(digests: dict[str, str]) -> str:
+    """The state digest as it was first written (four hash updates a tensor): the one-string
+    form must give the same value, which manifests sign and regions compare."""
+    h = xxhash.xxh3_128()
+    for name in sorted(digests):
+        h.update(name.encode())
+        h.update(b"\0")
+        h.update(digests[name].encode())
+        h.update(b"\n")
+    return h.hexdigest()
 
 
 @pytest.mark.parametrize("name", ['say "hi"', "back\\slash", "tab\tand\x01", "\x7f",

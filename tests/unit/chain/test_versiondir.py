@@ -3,10 +3,11 @@ readers and the digests of carried files see the same file), by a faster path.""
 
 import json
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from chain.versiondir import FORMAT, VersionInfo, read_info, write_info
+from chain.versiondir import FORMAT, BadVersionDir, VersionInfo, read_info, write_info
 
 names = st.text(min_size=0, max_size=12)
 
@@ -28,3 +29,13 @@ def test_version_file_round_trips(tmp_path) -> None:
     info = VersionInfo(7, "ab" * 16, "run-{}", tensors)
     write_info(tmp_path, info, None)
     assert read_info(tmp_path) == info
+
+
+def test_a_version_file_whose_digests_are_not_strings_is_refused(tmp_path) -> None:
+    """A damaged VERSION.json is rebuilt, never read as digests it does not hold."""
+    write_info(tmp_path, VersionInfo(3, "ab" * 16, "r", {"a": "0" * 32}), None)
+    doc = json.loads((tmp_path / "VERSION.json").read_bytes())
+    for bad in ({"a": 5}, {"a": None}, ["a"], {"a": ["0" * 32]}):
+        (tmp_path / "VERSION.json").write_text(json.dumps({**doc, "tensors": bad}))
+        with pytest.raises(BadVersionDir, match="garbles field"):
+            read_info(tmp_path)
