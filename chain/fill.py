@@ -458,10 +458,8 @@ class Fill:
         digest move comes back for `_finish`."""
         def job() -> None:
             names = [it.t.name for it in items]
-            starts = g.offsets[:-1].tolist()
             if items[0].forward:
-                steps = [np.concatenate([np.asarray(_inside(s[it.t.name], it.t.numel), np.int64)
-                                         + off for it, off in zip(items, starts, strict=True)])
+                steps = [_group_positions([s[name] for name in names], g.offsets)
                          for s in self.steps]
                 ppos = steps[0] if len(steps) == 1 else np.unique(np.concatenate(steps))
                 if ppos.size or g.changes.pos.size:
@@ -565,6 +563,17 @@ class Fill:
         for it, digest in zip(items, lanehash.add_many(starts, moves), strict=True):
             it.digest = digest
         return [not it.forward or it.digest == it.t.digest for it in items]
+
+
+def _group_positions(parts: list[np.ndarray], offsets: np.ndarray) -> np.ndarray:
+    """Each member's sorted positions (`parts`, one array a member) in the group's positions
+    (`offsets`: where each member starts, and the end), those past their member dropped as
+    `_inside` drops them: array operations over the group, not four a member."""
+    counts = [p.size for p in parts]
+    local = np.concatenate(parts).astype(np.int64, copy=False)
+    inside = (local >= 0) & (local < np.repeat(np.diff(offsets), counts))
+    moved = local + np.repeat(offsets[:-1], counts)
+    return moved if inside.all() else moved[inside]
 
 
 def _inside(pos: np.ndarray, n: int) -> np.ndarray:

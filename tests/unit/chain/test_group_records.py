@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from chain import lanehash
 from chain.decode import decode_patch
 from chain.errors import BadDelta
+from chain.fill import _group_positions, _inside
 from chain.safetensors_io import TensorFiles
 from chain.sources import StateDictSource
 from chain.store import ChainStore
@@ -449,3 +450,21 @@ def test_group_digests_moved_on_the_codec_threads_equal_per_tensor_records(tmp_p
     assert ms[1].state_digest == pms[1].state_digest
     if usable_cpus() >= 2:
         assert any(t.startswith("codec") for t in threads)
+
+
+@settings(deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40), st.lists(st.integers(-3, 45), max_size=12)),
+                min_size=2, max_size=8))
+def test_a_groups_step_positions_are_its_members_cut_and_moved(members):
+    """A group brought forward reads each member's CHANGES positions in the group's positions,
+    positions past their member dropped (a damaged file's stray one would land in the next
+    member): the array form equals the per-member one."""
+    numels = [n for n, _ in members]
+    parts = [np.array(sorted(set(p)), np.int64) for _, p in members]
+    offsets = np.zeros(len(numels) + 1, np.int64)
+    np.cumsum(numels, out=offsets[1:])
+    want = np.concatenate([_inside(p, n)[_inside(p, n) >= 0] + off for p, n, off in
+                           zip(parts, numels, offsets[:-1].tolist(), strict=True)])
+    got = _group_positions(parts, offsets)
+    assert got.dtype == np.int64 and np.array_equal(got, want)
+    assert np.all(np.diff(got) > 0)
