@@ -94,13 +94,20 @@ def of_tensor(t: "torch.Tensor") -> DType:
 
 
 @cache
-def _same_width_uints() -> dict:
-    """{torch dtype: the torch unsigned integer dtype of its width}; `.numpy()` of those is
-    the numpy unsigned type of the same width."""
+def _same_width_ints() -> dict:
+    """{torch dtype: (a torch integer dtype of its width, None or the numpy unsigned type to
+    view its `.numpy()` as)}: torch's own unsigned types where `.numpy()` takes them (one call
+    fewer a tensor), else its signed ones (torch builds without uint16-64 numpy support)."""
     import torch
 
-    uints = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}
-    return {t: uints[dt.itemsize] for t, dt in _by_torch().items()}
+    try:
+        for d in (torch.uint16, torch.uint32, torch.uint64):
+            torch.zeros(1, dtype=d).numpy()
+        ints = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}
+        return {t: (ints[dt.itemsize], None) for t, dt in _by_torch().items()}
+    except (AttributeError, TypeError, RuntimeError):
+        ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+        return {t: (ints[dt.itemsize], dt.uint) for t, dt in _by_torch().items()}
 
 
 def bits_view(t: "torch.Tensor") -> np.ndarray:
@@ -110,9 +117,10 @@ def bits_view(t: "torch.Tensor") -> np.ndarray:
     50,000-tensor model)."""
     import torch
 
-    fast = _same_width_uints().get(t.dtype)
+    fast = _same_width_ints().get(t.dtype)
     if fast is not None and t.is_cpu and not t.requires_grad and t.is_contiguous():
-        return t.view(fast).numpy().reshape(-1)
+        flat = t.view(fast[0]).numpy().reshape(-1)
+        return flat if fast[1] is None else flat.view(fast[1])
     dt = of_tensor(t)
     flat = t.detach().contiguous().reshape(-1)
     if flat.device.type != "cpu":

@@ -270,7 +270,7 @@ class WeightsDir:
         cur = self.current()
         if cur is None:
             raise ChainError(f"no current version in {self.root}")
-        _verify_dir(cur.path, read_info(cur.path, fresh=True))
+        _verify_dir(cur.path, read_info(cur.path))
         return cur
 
     def check_at_start(self) -> tuple[Current | None, str | None]:
@@ -289,7 +289,7 @@ class WeightsDir:
             if cur is not None and v == cur.version:
                 continue
             try:
-                _verify_dir(self.path(v), read_info(self.path(v), fresh=True))
+                _verify_dir(self.path(v), read_info(self.path(v)))
             except (ChainError, OSError):
                 shutil.rmtree(self.path(v), ignore_errors=True)
         return cur, problem
@@ -303,8 +303,7 @@ class WeightsDir:
         an apply renamed away meanwhile raises OSError or BadVersionDir: the caller checks
         again under the writers' lock before acting on a result (`set_aside`)."""
         path = self.path(version)
-        # the file's own bytes when it is the thing checked; else what this process wrote
-        info = read_info(path, fresh=names == [STATE_DIGEST])
+        info = read_info(path)
         if names == [STATE_DIGEST]:  # VERSION.json against itself: no tensor read
             return [] if state_digest(info.tensors) == info.state_digest else [STATE_DIGEST]
         got = _dir_digests(path, names, read)
