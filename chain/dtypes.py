@@ -112,9 +112,9 @@ def _same_width_ints() -> dict:
 
 def bits_view(t: "torch.Tensor") -> np.ndarray:
     """The tensor's bit patterns as a flat numpy unsigned array (no copy for contiguous CPU).
-    A contiguous CPU tensor takes two torch calls and a reshape (~6 us on a slow host; the
-    general path costs twice that, paid per tensor, several times per publish of a
-    50,000-tensor model)."""
+    A contiguous CPU tensor takes a torch view, `.numpy()` and a reshape (6.3 us on a slow host,
+    against 7.9 for a signed view viewed again as unsigned: paid per tensor, several times per
+    publish of a 50,000-tensor model)."""
     import torch
 
     fast = _same_width_ints().get(t.dtype)

@@ -161,12 +161,11 @@ class WeightsDir:
             return Current(m.version, m.state_digest, self.path(m.version).resolve())
         resumed = staging.is_dir() and ((staging / ADVANCE).is_file()
                                         or (staging / SHARDS).is_file())
-        own: VersionInfo | None = None  # the spare's VERSION.json, read once
         if not resumed:
             shutil.rmtree(staging, ignore_errors=True)
             spare = self._spare(m, cur)
             if spare is not None:
-                own = self._take(spare, staging, m, cur)
+                self._take(spare, staging, m, cur)
             else:
                 self._prepare(staging, m, get_block)
         out = WritableFiles(staging, sorted(p.name for p in staging.glob("*.safetensors")))
@@ -175,7 +174,7 @@ class WeightsDir:
                     progress, staging / JOURNAL)
         if (staging / ADVANCE).is_file() and not resumed:
             plan = json.loads((staging / ADVANCE).read_text())
-            fill.in_place(self._steps(plan["from"], cur), own)
+            fill.in_place(self._steps(plan["from"], cur), _info_or_none(staging))
         if changes is None:
             fill.run([BlockReader.of_blocks(b, get_block) for b in m.substreams], resumed)
         else:
@@ -218,10 +217,8 @@ class WeightsDir:
             out.append(read_changes(d, v) if d.is_dir() else None)
         return out
 
-    def _take(self, spare: Path, staging: Path, m: Manifest, cur: Current
-              ) -> VersionInfo | None:
-        """Mark the spare as being brought forward to m, then move it to staging (atomic);
-        returns its VERSION.json (None if unreadable): a 50,000-tensor one is 3 MB to parse."""
+    def _take(self, spare: Path, staging: Path, m: Manifest, cur: Current) -> None:
+        """Mark the spare as being brought forward to m, then move it to staging (atomic)."""
         (spare / JOURNAL).unlink(missing_ok=True)
         (spare / SHARDS).unlink(missing_ok=True)
         own = _info_or_none(spare)
@@ -230,7 +227,6 @@ class WeightsDir:
                                                   "to": m.version}).encode(), durable=False)
         os.rename(spare, staging)
         fsync_dir(self.root)
-        return own
 
     def _prepare(self, staging: Path, m: Manifest, get_block: GetBlock) -> None:
         tmp = self.root / f".prep-{m.artifact}"
