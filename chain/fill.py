@@ -95,6 +95,7 @@ class Fill:
         self.progress, self.journal_path = progress, journal
         self.steps: list[dict[str, np.ndarray | None] | None] = []
         self.own: dict[str, str] | None = None
+        self._pullable: set[str] = set()
         self.changes: dict[str, np.ndarray | None] = {}
         self.repaired = 0
         self.resumed = False
@@ -104,6 +105,13 @@ class Fill:
         """The slots hold an older version (`own`, None if unknown) that `steps` (CHANGES per
         version since) bring up to the base."""
         self.steps, self.own = steps, own.tensors if own is not None else None
+        # the tensors `_can_pull` brings forward, found once for the pass with set operations
+        # (a generator over the steps a tensor cost ~5 % of a 50,000-tensor apply)
+        pullable = set(self.own or ()) if steps and all(s is not None for s in steps) \
+            else set()
+        for s in steps if pullable else ():
+            pullable.intersection_update(n for n, pos in s.items() if pos is not None)
+        self._pullable = pullable
 
     # --- the pass ---------------------------------------------------------------------------
     def run(self, reader: BlockReader | Sequence[BlockReader], resumed: bool = False) -> None:
@@ -400,10 +408,7 @@ class Fill:
     def _can_pull(self, it: _Item) -> bool:
         """Whether the slot holds an older version that the recorded steps bring forward (only
         the positions changed since are written), rather than being copied whole."""
-        name = it.t.name
-        return not self.resumed and self.own is not None and name in self.own \
-            and bool(self.steps) \
-            and all(s is not None and s.get(name) is not None for s in self.steps)
+        return not self.resumed and it.t.name in self._pullable
 
     def _jobs(self, work: list[_Item]) -> list[tuple[int, Callable[[], None]]]:
         """Write jobs for `work`: a group's tensors as one where they lie back to back in both

@@ -641,9 +641,21 @@ def add_many(digests: Sequence[str], deltas: Sequence[tuple[int, int]]) -> list[
     if any(len(d) != 32 for d in digests):  # a malformed one spoils only its own, as in `add`
         return [add(d, m) for d, m in zip(digests, deltas, strict=True)]
     lanes = np.frombuffer(bytes.fromhex("".join(digests)), ">u8").reshape(-1, 2)
-    moves = np.array([(int(a) & M64, int(b) & M64) for a, b in deltas], np.uint64)
+    moves = _lanes(deltas)
     text = (lanes.astype(np.uint64) + moves.reshape(-1, 2)).astype(">u8").tobytes().hex()
     return [text[i:i + 32] for i in range(0, len(text), 32)]
+
+
+def _lanes(deltas: Sequence[tuple[int, int]] | np.ndarray) -> np.ndarray:
+    """The moves as (n, 2) uint64 lane sums modulo 2^64: in one conversion where every sum
+    is already in [0, 2^64) (the kernels' lane sums; numpy wraps an integer array's as `& M64`
+    does), else one Python integer at a time (sums of parts may pass 2^64 or be negative)."""
+    if isinstance(deltas, np.ndarray) and deltas.dtype.kind in "iu":
+        return deltas.astype(np.uint64).reshape(-1, 2)
+    try:
+        return np.array(deltas, np.uint64).reshape(-1, 2)
+    except (OverflowError, ValueError, TypeError):
+        return np.array([(int(a) & M64, int(b) & M64) for a, b in deltas], np.uint64)
 
 
 def word_layout(arr: np.ndarray) -> tuple[int, int]:

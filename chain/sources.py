@@ -70,6 +70,34 @@ class StateDictSource:
         return bits
 
 
+    def span(self, names: list[str]) -> np.ndarray | None:
+        """These tensors' bit views end to end as one read-only view, where they lie back to
+        back (a publisher's kept copy: one allocation in name order), from the data pointers
+        noted with their views; None where any is not kept or they do not (the caller then
+        copies). Only for an `owned` state, whose views nothing can re-point: ~0.2 us a
+        tensor, where asking numpy each view's address cost 1.1 us (a 50,000-tensor publish
+        asked 50,000 times)."""
+        if not self._owned or self.views is None or not names:
+            return None
+        views = self.views
+        first = views.get(names[0])
+        if first is None:
+            return None
+        bits = first[1]
+        at, dtype, size = first[2][0], first[2][2], 0
+        for name in names:
+            kept = views.get(name)
+            if kept is None or kept[0] is not self._state.get(name):
+                return None
+            ptr, numel, kept_dtype = kept[2][0], kept[2][1], kept[2][2]
+            if ptr != at or kept_dtype != dtype:
+                return None
+            at += kept[1].nbytes
+            size += numel
+        return np.lib.stride_tricks.as_strided(bits, shape=(size,), strides=(bits.itemsize,),
+                                               writeable=False)
+
+
 def _meta(t: "torch.Tensor") -> tuple[str, list[int]]:
     return dtypes.of_tensor(t).name, list(t.shape)
 

@@ -48,7 +48,8 @@ SHARED_LAYOUTS = 8
 class _Layout:
     """Names, dtypes and shapes of a table: equal from one version of a run to the next."""
 
-    __slots__ = ("_numels", "dtypes", "key", "name_at", "names", "shape_at", "shapes")
+    __slots__ = ("_names", "_numels", "_shapes", "dtypes", "key", "name_at", "names",
+                 "shape_at", "shapes")
 
     def __init__(self, names: str, name_at: np.ndarray, dtypes: bytes, shapes: np.ndarray,
                  shape_at: np.ndarray, names_utf8: bytes) -> None:
@@ -58,13 +59,31 @@ class _Layout:
         for part in (name_at, dtypes, shapes, shape_at):
             h.update(part)
         self.key = h.digest()
+        self._names: list[str] | None = None
+        self._shapes: list[list[int]] | None = None
         self._numels: list[int] | None = None
 
+    # Made once a layout, which every version of a run shares: a region's apply walked the
+    # names and cut the shapes out of their column five or six times a version (~10 % of a
+    # 50,000-tensor apply at the bench's default size). Shared: read them, never change them.
+    def name_list(self) -> list[str]:
+        """Each tensor's name, in table order."""
+        if self._names is None:
+            at = self.name_at.tolist()
+            self._names = [self.names[a:b] for a, b in itertools.pairwise(at)]
+        return self._names
+
+    def shape_lists(self) -> list[list[int]]:
+        """Each tensor's shape, in table order."""
+        if self._shapes is None:
+            shapes = self.shapes.tolist()
+            self._shapes = [shapes[a:b] for a, b in itertools.pairwise(self.shape_at.tolist())]
+        return self._shapes
+
     def numels(self) -> list[int]:
-        """Elements of each tensor (made once a layout, which every version of a run shares)."""
+        """Elements of each tensor."""
         if self._numels is None:
-            shapes, at = self.shapes.tolist(), self.shape_at.tolist()
-            self._numels = [numel(shapes[a:b]) for a, b in itertools.pairwise(at)]
+            self._numels = [numel(s) for s in self.shape_lists()]
         return self._numels
 
     def __eq__(self, other: object) -> bool:
@@ -241,11 +260,9 @@ class TensorTable(Columns):
 
     def __iter__(self) -> Iterator["TensorRow"]:
         lay = self._layout
-        shapes, at = lay.shapes.tolist(), lay.shape_at.tolist()
-        for i, (name, code, digest, n) in enumerate(zip(self.names(), lay.dtypes,
-                                                        self.digests(), lay.numels(),
-                                                        strict=True)):
-            yield TensorRow(name, DTYPES[code], shapes[at[i]:at[i + 1]], digest, n)
+        for name, code, shape, digest, n in zip(lay.name_list(), lay.dtypes, lay.shape_lists(),
+                                                self.digests(), lay.numels(), strict=True):
+            yield TensorRow(name, DTYPES[code], shape, digest, n)
 
     def _row(self, i: int) -> TensorRow:
         lay = self._layout
@@ -261,9 +278,7 @@ class TensorTable(Columns):
         return self._digests[16 * i:16 * i + 16].hex()
 
     def names(self) -> list[str]:
-        lay = self._layout
-        at = lay.name_at.tolist()
-        return [lay.names[a:b] for a, b in itertools.pairwise(at)]
+        return list(self._layout.name_list())
 
     def digests(self) -> list[str]:
         raw = self._digests.hex()
@@ -271,19 +286,19 @@ class TensorTable(Columns):
 
     def digest_map(self) -> dict[str, str]:
         """{name: digest}: what state_digest and the appliers read, without an entry each."""
-        return dict(zip(self.names(), self.digests(), strict=True))
+        return dict(zip(self._layout.name_list(), self.digests(), strict=True))
 
     def metas(self) -> list[tuple[str, list[int]]]:
         """(dtype, shape) of each tensor, in table order."""
         lay = self._layout
-        shapes, at = lay.shapes.tolist(), lay.shape_at.tolist()
-        return [(DTYPES[c], shapes[at[i]:at[i + 1]]) for i, c in enumerate(lay.dtypes)]
+        return [(DTYPES[c], shape) for c, shape in zip(lay.dtypes, lay.shape_lists(),
+                                                        strict=True)]
 
     def state_digest(self) -> str:
         """`chain.digest.state_digest` of the table's tensors, made once: a new manifest's is
         computed by its writer and checked by its validator (two walks over 50,000 names)."""
         if self._state is None:
-            pairs = list(zip(self.names(), self.digests(), strict=True))
+            pairs = list(zip(self._layout.name_list(), self.digests(), strict=True))
             if any(a[0] >= b[0] for a, b in itertools.pairwise(pairs)):
                 pairs.sort()
             self._state = state_digest_of_sorted(pairs)
@@ -292,10 +307,9 @@ class TensorTable(Columns):
     def as_dicts(self) -> list[dict]:
         """The JSON form: the list of entries a manifest carries (and signs)."""
         lay = self._layout
-        shapes, at = lay.shapes.tolist(), lay.shape_at.tolist()
-        return [{"name": n, "dtype": DTYPES[c], "shape": shapes[at[i]:at[i + 1]], "digest": d}
-                for i, (n, c, d) in enumerate(zip(self.names(), lay.dtypes, self.digests(),
-                                                  strict=True))]
+        return [{"name": n, "dtype": DTYPES[c], "shape": list(shape), "digest": d}
+                for n, c, shape, d in zip(lay.name_list(), lay.dtypes, lay.shape_lists(),
+                                          self.digests(), strict=True)]
 
     def canonical_json(self) -> str:
         """`as_dicts()` as canonical JSON (sorted keys, no spaces, ASCII), built from the
@@ -313,15 +327,15 @@ class TensorTable(Columns):
 
     def _canonical_json(self) -> str:
         lay = self._layout
-        shapes, at = lay.shapes.tolist(), lay.shape_at.tolist()
-        names = self.names()
+        names = lay.name_list()
         quoted = ([f'"{n}"' for n in names] if _PLAIN_JSON.fullmatch(lay.names)
                   else [json.dumps(n, ensure_ascii=True) for n in names])
         dtypes = [f'"{d}"' for d in DTYPES]
         return "[" + ",".join(
             f'{{"digest":"{d}","dtype":{dtypes[c]},"name":{q},"shape":'
-            f'[{",".join(map(str, shapes[at[i]:at[i + 1]]))}]}}'
-            for i, (q, c, d) in enumerate(zip(quoted, lay.dtypes, self.digests(), strict=True))
+            f'[{",".join(map(str, shape))}]}}'
+            for q, c, shape, d in zip(quoted, lay.dtypes, lay.shape_lists(), self.digests(),
+                                      strict=True)
         ) + "]"
 
     def shares_layout(self, other: "TensorTable") -> bool:

@@ -117,11 +117,16 @@ def encode_stream(
                                         for lo, hi in units if hi - lo > 1]))
         pairs = []
         groups: list[tuple[int, int, int]] = []  # (first, end) in pending, its pair's index
+        span = getattr(parent, "span", None)  # the parent's own view of tensors end to end
         for lo, hi in units:
             _, dtype, _, old, bits = pending[lo]
             if hi - lo > 1:
+                members = pending[lo:hi]
+                olds = None if span is None else span([p[0] for p in members])
+                if olds is None:
+                    olds = end_to_end([p[3] for p in members])
                 groups.append((lo, hi, len(pairs)))
-                pairs.append((end_to_end([p[3] for p in pending[lo:hi]]), next(news), dtype))
+                pairs.append((olds, next(news), dtype))
             elif old is not None:
                 pairs.append((old, bits, dtype))
         # each pair with what it was coded as: (old, new, dtype), (payload, changes)

@@ -127,6 +127,13 @@ def test_many_digests_move_as_each_would_alone():
     assert lanehash.add_many(digests, moves) == [lanehash.add(d, m) for d, m in
                                                   zip(digests, moves, strict=True)]
     assert lanehash.add_many([], []) == []
+    # the one-conversion forms: all in [0, 2^64), an integer array, negatives (the fallback)
+    small = [(int(a), int(b)) for a, b in rng.integers(0, 2**64 - 1, (50, 2), dtype=np.uint64)]
+    signed = rng.integers(-2**62, 2**62, (50, 2), dtype=np.int64)
+    for these in (small, signed, [(int(a), -int(b)) for a, b in small]):
+        assert lanehash.add_many(digests, these) == [lanehash.add(d, (int(m[0]), int(m[1])))
+                                                     for d, m in zip(digests, these,
+                                                                     strict=True)]
 
 
 def test_a_malformed_digest_among_many_spoils_only_its_own():

@@ -160,3 +160,22 @@ def test_names_json_must_escape_are_escaped_as_json_does(name, signing_key):
     m = Manifest.model_validate(doc).signed(signing_key)
     assert m.to_bytes() == canonical_json(m.model_dump(mode="json", exclude={"streams", "base"}))
     assert Manifest.parse(m.to_bytes(), signing_key.public_key()).to_bytes() == m.to_bytes()
+
+
+def test_names_are_the_callers_to_change_and_rows_share_the_layouts_shapes():
+    """Names and shapes are cut from their columns once a layout (every version of a run
+    shares it): names() hands out a copy, so changing it changes no table; rows and metas
+    of two versions read the same shape lists."""
+    rows = [{"name": f"m.{i}", "dtype": "bfloat16", "shape": [i + 1, 2], "digest": f"{i:032x}"}
+            for i in range(5)]
+    a = TensorTable.of(rows)
+    b = TensorTable.of([r | {"digest": f"{i + 7:032x}"} for i, r in enumerate(rows)])
+    names = a.names()
+    names.reverse()
+    names.append("x")
+    assert a.names() == [f"m.{i}" for i in range(5)] == b.names()
+    assert [r.shape for r in a] == [[i + 1, 2] for i in range(5)]
+    assert all(x.shape is y.shape for x, y in zip(a, b, strict=True))
+    assert [s for _, s in a.metas()] == [r.shape for r in b]
+    assert [r.digest for r in b] == [f"{i + 7:032x}" for i in range(5)]
+    assert a.as_dicts()[0]["shape"] is not next(iter(a)).shape  # the JSON form is a copy

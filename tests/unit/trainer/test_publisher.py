@@ -9,14 +9,15 @@ import numpy as np
 import pytest
 import torch
 
+import chain.sources
 import chain.writer
 import trainer.publisher
-from chain import keys
+from chain import codec, dtypes, keys
 from chain.digest import tensor_digest
 from chain.errors import ChainError
 from chain.policy import Retention, SnapshotPolicy, record_decision
 from chain.sources import StateDictSource, source_digest
-from trainer.publisher import Publisher
+from trainer.publisher import Publisher, _cpu_copy, _patched
 
 
 def _state(seed: int) -> dict[str, torch.Tensor]:
@@ -89,23 +90,70 @@ def test_the_kept_copy_follows_the_published_weights_without_sharing_them(publis
 def test_small_tensors_are_kept_back_to_back_so_their_group_reads_the_parent_in_place(
         publisher, monkeypatch):
     """The kept copy is one allocation in name order, so a group record's parent elements
-    are one view of it (chain.writer.end_to_end), not a copy (the new weights, held apart,
-    are copied into the writer's scratch buffer: test_a_batchs_groups_share_one_buffer)."""
+    are one view of it (StateDictSource.span, from the addresses noted with the views), not a
+    copy (the new weights, held apart, are copied into the writer's scratch buffer:
+    test_a_batchs_groups_share_one_buffer)."""
     state = {f"e{i:02d}.w": torch.randn(4, 8).to(torch.bfloat16) for i in range(12)}
     publisher.publish(0, state)
-    seen = []
-    real = chain.writer.end_to_end
+    seen, copied = [], []
+    real_span, real_copy = chain.sources.StateDictSource.span, chain.writer.end_to_end
 
-    def spy(arrays):
-        out = real(arrays)
-        seen.append((len(arrays), not out.flags.owndata))
+    def span(self, names):
+        out = real_span(self, names)
+        seen.append((len(names), out is not None and np.shares_memory(
+            out, dtypes.bits_view(publisher._last[names[0]]))))
         return out
 
-    monkeypatch.setattr(chain.writer, "end_to_end", spy)
+    monkeypatch.setattr(chain.sources.StateDictSource, "span", span)
+    monkeypatch.setattr(chain.writer, "end_to_end", lambda arrays: copied.append(arrays)
+                        or real_copy(arrays))
     step = _step(state, 1)
     out = publisher.publish(1, step)
-    assert seen == [(12, True)]  # the group's parent
+    assert seen == [(12, True)] and copied == []  # the group's parent, in place
     assert out.delta.state_digest == source_digest(StateDictSource(step))
+
+
+def test_the_kept_copys_span_is_none_where_tensors_do_not_lie_back_to_back():
+    """Where the tensors do not lie back to back (8-byte boundaries between odd-sized bf16
+    ones), or the state is not owned, or a tensor has no view yet, no span: the writer
+    copies them end to end instead."""
+    kept = _cpu_copy({f"t{i}": torch.randn(4 * (i + 1)).to(torch.bfloat16) for i in range(4)}
+                     | {"u": torch.randn(5).to(torch.bfloat16),
+                        "v": torch.randn(4).to(torch.bfloat16)})
+    src = StateDictSource(kept, {}, owned=True)
+    names = ["t0", "t1", "t2", "t3"]
+    assert src.span(names) is None  # no views yet
+    arrays = [src.bits(n) for n in [*names, "u", "v"]]
+    whole = src.span(names)
+    assert np.array_equal(whole, np.concatenate(arrays[:4])) and not whole.flags.writeable
+    assert src.span(["t0", "t2"]) is None and src.span(["u", "v"]) is None
+    assert StateDictSource(kept, {}).span(names) is None
+
+
+def test_the_kept_copy_is_patched_in_one_scatter_per_element_size_and_apart_elsewhere():
+    """`_patched` writes the changes of tensors in the kept allocation in one scatter per
+    element size (bf16 and f32 here, at their own addresses) and those of a tensor held
+    apart (replaced earlier) through its own view: the result is the new state, bit for bit,
+    and the apart tensor's memory is written, not copied."""
+    gen = torch.Generator().manual_seed(3)
+    state = {f"b{i}": torch.randn(3 + i, generator=gen).to(torch.bfloat16) for i in range(6)}
+    state |= {f"f{i}": torch.randn(2, 3 + i, generator=gen) for i in range(3)}
+    kept = _cpu_copy(state)
+    kept["apart"] = torch.randn(9, generator=gen).to(torch.bfloat16)  # its own allocation
+    src = StateDictSource(kept, {}, owned=True)
+    new = {k: v.clone() for k, v in kept.items()}
+    changes = {}
+    for k in sorted(new):
+        bits = src.bits(k)
+        pos = np.unique(torch.randint(0, bits.size, (3,), generator=gen).numpy())
+        flat = new[k].view(-1)
+        flat[pos] = flat[pos] * 2 + 1
+        changes[k] = codec.Changes(pos.astype(np.int64), dtypes.bits_view(new[k])[pos].copy())
+    apart = kept["apart"].data_ptr()
+    out = _patched(kept, src, new, changes)
+    assert all(torch.equal(out[k].view(-1).view(torch.uint8), new[k].view(-1).view(torch.uint8))
+               for k in new)
+    assert out["apart"].data_ptr() == apart and out["b0"] is kept["b0"]
 
 
 def test_a_batchs_groups_share_one_buffer():
