@@ -16,7 +16,7 @@ from chain.decode import decode_patch
 from chain.errors import BadDelta
 from chain.fill import _group_positions, _inside
 from chain.safetensors_io import TensorFiles
-from chain.sources import StateDictSource
+from chain.sources import StateDictSource, source_digest
 from chain.store import ChainStore
 from chain.stream import BlockReader, BlockWriter, RecordHeader, encode_header
 from chain.versiondir import read_info
@@ -197,6 +197,52 @@ def at_v1(tmp_path, key, first: dict[str, torch.Tensor], seed: int
     w = WeightsDir(tmp_path / "w")
     w.apply(store.plan(None, 1), getter(store))
     return store, ms, w
+
+
+class _OneAtATime(StateDictSource):
+    """A state dict read one tensor at a time: the source without `cat`."""
+
+    cat = None
+
+
+@pytest.mark.parametrize("trust", [True, False], ids=["moved", "hashed"])
+def test_groups_read_in_one_call_write_the_same_artifact_as_one_tensor_at_a_time(
+        tmp_path, signing_key, trust):
+    """A torch source hands the writer each group's new elements end to end in one call
+    (StateDictSource.cat), the members' own views cut from them where they are hashed: the
+    same records, blocks and digests as reading each tensor's bits, on tensors that are not
+    contiguous, need grad, or sit among ones that do not group."""
+    first = experts(300, 15, 4)
+    first["layers.2.experts.1.w"] = first["layers.2.experts.1.w"].t().contiguous().t()
+    second = step(first, 9)
+    second["layers.3.experts.2.w"].requires_grad_(True)
+    second["layers.2.experts.5.w"] = second["layers.2.experts.5.w"].t().contiguous().t()
+    ms = []
+    for name, source in (("cat", StateDictSource), ("each", _OneAtATime)):
+        store = ChainStore(tmp_path / name / "chain", signing_key.public_key())
+        base, _ = write_artifact(store.blocks, signing_key, run="r", version=0, kind="snapshot",
+                                 new=StateDictSource(first))
+        m, _ = write_artifact(store.blocks, signing_key, run="r", version=1, kind="delta",
+                              new=source(second), parent=StateDictSource(first),
+                              parent_manifest=base, trust_parent=trust)
+        ms.append((m, [h for h in records(store, m)],
+                   b"".join(store.blocks.get(b.id, b.size) for b in m.blocks)))
+    (m, heads, raw), (m_each, heads_each, raw_each) = ms
+    assert any(h.op == "group" for h in heads)
+    assert m.tensors.digest_map() == m_each.tensors.digest_map()
+    assert m.state_digest == m_each.state_digest == source_digest(StateDictSource(second))
+    assert heads == heads_each and raw == raw_each
+
+
+def test_a_sources_cat_is_its_tensors_bits_end_to_end_in_a_new_array():
+    state = {"a": torch.randn(3, 4).bfloat16(), "b": torch.randn(5).bfloat16().requires_grad_(),
+             "c": torch.randn(4, 3).bfloat16().t()}
+    src = StateDictSource(state)
+    both = src.cat(["a", "b", "c"])
+    assert np.array_equal(both, np.concatenate([src.bits(n) for n in "abc"]))
+    one = src.cat(["a"])
+    one[0] ^= 1  # a copy: the state is not written
+    assert not np.shares_memory(one, src.bits("a")) and one[0] != src.bits("a")[0]
 
 
 @pytest.mark.parametrize("direct", [-1, 1000], ids=["ranks", "direct-positions"])
