@@ -176,24 +176,31 @@ def encode_stream(
 
     def read_deferred(units: list[tuple[int, int]]) -> dict[int, np.ndarray]:
         """The batch's deferred bits: each group's new elements end to end from the source in
-        one call (`cat`), keyed by the group's first pending index, its members' own views
-        cut from them only where they are hashed; a tensor coded alone, its own view. Reading
-        a torch tensor's bits costs ~3 us a tensor through Python, most of a 50,000-tensor
-        publish's per-tensor cost, where the source's one call copies them end to end (the
-        copy a group needs anyway) at ~1 us a tensor."""
-        cats = {}
+        one call (`cat`), on the codec's threads (torch copies without the GIL), keyed by the
+        group's first pending index, its members' own views cut from them only where they
+        are hashed; a tensor coded alone, its own view. Reading a torch tensor's bits costs
+        ~3 us a tensor through Python, most of a 50,000-tensor publish's per-tensor cost,
+        where the source's one call copies them end to end (the copy a group needs anyway)
+        at ~1 us a tensor."""
+        cats: dict[int, np.ndarray] = {}
+        jobs = []
         for lo, hi in units:
             if pending[lo][4] is not None:
                 continue
             if hi - lo == 1:
                 pending[lo] = (*pending[lo][:4], new.bits(pending[lo][0]), pending[lo][5])
                 continue
-            cats[lo] = both = cat([p[0] for p in pending[lo:hi]])
-            if any(_needs_hash(p[0], p[3], digests, parent_digests) for p in pending[lo:hi]):
+            names = [p[0] for p in pending[lo:hi]]
+            jobs.append((sum(p[5] for p in pending[lo:hi]),
+                         lambda lo=lo, names=names: cats.__setitem__(lo, cat(names))))
+        run_jobs(jobs)
+        for lo, hi in units:
+            if lo in cats and any(_needs_hash(p[0], p[3], digests, parent_digests)
+                                  for p in pending[lo:hi]):
                 at = 0
                 for j in range(lo, hi):
                     n = pending[j][5]
-                    pending[j] = (*pending[j][:4], both[at:at + n], n)
+                    pending[j] = (*pending[j][:4], cats[lo][at:at + n], n)
                     at += n
         return cats
 
