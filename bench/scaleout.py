@@ -11,7 +11,7 @@ sharded publishing costs against the single-process Publisher. One JSON line las
   digest-checked pass), median of `--versions` deltas, sides interleaved so load from other
   work favours neither.
 - `moe_read_floor_s`, `moe_publish_floor_over_dense`: reading the 50,000-tensor state dict's
-  dtypes, shapes and bit views once (what the writer does a tensor before any coding), and
+  dtypes and shapes once (what any publisher does a tensor before any coding), and
   (dense publish + that) / dense publish: a lower bound of `moe_publish_over_dense` for any
   publisher handed torch tensors, measured in the same run.
 - `delta_file_over_payload`: a 101-tensor Llama-shaped model's 1 %-dense delta as it travels
@@ -187,7 +187,7 @@ def tensor_count_costs(elements: int, moe_tensors: int, n_versions: int, rounds:
             b = best.setdefault(name, {"publish": p, "apply": a})
             b["publish"], b["apply"] = min(b["publish"], p), min(b["apply"], a)
     floor = read_floor_s(sides["moe"])
-    log(f"reading the {len(sides['moe'])} tensors' dtype, shape and bits once: {floor:.3f} s")
+    log(f"reading the {len(sides['moe'])} tensors' dtype and shape once: {floor:.3f} s")
     return {"tensors_moe": len(sides["moe"]), "tensors_dense": len(sides["dense"]),
             "elements": elements, "seconds": best,
             "moe_publish_over_dense": round(best["moe"]["publish"] / best["dense"]["publish"], 3),
@@ -198,10 +198,11 @@ def tensor_count_costs(elements: int, moe_tensors: int, n_versions: int, rounds:
 
 
 def read_floor_s(shapes: dict[str, list[int]], repeats: int = 3) -> float:
-    """Seconds to read every tensor of a state dict of `shapes` once the way a publisher must
-    (its dtype and shape, to see what changed layout, and a bit view of its data: the writer's
-    own calls), best of `repeats`. Any publish of that state dict costs at least the dense
-    publish of the same bytes plus this, so (dense + this) / dense bounds
+    """Seconds to read every tensor of a state dict of `shapes` once the way any publisher
+    must: its dtype and shape, to see what changed layout (the writer reads a group's data
+    from torch in one call, StateDictSource.cat, so a bit view a tensor is no longer one of
+    its per-tensor steps), best of `repeats`. Any publish of that state dict costs at least
+    the dense publish of the same bytes plus this, so (dense + this) / dense bounds
     `moe_publish_over_dense` from below for a publisher handed torch tensors."""
     state = next(versions(shapes, 0, 0.01, seed=7))
     best = float("inf")
@@ -210,7 +211,6 @@ def read_floor_s(shapes: dict[str, list[int]], repeats: int = 3) -> float:
         t0 = time.perf_counter()
         for name in src.names():
             src.meta(name)
-            src.bits(name)
         best = min(best, time.perf_counter() - t0)
     return best
 

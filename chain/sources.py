@@ -80,8 +80,12 @@ class StateDictSource:
         tensors = [self._state[n] for n in names]
         if not all(t.layout == torch.strided and not t.is_quantized for t in tensors):
             return np.concatenate([self.bits(n) for n in names])
+        # torch's own flatten (what its DDP buckets use) is one call; it is not public API,
+        # so a torch without it takes a cat of flat views (~3 us a tensor, still correct)
+        flatten = getattr(torch._utils, "_flatten_dense_tensors", None) or \
+            (lambda ts: torch.cat([t.reshape(-1) for t in ts]))
         with torch.no_grad():
-            flat = torch._utils._flatten_dense_tensors(tensors)
+            flat = flatten(tensors)
         bits = dtypes.bits_view(flat)
         return bits if len(tensors) > 1 else bits.copy()
 

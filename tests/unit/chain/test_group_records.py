@@ -234,7 +234,12 @@ def test_groups_read_in_one_call_write_the_same_artifact_as_one_tensor_at_a_time
     assert heads == heads_each and raw == raw_each
 
 
-def test_a_sources_cat_is_its_tensors_bits_end_to_end_in_a_new_array():
+@pytest.mark.parametrize("torch_flatten", [True, False], ids=["flatten", "without"])
+def test_a_sources_cat_is_its_tensors_bits_end_to_end_in_a_new_array(monkeypatch,
+                                                                     torch_flatten):
+    """With torch's flatten, or on a torch without it (not public API: a cat instead)."""
+    if not torch_flatten:
+        monkeypatch.delattr(torch._utils, "_flatten_dense_tensors")
     state = {"a": torch.randn(3, 4).bfloat16(), "b": torch.randn(5).bfloat16().requires_grad_(),
              "c": torch.randn(4, 3).bfloat16().t()}
     src = StateDictSource(state)
