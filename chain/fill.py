@@ -106,12 +106,12 @@ class Fill:
         version since) bring up to the base."""
         self.steps, self.own = steps, own.tensors if own is not None else None
         # the tensors `_can_pull` brings forward, found once for the pass with set operations
-        # (a generator over the steps a tensor cost ~5 % of a 50,000-tensor apply)
-        pullable = set(self.own or ()) if steps and all(s is not None for s in steps) \
-            else set()
-        for s in steps if pullable else ():
-            pullable.intersection_update(n for n, pos in s.items() if pos is not None)
-        self._pullable = pullable
+        # (a generator over the steps a tensor was 4.6 % of a 50,000-tensor apply, py-spy)
+        self._pullable = set()
+        if self.own is not None and steps and all(s is not None for s in steps):
+            self._pullable = set(self.own)
+            for s in steps:
+                self._pullable.intersection_update(n for n, pos in s.items() if pos is not None)
 
     # --- the pass ---------------------------------------------------------------------------
     def run(self, reader: BlockReader | Sequence[BlockReader], resumed: bool = False) -> None:

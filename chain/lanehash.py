@@ -648,10 +648,9 @@ def add_many(digests: Sequence[str], deltas: Sequence[tuple[int, int]]) -> list[
 
 def _lanes(deltas: Sequence[tuple[int, int]] | np.ndarray) -> np.ndarray:
     """The moves as (n, 2) uint64 lane sums modulo 2^64: in one conversion where every sum
-    is already in [0, 2^64) (the kernels' lane sums; numpy wraps an integer array's as `& M64`
-    does), else one Python integer at a time (sums of parts may pass 2^64 or be negative)."""
-    if isinstance(deltas, np.ndarray) and deltas.dtype.kind in "iu":
-        return deltas.astype(np.uint64).reshape(-1, 2)
+    is an integer array's or already in [0, 2^64) (the kernels' lane sums; numpy wraps an
+    integer array as `& M64` does), else one Python integer at a time (sums of parts may pass
+    2^64 or be negative)."""
     try:
         return np.array(deltas, np.uint64).reshape(-1, 2)
     except (OverflowError, ValueError, TypeError):

@@ -32,7 +32,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from chain import codec, keys
@@ -265,42 +264,9 @@ def _patched(last: dict[str, torch.Tensor], kept: StateDictSource,
             if c.pos.size:
                 patches.append((name, c))
             out[name] = last[name]
-    _patch_in_place(kept, patches)
+    kept.patch(patches)
     replaced = len(out) != len(last) or any(c is None for c in changes.values())
     return _compacted(out) if replaced else out
-
-
-def _patch_in_place(kept: StateDictSource, patches: list[tuple[str, "codec.Changes"]]) -> None:
-    """Write each tensor's changed positions through its bit view: the tensors that lie in
-    the allocation of the first one (the kept copy is one allocation, `_cpu_copy`), per
-    element size, in one scatter over it, found from the addresses noted with their views;
-    the rest one at a time. One scatter a tensor was ~1.5 us of Python each, the largest
-    per-tensor step left after the encode at 50,000 small changed tensors."""
-    views = kept.views or {}
-    runs: dict[np.dtype, list[tuple[int, codec.Changes]]] = {}
-    lo = hi = 0
-    storage = None
-    for name, c in patches:
-        bits = kept.bits(name)
-        view = views.get(name)
-        if view is not None and view[1] is bits:
-            if storage is None:
-                storage = view[0].untyped_storage()
-                lo, hi = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
-            ptr = view[2][0]
-            if lo <= ptr and ptr + bits.nbytes <= hi and (ptr - lo) % bits.itemsize == 0:
-                runs.setdefault(bits.dtype, []).append(((ptr - lo) // bits.itemsize, c))
-                continue
-        bits[c.pos] = c.val
-    if not runs:
-        return
-    flat = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (hi - lo,)).numpy()
-    for dtype, members in runs.items():
-        whole = flat[:(hi - lo) // dtype.itemsize * dtype.itemsize].view(dtype)
-        at = np.repeat(np.array([start for start, _ in members], np.int64),
-                       [c.pos.size for _, c in members])
-        at += np.concatenate([c.pos for _, c in members])
-        whole[at] = np.concatenate([c.val for _, c in members])
 
 
 def _compacted(kept: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

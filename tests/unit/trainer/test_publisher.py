@@ -130,16 +130,20 @@ def test_the_kept_copys_span_is_none_where_tensors_do_not_lie_back_to_back():
     assert StateDictSource(kept, {}).span(names) is None
 
 
-def test_the_kept_copy_is_patched_in_one_scatter_per_element_size_and_apart_elsewhere():
+@pytest.mark.parametrize("apart_first", [False, True], ids=["apart-last", "apart-first"])
+def test_the_kept_copy_is_patched_in_one_scatter_per_element_size_and_apart_elsewhere(
+        apart_first, monkeypatch):
     """`_patched` writes the changes of tensors in the kept allocation in one scatter per
     element size (bf16 and f32 here, at their own addresses) and those of a tensor held
     apart (replaced earlier) through its own view: the result is the new state, bit for bit,
-    and the apart tensor's memory is written, not copied."""
+    and the apart tensor's memory is written, not copied. The shared allocation is found
+    whichever tensor comes first: what each scatter gathers is counted."""
     gen = torch.Generator().manual_seed(3)
     state = {f"b{i}": torch.randn(3 + i, generator=gen).to(torch.bfloat16) for i in range(6)}
     state |= {f"f{i}": torch.randn(2, 3 + i, generator=gen) for i in range(3)}
     kept = _cpu_copy(state)
-    kept["apart"] = torch.randn(9, generator=gen).to(torch.bfloat16)  # its own allocation
+    apart = {"apart": torch.randn(9, generator=gen).to(torch.bfloat16)}  # its own allocation
+    kept = apart | kept if apart_first else kept | apart
     src = StateDictSource(kept, {}, owned=True)
     new = {k: v.clone() for k, v in kept.items()}
     changes = {}
@@ -150,7 +154,12 @@ def test_the_kept_copy_is_patched_in_one_scatter_per_element_size_and_apart_else
         flat[pos] = flat[pos] * 2 + 1
         changes[k] = codec.Changes(pos.astype(np.int64), dtypes.bits_view(new[k])[pos].copy())
     apart = kept["apart"].data_ptr()
+    gathered = []  # the scatters' positions and values, gathered from each member
+    real = np.concatenate
+    monkeypatch.setattr(np, "concatenate", lambda arrays, *a, **k: gathered.append(
+        len(arrays)) or real(arrays, *a, **k))
     out = _patched(kept, src, new, changes)
+    assert sorted(gathered) == [3, 3, 6, 6]  # the 6 bf16 and 3 f32 kept tensors, not "apart"
     assert all(torch.equal(out[k].view(-1).view(torch.uint8), new[k].view(-1).view(torch.uint8))
                for k in new)
     assert out["apart"].data_ptr() == apart and out["b0"] is kept["b0"]
