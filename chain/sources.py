@@ -39,15 +39,21 @@ class StateDictSource:
     only while that object still views the same memory, unless `owned`: the state is a copy
     its holder never hands out (the publisher's kept copy), so nothing can have re-pointed its
     tensors and the check (five torch calls a tensor) is skipped, and its dtype and shape are
-    the ones noted with the view."""
+    the ones noted with the view. `spans`: `span`'s answers from an earlier source over
+    this same owned state, for a holder that knows every tensor is still the object they were
+    found over (a publisher whose versions replaced none), so 50,000 tensors' addresses are
+    not walked again every version."""
 
     def __init__(self, state: Mapping[str, "torch.Tensor"],
                  views: "dict[str, tuple[torch.Tensor, np.ndarray, tuple, tuple]] | None" = None,
-                 owned: bool = False) -> None:
+                 owned: bool = False,
+                 spans: "dict[tuple[str, ...], np.ndarray] | None" = None) -> None:
         self._state = state
         self._owned = owned
         self.views = None if views is None else \
             {k: v for k, v in views.items() if state.get(k) is v[0]}
+        self.spans: dict[tuple[str, ...], np.ndarray] = dict(spans or {}) if owned else {}
+        """`span`'s answers, by the names asked for."""
 
     def names(self) -> list[str]:
         return sorted(self._state)
@@ -97,58 +103,85 @@ class StateDictSource:
     def span(self, names: list[str]) -> np.ndarray | None:
         """These tensors' bit views end to end as one read-only view, where they lie back to
         back (a publisher's kept copy: one allocation in name order), from the addresses
-        noted with their views; None where any is not kept or they do not (the caller then
-        copies). Only for an `owned` state, whose views nothing can re-point: 0.47 us a
-        tensor, where asking numpy each view's address (`chain.writer.end_to_end`) costs
+        noted with their views (a tensor not viewed yet, as in the first delta after a
+        snapshot, is viewed now); None where any cannot be or they do not lie back to back (the
+        caller then copies). Only for an `owned` state, whose views nothing can re-point: 0.47
+        us a tensor, where asking numpy each view's address (`chain.writer.end_to_end`) costs
         1.29 us (timed over 50,000 kept tensors in groups of 1,000)."""
         if not self._owned or self.views is None or not names:
             return None
-        first = self.views.get(names[0])
-        if first is None:
-            return None
-        bits = first[1]
-        at, dtype, size = first[2][0], first[2][2], 0
+        known = self.spans.get(tuple(names))
+        if known is not None:
+            return known
+        views = self.views
+        bits, at, dtype, size = None, 0, None, 0
         for name in names:
-            kept = self.views.get(name)
+            kept = views.get(name)
+            if kept is None and name in self._state:
+                self.bits(name)  # noted with its view where it has one of its own memory
+                kept = views.get(name)
             if kept is None or kept[0] is not self._state.get(name):
                 return None
             ptr, numel, kept_dtype = kept[2][:3]
+            if bits is None:
+                bits, at, dtype = kept[1], ptr, kept_dtype
             if ptr != at or kept_dtype != dtype:
                 return None
             at += kept[1].nbytes
             size += numel
-        return np.lib.stride_tricks.as_strided(bits, shape=(size,), strides=(bits.itemsize,),
-                                               writeable=False)
+        whole = np.lib.stride_tricks.as_strided(bits, shape=(size,), strides=(bits.itemsize,),
+                                                writeable=False)
+        self.spans[tuple(names)] = whole
+        return whole
 
-    def patch(self, changes: "list[tuple[str, codec.Changes]]") -> None:
+    def patch(self, changes: "list[tuple[str, codec.Changes]]",
+              groups: "list[tuple[list[str], np.ndarray, codec.Changes]]" = ()) -> None:
         """Write each tensor's changed positions through its bit view (how a publisher moves
-        its kept copy to the version just published). The tensors lying in one allocation
-        with the others (`_cpu_copy` lays the kept copy out as one; a tensor replaced since
-        is held apart, at offset 0 of an allocation of its own) are written in one scatter
-        per element size over it, found from the addresses noted with their views; the rest
-        one at a time. One scatter a tensor cost the publish 0.078 s more than its dense
-        twin's at 50,000 tensors (py-spy), ~1.6 us each."""
+        its kept copy to the version just published). `groups`: group records' members with
+        their element offsets and the group's changes (chain.writer.OnGroup), written as one
+        run where the members lie back to back (`span`), else member by member. The tensors
+        lying in one allocation with the others (`_cpu_copy` lays the kept copy out as one; a
+        tensor replaced since is held apart, at offset 0 of an allocation of its own) are
+        written in one scatter per element size over it, found from the addresses noted with
+        their views; the rest one at a time. One scatter a tensor cost the publish 0.078 s
+        more than its dense twin's at 50,000 tensors (py-spy), ~1.6 us each; splitting the
+        groups' changes into their members' for it, as much again."""
         import torch
+
+        from chain import codec
 
         views = self.views or {}
         # the shared allocation: that of the first changed tensor not at its allocation's
         # start (a tensor held apart always is), else of the first
-        noted = (views[n] for n, _ in changes if n in views)
+        noted = [views[n] for n in [n for n, _ in changes] + [g[0][0] for g in groups]
+                 if n in views]
         shared = next((v for v in noted if v[2][4] > 0), None) or \
-            next((views[n] for n, _ in changes if n in views), None)
+            (noted[0] if noted else None)
         lo = hi = 0
         if shared is not None:
             storage = shared[0].untyped_storage()
             lo, hi = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
         runs: dict[np.dtype, list[tuple[int, codec.Changes]]] = {}
+
+        def in_shared(ptr: int, bits: np.ndarray) -> bool:
+            return lo <= ptr and ptr + bits.nbytes <= hi and (ptr - lo) % bits.itemsize == 0
+
         for name, c in changes:
             bits = self.bits(name)
             view = views.get(name)
             ptr = view[2][0] if view is not None and view[1] is bits else -1
-            if lo <= ptr and ptr + bits.nbytes <= hi and (ptr - lo) % bits.itemsize == 0:
+            if in_shared(ptr, bits):
                 runs.setdefault(bits.dtype, []).append(((ptr - lo) // bits.itemsize, c))
             else:
                 bits[c.pos] = c.val
+        for names, offsets, c in groups:
+            whole = self.span(names)  # the writer asked for it already: an answer kept
+            ptr = -1 if whole is None else whole.__array_interface__["data"][0]
+            if whole is not None and in_shared(ptr, whole):
+                runs.setdefault(whole.dtype, []).append(((ptr - lo) // whole.itemsize, c))
+                continue
+            for name, own in zip(names, codec.split_changes(c, offsets), strict=True):
+                self.bits(name)[own.pos] = own.val
         if not runs:
             return
         flat = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (hi - lo,)).numpy()

@@ -60,6 +60,13 @@ last tensor may take it to a second)."""
 
 
 OnChanges = Callable[[str, "codec.Changes | None"], None]
+OnGroup = Callable[[list[str], np.ndarray, "codec.Changes"], None]
+"""A group record's members at once: their names, element offsets (member j from offsets[j]
+to offsets[j + 1], int64) and the group's changes, positions in their elements end to end."""
+
+IN_PARENT = np.empty(0, np.uint8)
+"""A pending tensor's parent bits not read yet: the parent holds it in the same layout, and a
+group reads its members' parent elements together (StateDictSource.span) or one at a time."""
 
 
 def _units(pending: list, below: int) -> list[tuple[int, int]]:
@@ -89,6 +96,7 @@ def encode_stream(
     on_changes: OnChanges | None = None,
     direct_positions: int = codec.DIRECT,
     group_below: int = GROUP_BELOW,
+    on_group: OnGroup | None = None,
 ) -> tuple[TensorTable, EncodeStats]:
     """Write the record stream for `new` against `parent` (None or kind=snapshot: all raw).
 
@@ -100,7 +108,10 @@ def encode_stream(
     digests are then moved by its changes instead of hashing `new`. `on_changes(name,
     changes)`: called per tensor with what the delta changes (None: a full record).
     `direct_positions`: how the codec codes positions (chain.codec.api.DIRECT).
-    `group_below`: tensors under this many elements go in group records (GROUP_BELOW)."""
+    `group_below`: tensors under this many elements go in group records (GROUP_BELOW).
+    `on_group(names, offsets, changes)`: a group record's members reported at once (OnGroup)
+    instead of one `on_changes` call each, so neither side splits the group's changes into
+    50,000 tensors' when the receiver can take them whole (a publisher's kept copy)."""
     stats = EncodeStats()
     t0 = time.perf_counter()
     names: list[str] = []
@@ -109,10 +120,19 @@ def encode_stream(
     ranks: list[int] = []
     digest_list: list[str] = []
     parent_names = set(parent.names()) if parent is not None else set()
-    # (name, dtype, shape, parent bits or None, bits or None until needed, elements)
+    # (name, dtype, shape, parent bits, IN_PARENT until needed or None (no parent of its
+    # layout), bits or None until needed, elements)
     pending: list[tuple[str, str, list[int], np.ndarray | None, np.ndarray | None, int]] = []
     scratch = _Scratch()
     cat = getattr(new, "cat", None)  # the source's own tensors end to end, in one call
+    span = getattr(parent, "span", None)  # the parent's own view of tensors end to end
+    move_digests = digests is None and parent_digests is not None
+    split_groups = on_changes is not None and on_group is None
+
+    def needs_hash(name: str, old: np.ndarray | None) -> bool:
+        """Whether a tensor's digest is hashed from its bits (not given, not moved)."""
+        return digests is None and (old is None or parent_digests is None
+                                    or name not in parent_digests)
 
     def flush() -> None:
         units = _units(pending, group_below)
@@ -122,40 +142,44 @@ def encode_stream(
                                         if hi - lo > 1 and lo not in cats]))
         pairs = []
         groups: list[tuple[int, int, int]] = []  # (first, end) in pending, its pair's index
-        span = getattr(parent, "span", None)  # the parent's own view of tensors end to end
         for lo, hi in units:
             _, dtype, _, old, bits, _ = pending[lo]
             if hi - lo > 1:
                 members = pending[lo:hi]
                 olds = None if span is None else span([p[0] for p in members])
                 if olds is None:
-                    olds = end_to_end([p[3] for p in members])
+                    olds = end_to_end([parent.bits(p[0]) if p[3] is IN_PARENT else p[3]
+                                       for p in members])
                 groups.append((lo, hi, len(pairs)))
                 pairs.append((olds, cats[lo] if lo in cats else next(news), dtype))
             elif old is not None:
                 pairs.append((old, bits, dtype))
         # each pair with what it was coded as: (old, new, dtype), (payload, changes)
         coded = list(zip(pairs, codec.encode_changes(pairs, changes=parent_digests is not None
-                                                     or on_changes is not None,
+                                                     or on_changes is not None
+                                                     or on_group is not None,
                                                      direct=direct_positions) if pairs else [],
                          strict=True))
-        splits = _members_changes([(lo, pairs[k][0], coded[k][1][1],
-                                    np.cumsum([0] + [p[5] for p in pending[lo:hi]],
-                                              dtype=np.int64))
-                                   for lo, hi, k in groups])
+        offsets = {lo: np.cumsum([0] + [p[5] for p in pending[lo:hi]], dtype=np.int64)
+                   for lo, hi, _ in groups}
+        members_changes = _members_changes(
+            [(lo, pairs[k][0], coded[k][1][1], offsets[lo]) for lo, hi, k in groups],
+            moves=move_digests, split=split_groups)
         encoded = iter(coded)
-        hashed = [(dtype, shape, bits) for name, dtype, shape, old, bits, _ in pending
-                  if _needs_hash(name, old, digests, parent_digests)]
+        hashed = [] if digests is not None else [
+            (dtype, shape, bits) for name, dtype, shape, old, bits, _ in pending
+            if old is None or parent_digests is None or name not in parent_digests]
         fresh = iter(tensor_digests(hashed))
         for lo, hi in units:
             if hi - lo > 1:
-                group(pending[lo:hi], next(encoded)[1], fresh, splits.get(lo))
+                group(pending[lo:hi], next(encoded)[1], fresh, offsets[lo],
+                      members_changes.get(lo))
                 continue
             name, dtype, shape, old, bits, _ = pending[lo]
             changes = None
             if old is not None:
                 _, (payload, changes) = next(encoded)
-            if _needs_hash(name, old, digests, parent_digests):
+            if needs_hash(name, old):
                 digest = next(fresh)
             elif digests is not None:
                 digest = digests[name]
@@ -178,25 +202,29 @@ def encode_stream(
         """The batch's deferred bits: each group's new elements end to end from the source in
         one call (`cat`), on the codec's threads (torch copies without the GIL), keyed by the
         group's first pending index, its members' own views cut from them only where they
-        are hashed; a tensor coded alone, its own view. Reading a torch tensor's bits costs
-        ~3 us a tensor through Python, most of a 50,000-tensor publish's per-tensor cost,
-        where the source's one call copies them end to end (the copy a group needs anyway)
-        at ~1 us a tensor."""
+        are hashed; a tensor coded alone, its own view and its parent's. Reading a torch
+        tensor's bits costs ~3 us a tensor through Python, most of a 50,000-tensor publish's
+        per-tensor cost, where the source's one call copies them end to end (the copy a
+        group needs anyway) at ~1 us a tensor."""
         cats: dict[int, np.ndarray] = {}
         jobs = []
         for lo, hi in units:
             if pending[lo][4] is not None:
                 continue
             if hi - lo == 1:
-                pending[lo] = (*pending[lo][:4], new.bits(pending[lo][0]), pending[lo][5])
+                name, dtype, shape, old, _, numel = pending[lo]
+                pending[lo] = (name, dtype, shape, parent.bits(name) if old is IN_PARENT
+                               else old, new.bits(name), numel)
                 continue
             names = [p[0] for p in pending[lo:hi]]
-            jobs.append((sum(p[5] for p in pending[lo:hi]),
+            jobs.append((sum([p[5] for p in pending[lo:hi]]),
                          lambda lo=lo, names=names: cats.__setitem__(lo, cat(names))))
         run_jobs(jobs)
+        if digests is not None or (parent_digests is not None
+                                   and parent_digests.keys() >= {p[0] for p in pending}):
+            return cats  # no member hashed: no member's own view needed
         for lo, hi in units:
-            if lo in cats and any(_needs_hash(p[0], p[3], digests, parent_digests)
-                                  for p in pending[lo:hi]):
+            if lo in cats and any(needs_hash(p[0], p[3]) for p in pending[lo:hi]):
                 at = 0
                 for j in range(lo, hi):
                     n = pending[j][5]
@@ -223,35 +251,44 @@ def encode_stream(
         stats.per_tensor.append({"name": h.name, "op": h.op, "changed": int(changed),
                                  "numel": int(numel), "bytes": len(payload)})
 
-    def group(members: list, encoded: tuple, fresh: Iterator[str],
-              split: "list[codec.Changes] | None") -> None:
-        """One group's entries (each member's digest moved by its share of the changes,
-        `split`: `_members_changes`'s, None when the coding kept no changes) and its one
-        record."""
+    def group(members: list, encoded: tuple, fresh: Iterator[str], offsets: np.ndarray,
+              mine: "tuple[np.ndarray | None, list[codec.Changes] | None, int] | None"
+              ) -> None:
+        """One group's entries and its one record, column by column: each member's digest
+        given, hashed, or the parent's moved by its share of the changes (`mine`:
+        `_members_changes`'s moves, splits and touched members; None when the coding kept no
+        changes), reported through `on_group` at once or `on_changes` a member."""
         payload, changes = encoded
         dtype = members[0][1]
-        if split is None:
-            split = [None] * len(members)
-        moved: Iterator[str] = iter(())
-        if digests is None and parent_digests is not None and changes is not None:
-            known = [(parent_digests[m[0]], c.digest) for m, c in zip(members, split,
-                                                                      strict=True)
-                     if m[0] in parent_digests]
-            moved = iter(lanehash.add_many([d for d, _ in known], [c for _, c in known]))
-        for (name, _, shape, old_bits, _, _), mine in zip(members, split, strict=True):
-            if _needs_hash(name, old_bits, digests, parent_digests):
-                digest = next(fresh)
-            elif digests is not None:
-                digest = digests[name]
-            else:  # the parent's digest moved by this member's changes (all at once above)
-                digest = next(moved)
-            entry(name, dtype, shape, digest, mine)
+        moves, split, touched = mine if mine is not None else (None, None, len(members))
+        member_names = [m[0] for m in members]
+        if digests is not None:
+            member_digests = [digests[n] for n in member_names]
+        elif parent_digests is None or moves is None:
+            member_digests = [next(fresh) for _ in members]
+        else:  # the parents' digests moved by the members' changes; hashed where not known
+            known = [parent_digests.get(n) for n in member_names]
+            if None in known:
+                moved = iter(lanehash.add_many([d for d in known if d is not None],
+                                               moves[[d is not None for d in known]]))
+                member_digests = [next(fresh) if d is None else next(moved) for d in known]
+            else:
+                member_digests = lanehash.add_many(known, moves)
+        names.extend(member_names)
+        dtypes.extend(bytes([DTYPE_CODE[dtype]]) * len(members))
+        for m in members:
+            shapes.extend(m[2])
+        ranks.extend([len(m[2]) for m in members])
+        digest_list.extend(member_digests)
+        if on_group is not None and changes is not None:
+            on_group(member_names, offsets, changes)
+        elif on_changes is not None:
+            for name, c in zip(member_names, split or [None] * len(members), strict=True):
+                on_changes(name, c)
         changed = hdr.claimed_changes(payload)
         if changed:
-            touched = len(members) if changes is None else sum(1 for m in split if m.pos.size)
             record(RecordHeader(members[0][0], "group", dtype, [], len(payload), None,
-                                len(members)), payload, changed,
-                   sum(m[5] for m in members), touched)
+                                len(members)), payload, changed, int(offsets[-1]), touched)
 
     queued = 0
     for name in new.names():
@@ -262,11 +299,13 @@ def encode_stream(
         stats.dense_bytes += numel * BY_NAME[dtype].itemsize
         same_layout = (kind == "delta" and name in parent_names
                        and parent.meta(name) == (dtype, shape))
-        old = parent.bits(name) if same_layout else None
-        # a tensor a group may take: its bits are read with the group's (`read_deferred`)
-        bits = None if cat is not None and old is not None and numel < group_below \
-            else new.bits(name)
-        pending.append((name, dtype, shape, old, bits, numel))
+        # a tensor a group may take: its bits and its parent's are read with the group's
+        # (`read_deferred`, `flush`)
+        if same_layout and cat is not None and numel < group_below:
+            pending.append((name, dtype, shape, IN_PARENT, None, numel))
+        else:
+            pending.append((name, dtype, shape, parent.bits(name) if same_layout else None,
+                            new.bits(name), numel))
         queued += numel
         if queued >= BATCH_ELEMENTS:
             flush()
@@ -276,20 +315,25 @@ def encode_stream(
     return TensorTable.from_columns(names, bytes(dtypes), shapes, ranks, digest_list), stats
 
 
-def _members_changes(groups: list[tuple[int, np.ndarray, "codec.Changes | None", np.ndarray]]
-                     ) -> "dict[int, list[codec.Changes]]":
-    """Each group's changes as its members' (codec.split_changes), with each member's digest
-    move (lanehash.moved_by_groups), keyed by the group's first pending index; `groups`:
-    (that index, the parent elements end to end, the group's changes or None, member
-    offsets). On the codec's threads, a job a group: one call per group on the main thread
-    left the other core idle for 0.3 s of a 50,000-tensor publish."""
-    out: dict[int, list[codec.Changes]] = {}
+def _members_changes(groups: list[tuple[int, np.ndarray, "codec.Changes | None", np.ndarray]],
+                     moves: bool, split: bool
+                     ) -> "dict[int, tuple[np.ndarray | None, list[codec.Changes] | None, int]]":
+    """What each group's changes mean for its members, keyed by the group's first pending
+    index: their digest moves (lanehash.moved_by_groups, with `moves`), their own changes
+    (codec.split_changes, with `split`) and how many members changed; `groups`: (that index,
+    the parent elements end to end, the group's changes or None, member offsets). On the
+    codec's threads, a job a group: one call per group on the main thread left the other
+    core idle for 0.3 s of a 50,000-tensor publish."""
+    out: dict[int, tuple[np.ndarray | None, list[codec.Changes] | None, int]] = {}
 
     def job(lo: int, old: np.ndarray, changes: codec.Changes,
             offsets: np.ndarray) -> Callable[[], None]:
         def run() -> None:
-            moves = lanehash.moved_by_groups(old, changes.pos, changes.val, offsets)
-            out[lo] = codec.split_changes(changes, offsets, moves)
+            moved = lanehash.moved_by_groups(old, changes.pos, changes.val, offsets) \
+                if moves else None
+            cuts = np.searchsorted(changes.pos, offsets)
+            out[lo] = (moved, codec.split_changes(changes, offsets, moved) if split else None,
+                       int(np.count_nonzero(np.diff(cuts))))
         return run
 
     run_jobs([(int(changes.pos.size), job(lo, old, changes, offsets))
@@ -345,13 +389,6 @@ class _Scratch:
         return out  # type: ignore[return-value]
 
 
-def _needs_hash(name: str, old: np.ndarray | None, digests: Mapping[str, str] | None,
-                parent_digests: Mapping[str, str] | None) -> bool:
-    if digests is not None:
-        return False
-    return old is None or parent_digests is None or name not in parent_digests
-
-
 @without_gc
 def write_artifact(
     blocks: BlockStore,
@@ -371,6 +408,7 @@ def write_artifact(
     base: BasePin | None = None,
     direct_positions: int = codec.DIRECT,
     group_below: int = GROUP_BELOW,
+    on_group: OnGroup | None = None,
 ) -> tuple[Manifest, EncodeStats]:
     """Encode, store blocks, and return the signed manifest (not yet added to a chain).
     `same_tensors_as`: a manifest already written for this very `new` (the delta of the same
@@ -379,7 +417,7 @@ def write_artifact(
     publisher keeps it so), so a delta's digests are the parent's moved by the changes: no
     tensor is hashed. `on_changes`: see encode_stream. `base`: the base model an adapter
     version applies to (chain/adapters.py), signed with the rest. `direct_positions`,
-    `group_below`: see encode_stream."""
+    `group_below`, `on_group`: see encode_stream."""
     if kind == "delta" and (parent is None or parent_manifest is None):
         raise ValueError("a delta needs the parent's tensors and manifest")
     digests = None
@@ -397,7 +435,7 @@ def write_artifact(
         parent_digests = parent_manifest.tensors.digest_map()
     tensors, stats = encode_stream(writer, new, parent if kind == "delta" else None, kind,
                                    digests, parent_digests, on_changes, direct_positions,
-                                   group_below)
+                                   group_below, on_group)
     stream = writer.close()
     file_entries, file_blocks = [], []
     for fname, data in sorted((files or {}).items()):

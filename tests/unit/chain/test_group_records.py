@@ -234,6 +234,38 @@ def test_groups_read_in_one_call_write_the_same_artifact_as_one_tensor_at_a_time
     assert heads == heads_each and raw == raw_each
 
 
+def test_a_group_reported_at_once_is_its_members_changes_end_to_end(tmp_path, signing_key):
+    """`on_group` gets a group record's members with their offsets and the group's changes in
+    their elements end to end: cut at the offsets, exactly what `on_changes` reports member
+    by member when no `on_group` is given; a tensor coded alone still goes to `on_changes`."""
+    first = experts(200, 12, 4)
+    first["big.w"] = torch.randn(300, 300).to(torch.bfloat16)  # over GROUP_BELOW: alone
+    second = step(first, 5)
+    store = ChainStore(tmp_path / "chain", signing_key.public_key())
+    base, _ = write_artifact(store.blocks, signing_key, run="r", version=0, kind="snapshot",
+                             new=StateDictSource(first))
+    seen: dict[str, dict] = {"each": {}, "whole": {}}
+    groups = []
+    for how in ("each", "whole"):
+        write_artifact(store.blocks, signing_key, run="r", version=1, kind="delta",
+                       new=StateDictSource(second), parent=StateDictSource(first),
+                       parent_manifest=base, trust_parent=True,
+                       on_changes=seen[how].__setitem__,
+                       on_group=None if how == "each" else lambda *g: groups.append(g),
+                       group_below=70_000)
+    grouped = {n for names, _, _ in groups for n in names}
+    assert {f"layers.{i // 8}.experts.{i % 8}.w" for i in range(200)} <= grouped
+    assert "big.w" in seen["whole"] and set(seen["whole"]) == set(second) - grouped
+    for names, offsets, c in groups:
+        assert offsets[0] == 0 and offsets[-1] == sum(second[n].numel() for n in names)
+        for j, name in enumerate(names):
+            inside = (c.pos >= offsets[j]) & (c.pos < offsets[j + 1])
+            assert np.array_equal(c.pos[inside] - offsets[j], seen["each"][name].pos)
+            assert np.array_equal(c.val[inside], seen["each"][name].val)
+    for name, c in seen["whole"].items():
+        assert np.array_equal(c.pos, seen["each"][name].pos)
+
+
 @pytest.mark.parametrize("torch_flatten", [True, False], ids=["flatten", "without"])
 def test_a_sources_cat_is_its_tensors_bits_end_to_end_in_a_new_array(monkeypatch,
                                                                      torch_flatten):
