@@ -38,11 +38,12 @@ class StateDictSource:
     every version; a view is reused only for the very tensor object it was made from, and
     only while that object still views the same memory, unless `owned`: the state is a copy
     its holder never hands out (the publisher's kept copy), so nothing can have re-pointed its
-    tensors and the check (five torch calls a tensor) is skipped, and its dtype and shape are
-    the ones noted with the view. `spans`: `span`'s answers from an earlier source over
-    this same owned state, for a holder that knows every tensor is still the object they were
-    found over (a publisher whose versions replaced none), so 50,000 tensors' addresses are
-    not walked again every version."""
+    tensors and the check (five torch calls a tensor) is skipped, its dtype and shape are the
+    ones noted with the view, and the views are taken as given (the holder keeps them to
+    tensors it still holds, as the publisher does after each patch). `spans`: `span`'s
+    answers from an earlier source over this same owned state, for a holder that knows every
+    tensor is still the object they were found over (a publisher whose versions replaced
+    none), so 50,000 tensors' addresses are not walked again every version."""
 
     def __init__(self, state: Mapping[str, "torch.Tensor"],
                  views: "dict[str, tuple[torch.Tensor, np.ndarray, tuple, tuple]] | None" = None,
@@ -50,7 +51,7 @@ class StateDictSource:
                  spans: "dict[tuple[str, ...], np.ndarray] | None" = None) -> None:
         self._state = state
         self._owned = owned
-        self.views = None if views is None else \
+        self.views = views if views is None or owned else \
             {k: v for k, v in views.items() if state.get(k) is v[0]}
         self.spans: dict[tuple[str, ...], np.ndarray] = dict(spans or {}) if owned else {}
         """`span`'s answers, by the names asked for."""

@@ -178,17 +178,18 @@ class Publisher:
                                               group_below=self.group_below, **common)
                 self.store.add(delta)
                 # the head moved: bring the kept copy along now, whatever happens next
-                last = self._last
-                self._last = _patched(last, kept, state_dict, changes, groups)
-                # the same tensor objects (none replaced, dropped or compacted): the groups'
-                # spans found this time hold next time (0.5-1.3 us a tensor not spent again)
-                same = len(self._last) == len(last) and all(
-                    last.get(k) is t for k, t in self._last.items())
+                # no tensor new, retyped or reshaped (a full record) and none dropped: the
+                # kept copy holds the same tensor objects after the patch
+                same = len(state_dict) == len(self._last) and \
+                    all(c is not None for c in changes.values())
+                self._last = _patched(self._last, kept, state_dict, changes, groups)
+                # then the views and the groups' spans found this time hold next time (a walk
+                # over 50,000 tensors not made again); else only views of tensors still kept:
+                # one of a dropped or replaced tensor would hold it alive (a retyped model:
+                # two copies) until the next publish
                 self._spans = kept.spans if same else {}
-                # only views of tensors still kept: one of a dropped or replaced tensor would
-                # hold it alive (a retyped model: two copies) until the next publish
-                self._views = {k: v for k, v in (kept.views or {}).items()
-                               if self._last.get(k) is v[0]}
+                self._views = kept.views if same else {
+                    k: v for k, v in (kept.views or {}).items() if self._last.get(k) is v[0]}
             if head is None or self.snapshots.due(version, self.store.manifests()):
                 snapshot, snap_stats = write_artifact(self.store.blocks, self.key, kind="snapshot",
                                                       same_tensors_as=delta, **common)
@@ -269,20 +270,13 @@ def _patched(last: dict[str, torch.Tensor], kept: StateDictSource,
     `kept` (its source, holding their bit views; O(changes)), a group record's at once
     (`groups`, the writer's on_group); new, reshaped or retyped tensors copied; tensors no
     longer in `state` dropped."""
-    out = {}
-    patches = []
-    grouped = {name for names, _, _ in groups for name in names}
-    for name in state:
-        c = changes.get(name)
-        if name in grouped:
-            out[name] = last[name]
-        elif c is None:
-            out[name] = state[name].detach().to("cpu", copy=True).contiguous()
-        else:
-            if c.pos.size:
-                patches.append((name, c))
-            out[name] = last[name]
-    kept.patch(patches, groups)
+    # every tensor of `state` was reported: alone in `changes` (None: a full record) or with
+    # its group, in place
+    copied = {name: state[name].detach().to("cpu", copy=True).contiguous()
+              for name, c in changes.items() if c is None}
+    out = {name: copied[name] if name in copied else last[name] for name in state}
+    kept.patch([(name, c) for name, c in changes.items() if c is not None and c.pos.size],
+               groups)
     replaced = len(out) != len(last) or any(c is None for c in changes.values())
     return _compacted(out) if replaced else out
 
