@@ -120,8 +120,8 @@ def encode_stream(
     ranks: list[int] = []
     digest_list: list[str] = []
     parent_names = set(parent.names()) if parent is not None else set()
-    # (name, dtype, shape, parent bits, IN_PARENT until needed or None (no parent of its
-    # layout), bits or None until needed, elements)
+    # (name, dtype, shape, parent bits (IN_PARENT until read; None: no parent of this
+    # layout), bits (None until read), elements)
     pending: list[tuple[str, str, list[int], np.ndarray | None, np.ndarray | None, int]] = []
     scratch = _Scratch()
     cat = getattr(new, "cat", None)  # the source's own tensors end to end, in one call
