@@ -1,6 +1,6 @@
 """Real daemons with models of real shape counts: thousands of tensors through publish, swarm
 and apply, and a region bootstrapping from a manifest of 50,000 tensors and a torrent above
-1 MB, then taking a delta of all 50,000. Both need every reply a daemon reads from a peer to
+1 MB, then taking two deltas of all 50,000. Both need every reply a daemon reads from a peer to
 arrive whole (issue 9: a reply of more than ~128 KiB used to be cut short, so a region refused
 the manifest as bad JSON)."""
 
@@ -93,3 +93,13 @@ def test_a_region_bootstraps_from_a_manifest_of_50000_tensors_and_a_torrent_over
         assert region.status()["state_digest"] == d.state_digest
         cur = WeightsDir(region.state_dir / "weights").verify()
         assert cur.version == 1 and cur.state_digest == d.state_digest
+        # and one more: the publisher's kept copy patched a group at a time, its views and
+        # spans carried from v1 (no tensor replaced), the region's spare brought forward
+        spans = dict(pub._spans)
+        assert spans  # the groups found back to back in the kept copy
+        state = step(state, 2, density=0.1)
+        d = pub.publish(2, state).delta
+        assert d is not None and all(pub._spans[k] is v for k, v in spans.items())
+        c.wait_all_at(2, 120, names=["r1"])
+        cur = WeightsDir(region.state_dir / "weights").verify()
+        assert cur.version == 2 and cur.state_digest == d.state_digest
