@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from chain import lanehash
 from chain.decode import decode_patch
 from chain.errors import BadDelta
-from chain.fill import _group_positions, _inside
+from chain.fill import Fill, _group_positions, _inside
 from chain.safetensors_io import TensorFiles
 from chain.sources import StateDictSource, source_digest
 from chain.store import ChainStore
@@ -311,6 +311,16 @@ def test_small_tensors_travel_in_groups_and_apply_bit_exactly(tmp_path, signing_
         return real(target, source, offsets, ppos, pos, val)
 
     monkeypatch.setattr(lanehash, "moved_by_group_writes", spy)
+    repaired: list[int] = []  # tensors a fill brought forward wrongly and copied whole
+    real_run = Fill.run
+
+    def run(self, *args, **kwargs):
+        try:
+            return real_run(self, *args, **kwargs)
+        finally:
+            repaired.append(self.repaired)
+
+    monkeypatch.setattr(Fill, "run", run)
     w = WeightsDir(tmp_path / "w")
     w.apply(store.plan(None, 1), getter(store))
     for v in (2, 3):
@@ -318,6 +328,8 @@ def test_small_tensors_travel_in_groups_and_apply_bit_exactly(tmp_path, signing_
         assert cur.version == v and cur.state_digest == ms[v].state_digest
         assert w.verify().version == v
     assert True in calls and False in calls
+    # each member's CHANGES positions (cut from its group's) brought the spare forward
+    assert repaired and sum(repaired) == 0
     from safetensors.torch import load_file
 
     assert same(load_file(cur.path / "model.safetensors"), states[3])
