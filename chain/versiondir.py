@@ -128,18 +128,29 @@ def write_changes(directory: Path, version: int, changes: dict[str, np.ndarray |
     names = sorted(changes)
     counts = [WHOLE if changes[n] is None else int(changes[n].size) for n in names]
     # hashed and written in chunks of many tensors: per-tensor hashing and writes cost ~10 us
-    # a tensor (half a second of a 50,000-tensor apply), one body would copy every position
+    # a tensor (half a second of a 50,000-tensor apply), one body would copy every position.
+    # The body goes first behind a header holding a blank check of the same length, then the
+    # header is written again with the check: each chunk is joined once, not once to hash it
+    # and again to write it.
     parts = [changes[n] for n in names if changes[n] is not None]
+
+    def header(check: str) -> bytes:
+        head = json.dumps({"version": version, "tensors": names, "counts": counts,
+                           "check": check}).encode()
+        return _HEAD.pack(_MAGIC, len(head)) + head
+
     h = xxhash.xxh3_64()
-    for chunk in _chunks(parts):
-        h.update(memoryview(chunk).cast("B"))
-    head = json.dumps({"version": version, "tensors": names, "counts": counts,
-                       "check": h.hexdigest()}).encode()
+    blank = header("0" * len(h.hexdigest()))
     with atomic_writer(Path(directory) / CHANGES_FILE, mode, durable=False) as f:
-        f.write(_HEAD.pack(_MAGIC, len(head)))
-        f.write(head)
+        f.write(blank)
         for chunk in _chunks(parts):
-            f.write(memoryview(chunk).cast("B"))
+            raw = memoryview(chunk).cast("B")
+            h.update(raw)
+            f.write(raw)
+        final = header(h.hexdigest())
+        assert len(final) == len(blank)  # xxh3_64's hex digest: always 16 characters
+        f.seek(0)
+        f.write(final)
 
 
 def _chunks(parts: list[np.ndarray], elements: int = 1 << 23) -> Iterator[np.ndarray]:
