@@ -354,8 +354,8 @@ class Fill:
         needs no member's own changes (`_span_job`); when this pass checks digests by moves,
         each tensor's share in its own positions with its digest move, in one kernel call.
         Else a member's share is cut where it is written alone (`_cut`), and its positions
-        alone for CHANGES (`_batch`): 50,000 members' Changes made every version were ~4 %
-        of a region's apply."""
+        alone for CHANGES (`_batch`): 50,000 members' Changes made every version were 4.6 %
+        of a region's apply (its main thread's py-spy samples at 960 elements a tensor)."""
         for m in g.members:
             m.span = g
         g.members[0].group = None

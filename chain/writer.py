@@ -129,14 +129,22 @@ def encode_stream(
     move_digests = digests is None and parent_digests is not None
     split_groups = on_changes is not None and on_group is None
 
-    def needs_hash(name: str, old: np.ndarray | None) -> bool:
-        """Whether a tensor's digest is hashed from its bits (not given, not moved)."""
-        return digests is None and (old is None or parent_digests is None
-                                    or name not in parent_digests)
+    def hashed_names() -> set[str]:
+        """The pending tensors whose digests are hashed from their bits: none where they are
+        given; else those with no parent of their layout or no parent digest to move (all,
+        without parent digests). One pass over the batch, then a set lookup a tensor where a
+        call a tensor cost ~20 ms of a 50,000-tensor publish."""
+        if digests is not None:
+            return set()
+        batch = {p[0] for p in pending}
+        if parent_digests is None:
+            return batch
+        return {p[0] for p in pending if p[3] is None} | (batch - parent_digests.keys())
 
     def flush() -> None:
         units = _units(pending, group_below)
-        cats = read_deferred(units)
+        to_hash = hashed_names()
+        cats = read_deferred(units, to_hash)
         # a group: its tensors' elements end to end, coded as one
         news = iter(scratch.end_to_end([[p[4] for p in pending[lo:hi]] for lo, hi in units
                                         if hi - lo > 1 and lo not in cats]))
@@ -166,20 +174,18 @@ def encode_stream(
             [(lo, pairs[k][0], coded[k][1][1], offsets[lo]) for lo, hi, k in groups],
             moves=move_digests, split=split_groups)
         encoded = iter(coded)
-        hashed = [] if digests is not None else [
-            (dtype, shape, bits) for name, dtype, shape, old, bits, _ in pending
-            if old is None or parent_digests is None or name not in parent_digests]
-        fresh = iter(tensor_digests(hashed))
+        fresh = iter(tensor_digests([(dtype, shape, bits) for name, dtype, shape, _, bits, _
+                                     in pending if name in to_hash]))
         for lo, hi in units:
             if hi - lo > 1:
-                group(pending[lo:hi], next(encoded)[1], fresh, offsets[lo],
+                group(pending[lo:hi], next(encoded)[1], fresh, to_hash, offsets[lo],
                       members_changes.get(lo))
                 continue
             name, dtype, shape, old, bits, _ = pending[lo]
             changes = None
             if old is not None:
                 _, (payload, changes) = next(encoded)
-            if needs_hash(name, old):
+            if name in to_hash:
                 digest = next(fresh)
             elif digests is not None:
                 digest = digests[name]
@@ -198,14 +204,15 @@ def encode_stream(
                    bits.size)
         pending.clear()
 
-    def read_deferred(units: list[tuple[int, int]]) -> dict[int, np.ndarray]:
+    def read_deferred(units: list[tuple[int, int]], to_hash: set[str]
+                      ) -> dict[int, np.ndarray]:
         """The batch's deferred bits: each group's new elements end to end from the source in
         one call (`cat`), on the codec's threads (torch copies without the GIL), keyed by the
         group's first pending index, its members' own views cut from them only where they
         are hashed; a tensor coded alone, its own view and its parent's. Reading a torch
         tensor's bits costs ~3 us a tensor through Python, most of a 50,000-tensor publish's
         per-tensor cost, where the source's one call copies them end to end (the copy a
-        group needs anyway) at ~1 us a tensor."""
+        group needs anyway) at ~1 us a tensor. `to_hash`: `hashed_names`'."""
         cats: dict[int, np.ndarray] = {}
         jobs = []
         for lo, hi in units:
@@ -220,11 +227,10 @@ def encode_stream(
             jobs.append((sum([p[5] for p in pending[lo:hi]]),
                          lambda lo=lo, names=names: cats.__setitem__(lo, cat(names))))
         run_jobs(jobs)
-        if digests is not None or (parent_digests is not None
-                                   and parent_digests.keys() >= {p[0] for p in pending}):
+        if not to_hash:
             return cats  # no member hashed: no member's own view needed
         for lo, hi in units:
-            if lo in cats and any(needs_hash(p[0], p[3]) for p in pending[lo:hi]):
+            if lo in cats and any(p[0] in to_hash for p in pending[lo:hi]):
                 at = 0
                 for j in range(lo, hi):
                     n = pending[j][5]
@@ -251,29 +257,30 @@ def encode_stream(
         stats.per_tensor.append({"name": h.name, "op": h.op, "changed": int(changed),
                                  "numel": int(numel), "bytes": len(payload)})
 
-    def group(members: list, encoded: tuple, fresh: Iterator[str], offsets: np.ndarray,
+    def group(members: list, encoded: tuple, fresh: Iterator[str], to_hash: set[str],
+              offsets: np.ndarray,
               mine: "tuple[np.ndarray | None, list[codec.Changes] | None, int] | None"
               ) -> None:
         """One group's entries and its one record, column by column: each member's digest
-        given, hashed, or the parent's moved by its share of the changes (`mine`:
+        given, hashed (`to_hash`), or the parent's moved by its share of the changes (`mine`:
         `_members_changes`'s moves, splits and touched members; None when the coding kept no
         changes), reported through `on_group` at once or `on_changes` a member."""
         payload, changes = encoded
         dtype = members[0][1]
         moves, split, touched = mine if mine is not None else (None, None, len(members))
         member_names = [m[0] for m in members]
+        hashed = [n in to_hash for n in member_names]
         if digests is not None:
             member_digests = [digests[n] for n in member_names]
-        elif parent_digests is None or moves is None:
+        elif all(hashed):
             member_digests = [next(fresh) for _ in members]
-        else:  # the parents' digests moved by the members' changes; hashed where not known
-            known = [parent_digests.get(n) for n in member_names]
-            if None in known:
-                moved = iter(lanehash.add_many([d for d in known if d is not None],
-                                               moves[[d is not None for d in known]]))
-                member_digests = [next(fresh) if d is None else next(moved) for d in known]
-            else:
-                member_digests = lanehash.add_many(known, moves)
+        elif not any(hashed):  # the parents' digests moved by the members' changes
+            member_digests = lanehash.add_many([parent_digests[n] for n in member_names], moves)
+        else:  # moved where the parent digest is known, hashed where not
+            moved = iter(lanehash.add_many(
+                [parent_digests[n] for n, h in zip(member_names, hashed, strict=True) if not h],
+                moves[[not h for h in hashed]]))
+            member_digests = [next(fresh) if h else next(moved) for h in hashed]
         names.extend(member_names)
         dtypes.extend(bytes([DTYPE_CODE[dtype]]) * len(members))
         for m in members:

@@ -178,13 +178,10 @@ class Publisher:
                                               group_below=self.group_below, **common)
                 self.store.add(delta)
                 # the head moved: bring the kept copy along now, whatever happens next
-                # no tensor new, retyped or reshaped (a full record) and none dropped: the
-                # kept copy holds the same tensor objects after the patch
-                same = len(state_dict) == len(self._last) and \
-                    all(c is not None for c in changes.values())
+                same = not _replaces(self._last, state_dict, changes)
                 self._last = _patched(self._last, kept, state_dict, changes, groups)
-                # then the views and the groups' spans found this time hold next time (a walk
-                # over 50,000 tensors not made again); else only views of tensors still kept:
+                # none replaced: the views and the groups' spans found this time hold next time
+                # (a walk over 50,000 tensors not made again); else only views of tensors kept:
                 # one of a dropped or replaced tensor would hold it alive (a retyped model:
                 # two copies) until the next publish
                 self._spans = kept.spans if same else {}
@@ -277,8 +274,16 @@ def _patched(last: dict[str, torch.Tensor], kept: StateDictSource,
     out = {name: copied[name] if name in copied else last[name] for name in state}
     kept.patch([(name, c) for name, c in changes.items() if c is not None and c.pos.size],
                groups)
-    replaced = len(out) != len(last) or any(c is None for c in changes.values())
-    return _compacted(out) if replaced else out
+    return _compacted(out) if _replaces(last, state, changes) else out
+
+
+def _replaces(last: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor],
+              changes: Mapping[str, "codec.Changes | None"]) -> bool:
+    """Whether moving the kept copy `last` to `state` replaces any of its tensors: one new,
+    retyped or reshaped (a full record, None in `changes`) or dropped. Else the patched copy
+    holds the same tensor objects, so their views and spans hold for the next version. Only
+    tensors coded alone are in `changes`: O(those), not O(tensors)."""
+    return len(state) != len(last) or any(c is None for c in changes.values())
 
 
 def _compacted(kept: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

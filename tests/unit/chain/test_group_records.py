@@ -266,6 +266,26 @@ def test_a_group_reported_at_once_is_its_members_changes_end_to_end(tmp_path, si
         assert np.array_equal(c.pos, seen["each"][name].pos)
 
 
+def test_group_members_the_parent_manifest_lacks_are_hashed_and_the_rest_moved(
+        tmp_path, signing_key):
+    """A trusted parent whose manifest does not list some tensors its source holds (they
+    group with the others): those members' digests are hashed, the rest moved, all equal to
+    hashing the new state."""
+    first = experts(40, 15, 6)
+    second = step(first, 7)
+    store = ChainStore(tmp_path / "chain", signing_key.public_key())
+    lacking = {f"layers.{i // 8}.experts.{i % 8}.w" for i in (3, 4, 17)}
+    base, _ = write_artifact(store.blocks, signing_key, run="r", version=0, kind="snapshot",
+                             new=StateDictSource({k: v for k, v in first.items()
+                                                  if k not in lacking}))
+    m, _ = write_artifact(store.blocks, signing_key, run="r", version=1, kind="delta",
+                          new=StateDictSource(second), parent=StateDictSource(first),
+                          parent_manifest=base, trust_parent=True)
+    grouped = [h for h in records(store, m) if h.op == "group"]
+    assert grouped and sum(h.count for h in grouped) >= 40
+    assert m.state_digest == source_digest(StateDictSource(second))
+
+
 @pytest.mark.parametrize("torch_flatten", [True, False], ids=["flatten", "without"])
 def test_a_sources_cat_is_its_tensors_bits_end_to_end_in_a_new_array(monkeypatch,
                                                                      torch_flatten):
