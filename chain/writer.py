@@ -162,17 +162,18 @@ def encode_stream(
                 pairs.append((olds, cats[lo] if lo in cats else next(news), dtype))
             elif old is not None:
                 pairs.append((old, bits, dtype))
+        offsets = {lo: np.cumsum([0] + [p[5] for p in pending[lo:hi]], dtype=np.int64)
+                   for lo, hi, _ in groups}
+        moves = _GroupMoves({k: offsets[lo] for lo, _, k in groups} if move_digests else {})
         # each pair with what it was coded as: (old, new, dtype), (payload, changes)
         coded = list(zip(pairs, codec.encode_changes(pairs, changes=parent_digests is not None
                                                      or on_changes is not None
                                                      or on_group is not None,
-                                                     direct=direct_positions) if pairs else [],
-                         strict=True))
-        offsets = {lo: np.cumsum([0] + [p[5] for p in pending[lo:hi]], dtype=np.int64)
-                   for lo, hi, _ in groups}
+                                                     moved=moves, direct=direct_positions)
+                         if pairs else [], strict=True))
         members_changes = _members_changes(
-            [(lo, pairs[k][0], coded[k][1][1], offsets[lo]) for lo, hi, k in groups],
-            moves=move_digests, split=split_groups)
+            [(lo, coded[k][1][1], offsets[lo], moves.of(k)) for lo, hi, k in groups],
+            split=split_groups)
         encoded = iter(coded)
         fresh = iter(tensor_digests([(dtype, shape, bits) for name, dtype, shape, _, bits, _
                                      in pending if name in to_hash]))
@@ -327,29 +328,53 @@ def encode_stream(
     return TensorTable.from_columns(names, bytes(dtypes), shapes, ranks, digest_list), stats
 
 
-def _members_changes(groups: list[tuple[int, np.ndarray, "codec.Changes | None", np.ndarray]],
-                     moves: bool, split: bool
+class _GroupMoves:
+    """The encoder's `moved` hook (codec.Moved) for a batch: a tensor coded alone gets its
+    digest move as the codec's default does; a group (pair index in `offsets`, its members'
+    offsets) gets each member's move (lanehash.moved_by_groups) from every segment, on the
+    thread that coded it while the segment's old elements are still in cache, summed by
+    `of`. Computed after the encode instead, reading 2 GB of parent elements again, the
+    members' moves cost a 50,000-tensor publish of 1e9 elements ~0.1 s, five times what a
+    dense model's fused moves cost. A group's own digest move is meaningless and left 0."""
+
+    def __init__(self, offsets: dict[int, np.ndarray]) -> None:
+        self.offsets = offsets
+        self.found: dict[int, list[np.ndarray]] = {k: [] for k in offsets}
+
+    def __call__(self, pair: int, lo: int, old: np.ndarray, new: np.ndarray, pos: np.ndarray,
+                 val: np.ndarray) -> tuple[int, int]:
+        offsets = self.offsets.get(pair)
+        if offsets is None:
+            return lanehash.moved_between(old, new, pos)
+        self.found[pair].append(lanehash.moved_by_groups(old, pos, val, offsets))
+        return 0, 0
+
+    def of(self, pair: int) -> np.ndarray | None:
+        """Pair `pair`'s members' moves, (members, 2) lane sums; None if not a group's."""
+        found = self.found.get(pair)
+        if not found:
+            return None
+        total = found[0]
+        for more in found[1:]:
+            total = total + more  # uint64: lane sums wrap modulo 2^64, as they must
+        return total
+
+
+def _members_changes(groups: list[tuple[int, "codec.Changes | None", np.ndarray,
+                                        np.ndarray | None]],
+                     split: bool
                      ) -> "dict[int, tuple[np.ndarray | None, list[codec.Changes] | None, int]]":
     """What each group's changes mean for its members, keyed by the group's first pending
-    index: their digest moves (lanehash.moved_by_groups, with `moves`), their own changes
+    index: their digest moves (as `_GroupMoves` found them), their own changes
     (codec.split_changes, with `split`) and how many members changed; `groups`: (that index,
-    the parent elements end to end, the group's changes or None, member offsets). On the
-    codec's threads, a job a group: one call per group on the main thread left the other
-    core idle for 0.3 s of a 50,000-tensor publish."""
+    the group's changes or None, member offsets, the members' moves or None)."""
     out: dict[int, tuple[np.ndarray | None, list[codec.Changes] | None, int]] = {}
-
-    def job(lo: int, old: np.ndarray, changes: codec.Changes,
-            offsets: np.ndarray) -> Callable[[], None]:
-        def run() -> None:
-            moved = lanehash.moved_by_groups(old, changes.pos, changes.val, offsets) \
-                if moves else None
-            cuts = np.searchsorted(changes.pos, offsets)
-            out[lo] = (moved, codec.split_changes(changes, offsets, moved) if split else None,
-                       int(np.count_nonzero(np.diff(cuts))))
-        return run
-
-    run_jobs([(int(changes.pos.size), job(lo, old, changes, offsets))
-              for lo, old, changes, offsets in groups if changes is not None])
+    for lo, changes, offsets, moved in groups:
+        if changes is None:
+            continue
+        cuts = np.searchsorted(changes.pos, offsets)
+        out[lo] = (moved, codec.split_changes(changes, offsets, moved) if split else None,
+                   int(np.count_nonzero(np.diff(cuts))))
     return out
 
 
