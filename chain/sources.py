@@ -67,6 +67,24 @@ class StateDictSource:
                 return kept[3][0], list(kept[3][1])
         return _meta(t)
 
+    def metas(self, names: list[str]) -> list[tuple[str, list[int]]]:
+        """`meta` of each of `names`, in one pass: a call a tensor, twice a version (the new
+        state's and the kept copy's), cost a 50,000-tensor publish's walk ~30 ms more."""
+        state = self._state
+        if not self._owned or self.views is None:
+            by_torch = dtypes.torch_names()
+            try:
+                return [(by_torch[t.dtype], list(t.shape)) for t in map(state.__getitem__, names)]
+            except KeyError:  # an unsupported dtype: `_meta` names it
+                return [_meta(state[n]) for n in names]
+        views = self.views
+        out = []
+        for name in names:
+            t, kept = state[name], views.get(name)
+            out.append((kept[3][0], list(kept[3][1])) if kept is not None and kept[0] is t
+                       else _meta(t))
+        return out
+
     def bits(self, name: str) -> np.ndarray:
         t = self._state[name]
         if self.views is None:

@@ -152,6 +152,28 @@ def test_a_span_answer_handed_over_is_given_without_walking_the_views():
     assert StateDictSource(kept, {}, spans={tuple(names): marker}).span(names) is None
 
 
+def test_metas_answer_what_meta_answers_for_owned_and_given_states():
+    """`metas` (the writer's walk asks it once for all tensors) equals `meta` asked a tensor
+    at a time: for a trainer's state, for an owned kept copy with and without views, and for
+    a tensor replaced in the kept copy since it was viewed; an unsupported dtype is named."""
+    state = {"a": torch.randn(3, 4).to(torch.bfloat16), "b": torch.zeros(5, dtype=torch.int32),
+             "c": torch.randn(2, 2, 2)}
+    names = sorted(state)
+    given = StateDictSource(state)
+    assert given.metas(names) == [given.meta(n) for n in names] == [
+        ("bfloat16", [3, 4]), ("int32", [5]), ("float32", [2, 2, 2])]
+    kept = _cpu_copy(state)
+    owned = StateDictSource(kept, {}, owned=True)
+    assert owned.metas(names) == [owned.meta(n) for n in names]
+    for n in names:
+        owned.bits(n)
+    kept["c"] = torch.zeros(7, dtype=torch.float16)  # replaced since it was viewed
+    assert owned.metas(names) == [owned.meta(n) for n in names]
+    assert owned.metas(["c"]) == [("float16", [7])]
+    with pytest.raises(ChainError, match="complex64"):
+        StateDictSource({"z": torch.zeros(2, dtype=torch.complex64)}).metas(["z"])
+
+
 def test_the_kept_copys_span_is_none_where_tensors_do_not_lie_back_to_back():
     """Where the tensors do not lie back to back (8-byte boundaries between odd-sized bf16
     ones), or the state is not owned, no span: the writer copies them end to end instead. A
