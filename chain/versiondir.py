@@ -132,18 +132,17 @@ def write_changes(directory: Path, version: int, changes: dict[str, np.ndarray |
     # The body goes first behind a header holding a blank check of the same length, then the
     # header is written again with the check: each chunk is joined once, not once to hash it
     # and again to write it.
-    parts = [changes[n] for n in names if changes[n] is not None]
+    listing = json.dumps({"version": version, "tensors": names, "counts": counts})
 
-    def header(check: str) -> bytes:
-        head = json.dumps({"version": version, "tensors": names, "counts": counts,
-                           "check": check}).encode()
+    def header(check: str) -> bytes:  # the listing made once (50,000 names: ~12 ms a dump)
+        head = f'{listing[:-1]}, "check": "{check}"}}'.encode()
         return _HEAD.pack(_MAGIC, len(head)) + head
 
     h = xxhash.xxh3_64()
     blank = header("0" * len(h.hexdigest()))
     with atomic_writer(Path(directory) / CHANGES_FILE, mode, durable=False) as f:
         f.write(blank)
-        for chunk in _chunks(parts):
+        for chunk in _chunks([changes[n] for n in names if changes[n] is not None]):
             raw = memoryview(chunk).cast("B")
             h.update(raw)
             f.write(raw)
@@ -154,7 +153,9 @@ def write_changes(directory: Path, version: int, changes: dict[str, np.ndarray |
 
 
 def _chunks(parts: list[np.ndarray], elements: int = 1 << 23) -> Iterator[np.ndarray]:
-    """`parts` as contiguous int64 arrays of about `elements` each (64 MiB), in order."""
+    """`parts` as contiguous int64 arrays of about `elements` each (64 MiB), in order. (Writing
+    a group's members' positions as views of their one array instead, found by address,
+    cost ~3 us a member where the join costs ~0.5 us.)"""
     run: list[np.ndarray] = []
     size = 0
     for p in parts:

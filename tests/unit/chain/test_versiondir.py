@@ -3,11 +3,22 @@ readers and the digests of carried files see the same file), by a faster path.""
 
 import json
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from chain.versiondir import FORMAT, BadVersionDir, VersionInfo, read_info, write_info
+from chain.codec import split_positions
+from chain.versiondir import (
+    CHANGES_FILE,
+    FORMAT,
+    BadVersionDir,
+    VersionInfo,
+    read_changes,
+    read_info,
+    write_changes,
+    write_info,
+)
 
 names = st.text(min_size=0, max_size=12)
 
@@ -60,3 +71,34 @@ def test_a_version_file_is_parsed_again_only_when_its_bytes_changed(tmp_path,
         f.write(flipped)
     assert read_info(tmp_path).tensors["b"] == "1" * 31 + "2" and parsed == [1]
     assert read_info(tmp_path).tensors["b"] == "1" * 31 + "2" and parsed == [1]
+
+
+@given(sizes=st.lists(st.lists(st.integers(0, 6), min_size=1, max_size=5), max_size=6),
+       whole=st.lists(st.booleans(), max_size=6), seed=st.integers(0, 2**16))
+def test_changes_round_trip_whatever_arrays_hold_the_positions(tmp_path_factory, sizes, whole,
+                                                               seed) -> None:
+    """CHANGES holds each tensor's positions as given, whether they are views cut from one
+    array (a group's members, codec.split_positions), arrays of their own, another integer
+    type, or None (whole): read back equal, in name order, with the header (made once, the
+    check added last) that `json.dumps` of the four fields writes."""
+    rng = np.random.default_rng(seed)
+    changes: dict[str, np.ndarray | None] = {}
+    for g, members in enumerate(sizes):
+        offsets = np.cumsum([0, *[8 * (m + 1) for m in members]], dtype=np.int64)
+        pos = np.sort(rng.choice(int(offsets[-1]), sum(members), replace=False)).astype(
+            np.int64)
+        for j, own in enumerate(split_positions(pos, offsets)):
+            # interleaved with other groups' names: runs break wherever names do
+            changes[f"t{(j * 7 + g) % 10}.{g}.{j}"] = own if j % 3 else own.astype(np.int32)
+    for k, w in enumerate(whole):
+        changes[f"w{k}"] = None if w else np.arange(k, dtype=np.int64)
+    d = tmp_path_factory.mktemp("changes")
+    write_changes(d, 9, changes)
+    back = read_changes(d, 9)
+    assert back is not None and list(back) == sorted(changes)
+    for name, pos in changes.items():
+        assert (back[name] is None) if pos is None else np.array_equal(back[name], pos)
+    raw = (d / CHANGES_FILE).read_bytes()
+    head = json.loads(raw[raw.index(b'{"version"'):raw.index(b'"}') + 2])
+    assert list(head) == ["version", "tensors", "counts", "check"] and head["version"] == 9
+
