@@ -3,6 +3,7 @@ come in 50,000 tensors instead of ~200, what the record framing adds to a delta,
 sharded publishing costs against the single-process Publisher. One JSON line last with --json.
 
     python bench/scaleout.py [--json] [--elements 5e7] [--moe-tensors 50000] [--ranks]
+                             [--per-tensor 100000,1572864]
 
 - `tensors_moe`, `moe_publish_over_dense`, `moe_apply_over_dense`: a bf16 model of `--elements`
   elements, once as ~200 tensors (Llama-like rows) and once as `--moe-tensors` tensors (expert
@@ -14,6 +15,13 @@ sharded publishing costs against the single-process Publisher. One JSON line las
   dtypes and shapes once (what any publisher does a tensor before any coding), and
   (dense publish + that) / dense publish: a lower bound of `moe_publish_over_dense` for any
   publisher handed torch tensors, measured in the same run.
+- `moe_by_tensor_elements` (with `--per-tensor 100000,1572864`): the same two ratios with the
+  same bytes cut into tensors of each given size instead (1,572,864 = 768 x 2048, a
+  Qwen3-30B-A3B expert matrix), against the same dense runs. At equal bytes a per-tensor cost
+  adds (tensors x its cost) / (bytes x cost a byte), so the ratio follows the elements a tensor
+  holds, not the count: `--elements 1e9` at 50,000 tensors is 20,000 elements a tensor, 80x
+  smaller than any expert of a real 18,000-69,000-tensor MoE checkpoint, which this host cannot
+  hold 50,000 of.
 - `delta_file_over_payload`: a 101-tensor Llama-shaped model's 1 %-dense delta as it travels
   (the artifact's block bytes) over the codec payloads its records carry.
 - `sharded_1rank_over_publisher`, `ranks2_over_ranks1` (with --ranks): bench/scale.py --ranks 2
@@ -170,8 +178,8 @@ def publish_and_apply(work: Path, states: Iterable[dict[str, torch.Tensor]]
     return pubs, applies, manifests
 
 
-def tensor_count_costs(elements: int, moe_tensors: int, n_versions: int, rounds: int
-                       ) -> dict:
+def tensor_count_costs(elements: int, moe_tensors: int, n_versions: int, rounds: int,
+                       per_tensor: list[int]) -> dict:
     sides = {"dense": dense_shapes(elements), "moe": moe_shapes(elements, moe_tensors)}
     for name, shapes in sides.items():
         log(f"{name}: {len(shapes)} tensors, {sum(int(np.prod(x)) for x in shapes.values()):,} "
@@ -186,6 +194,17 @@ def tensor_count_costs(elements: int, moe_tensors: int, n_versions: int, rounds:
             log(f"round {r + 1} {name}: publish {p:.3f} s, apply {a:.3f} s per delta")
             b = best.setdefault(name, {"publish": p, "apply": a})
             b["publish"], b["apply"] = min(b["publish"], p), min(b["apply"], a)
+    sweep = {}
+    for per in per_tensor:
+        count = max(1, elements // per)
+        with tempfile.TemporaryDirectory(prefix="scaleout-", dir=_tmp_root()) as tmp:
+            pubs, applies, _ = publish_and_apply(
+                Path(tmp), versions(moe_shapes(elements, count), n_versions, 0.01, seed=7))
+        p, a = statistics.median(pubs), statistics.median(applies)
+        log(f"{count} tensors of {per:,} elements: publish {p:.3f} s, apply {a:.3f} s per delta")
+        sweep[str(per)] = {"tensors": count,
+                           "publish_over_dense": round(p / best["dense"]["publish"], 3),
+                           "apply_over_dense": round(a / best["dense"]["apply"], 3)}
     floor = read_floor_s(sides["moe"])
     log(f"reading the {len(sides['moe'])} tensors' dtype and shape once: {floor:.3f} s")
     return {"tensors_moe": len(sides["moe"]), "tensors_dense": len(sides["dense"]),
@@ -193,6 +212,7 @@ def tensor_count_costs(elements: int, moe_tensors: int, n_versions: int, rounds:
             "moe_publish_over_dense": round(best["moe"]["publish"] / best["dense"]["publish"], 3),
             "moe_apply_over_dense": round(best["moe"]["apply"] / best["dense"]["apply"], 3),
             "moe_read_floor_s": round(floor, 3),
+            **({"moe_by_tensor_elements": sweep} if sweep else {}),
             "moe_publish_floor_over_dense": round(
                 (best["dense"]["publish"] + floor) / best["dense"]["publish"], 3)}
 
@@ -407,6 +427,8 @@ def main() -> None:
     ap.add_argument("--moe-tensors", type=int, default=50_000)
     ap.add_argument("--versions", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--per-tensor", default="",
+                    help="also the ratios with --elements cut into tensors of these sizes")
     ap.add_argument("--ranks", action="store_true", help="also run bench/scale.py --ranks 2")
     ap.add_argument("--params", type=float, default=1e9)
     ap.add_argument("--nodes", default="8,16,32",
@@ -422,7 +444,8 @@ def main() -> None:
     result: dict = {"load_avg_1m": round(os.getloadavg()[0], 2)}
     result |= framing(int(4e7))
     if not a.skip_tensors:
-        result |= tensor_count_costs(int(a.elements), a.moe_tensors, a.versions, a.rounds)
+        result |= tensor_count_costs(int(a.elements), a.moe_tensors, a.versions, a.rounds,
+                                     [int(float(x)) for x in a.per_tensor.split(",") if x])
     if a.ranks:
         result |= ranks(a.params)
     if a.nodes:
