@@ -5,7 +5,7 @@ directory; all three look the same through `TensorSource`. A publisher's kept co
 version is also written through its source (`StateDictSource.patch`), whose views it shares.
 """
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -67,10 +67,16 @@ class StateDictSource:
                 return kept[3][0], list(kept[3][1])
         return _meta(t)
 
-    def metas(self, names: list[str]) -> list[tuple[str, list[int]]]:
-        """`meta` of each of `names`, in one pass: a call a tensor, twice a version (the new
-        state's and the kept copy's), cost a 50,000-tensor publish's walk ~30 ms more."""
+    def metas(self, names: list[str]) -> Iterable[tuple[str, list[int]]]:
+        """`meta` of each of `names`: in one pass where the state is a plain dict (a call a
+        tensor, twice a version for the new state and the kept copy, cost a 50,000-tensor
+        publish's walk ~30 ms more); one at a time as iterated for any other mapping, which
+        may make a tensor only when asked for it (a trainer handing over tensors as they
+        are ready): the writer's walk then reads each as it reaches it, writing the blocks
+        of those before it first, as it did with `meta`."""
         state = self._state
+        if type(state) is not dict:
+            return (self.meta(n) for n in names)
         if not self._owned or self.views is None:
             by_torch = dtypes.torch_names()
             try:

@@ -8,7 +8,7 @@ the result bit for bit.
 
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -331,10 +331,11 @@ def encode_stream(
     return TensorTable.from_columns(names, bytes(dtypes), shapes, ranks, digest_list), stats
 
 
-def _metas(source: TensorSource, names: list[str]) -> list[tuple[str, list[int]]]:
-    """Each of `names`' (dtype, shape): in one call where the source answers for many."""
+def _metas(source: TensorSource, names: list[str]) -> Iterable[tuple[str, list[int]]]:
+    """Each of `names`' (dtype, shape), as the source answers for many (`metas`), else one
+    at a time as iterated (the walk reads each tensor as it reaches it)."""
     many = getattr(source, "metas", None)
-    return many(names) if many is not None else [source.meta(n) for n in names]
+    return many(names) if many is not None else (source.meta(n) for n in names)
 
 
 class _GroupMoves:

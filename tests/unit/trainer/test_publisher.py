@@ -174,6 +174,24 @@ def test_metas_answer_what_meta_answers_for_owned_and_given_states():
         StateDictSource({"z": torch.zeros(2, dtype=torch.complex64)}).metas(["z"])
 
 
+def test_a_mapping_that_makes_tensors_on_access_is_asked_one_at_a_time():
+    """A state that is not a plain dict may make a tensor only when asked (a trainer handing
+    tensors over as they are ready): `metas` reads none before it is iterated and each as
+    it is reached, so the writer's walk writes the blocks before a tensor first."""
+    state = {f"t{i}": torch.randn(4).to(torch.bfloat16) for i in range(3)}
+    asked: list[str] = []
+
+    class Lazy(dict):
+        def __getitem__(self, name):
+            asked.append(name)
+            return super().__getitem__(name)
+
+    answers = iter(StateDictSource(Lazy(state)).metas(["t0", "t1", "t2"]))
+    assert asked == []
+    assert next(answers) == ("bfloat16", [4]) and asked == ["t0"]
+    assert list(answers) == [("bfloat16", [4])] * 2 and asked == ["t0", "t1", "t2"]
+
+
 def test_the_kept_copys_span_is_none_where_tensors_do_not_lie_back_to_back():
     """Where the tensors do not lie back to back (8-byte boundaries between odd-sized bf16
     ones), or the state is not owned, no span: the writer copies them end to end instead. A
