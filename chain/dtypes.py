@@ -86,14 +86,10 @@ def lookup(name: str) -> DType:
         ) from None
 
 
+@cache
 def torch_names() -> "dict[torch.dtype, str]":
     """Our name of each supported torch dtype: for walks over many tensors (a missing key
     is an unsupported dtype, which `of_tensor` names)."""
-    return _torch_names()
-
-
-@cache
-def _torch_names() -> "dict[torch.dtype, str]":
     return {t: d.name for t, d in _by_torch().items()}
 
 
