@@ -20,9 +20,10 @@ from tests.integration.harness import ROOT, TOKEN, Cluster, free_port
 WORLD = 2
 
 
-def run_group(c: Cluster, root: Path, steps: int, die: dict[int, int] | None = None,
-              timeout: float = 120) -> list[int]:
-    """Start WORLD worker processes on a fresh rendezvous port; their exit codes."""
+def run_group(c: Cluster, root: Path, group: str, steps: int,
+              die: dict[int, int] | None = None, timeout: float = 120) -> list[int]:
+    """Start WORLD worker processes on a fresh rendezvous port; their exit codes. Each group
+    logs to its own files (`logs(root, group)`), so a failure shows that group's output."""
     port = free_port("127.0.0.1")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     procs = []
@@ -35,7 +36,7 @@ def run_group(c: Cluster, root: Path, steps: int, die: dict[int, int] | None = N
                 "--log", str(root / "versions.jsonl")]
         if die and rank in die:
             argv += ["--die-before-gather", str(die[rank])]
-        with open(root / f"rank{rank}.log", "ab") as log:
+        with open(root / f"{group}-rank{rank}.log", "wb") as log:
             procs.append(subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log,
                                           stderr=subprocess.STDOUT))
     try:
@@ -47,9 +48,9 @@ def run_group(c: Cluster, root: Path, steps: int, die: dict[int, int] | None = N
                 p.wait()
 
 
-def logs(root: Path) -> str:
-    return "\n".join(f"--- rank {r}:\n" + (root / f"rank{r}.log").read_text()[-3000:]
-                     for r in range(WORLD))
+def logs(root: Path, group: str) -> str:
+    return "\n".join(f"--- {group}, rank {r}:\n" +
+                     (root / f"{group}-rank{r}.log").read_text()[-3000:] for r in range(WORLD))
 
 
 @pytest.mark.slow
@@ -61,14 +62,14 @@ def test_fsdp2_ranks_publish_bit_exact_and_a_killed_rank_leaves_no_half_version(
         c.start_all()
         chain_dir = c.daemons["trainer"].state_dir / "chain"
 
-        codes = run_group(c, tmp_path, steps=3, die={1: 3})
-        assert codes[1] == -9 and codes[0] != 0, (codes, logs(tmp_path))
+        codes = run_group(c, tmp_path, "killed", steps=3, die={1: 3})
+        assert codes[1] == -9 and codes[0] != 0, (codes, logs(tmp_path, "killed"))
         store = ChainStore(chain_dir)
         assert store.head() == 2, store.artifacts()
         assert store.get(3, "delta") is None and store.get(3, "snapshot") is None
         assert (chain_dir / "parts" / "v00000003" / "rank00001.json").is_file()
 
-        assert run_group(c, tmp_path, steps=5) == [0, 0], logs(tmp_path)
+        assert run_group(c, tmp_path, "resumed", steps=5) == [0, 0], logs(tmp_path, "resumed")
         rows = [json.loads(line) for line in (tmp_path / "versions.jsonl").read_text().splitlines()]
         assert [r["version"] for r in rows] == [0, 1, 2, 3, 4, 5], rows
         assert all(r["digest"] == r["ref"] for r in rows), rows
