@@ -179,8 +179,8 @@ class HeadWatcher:
             await task
 
     async def _watch(self, url: str, glance: bool = False) -> None:
-        if glance and self.glance_s is not None:  # spread the fleet's glances over the period
-            await asyncio.sleep(random.uniform(0.0, self.glance_s()))
+        if glance and self.glance_s is not None:
+            await self._first_glance(self.glance_s)
         while True:
             peer = self.book.peers.get(url)
             if peer is None or peer.banned():
@@ -197,6 +197,17 @@ class HeadWatcher:
             if glance and self.glance_s is not None:
                 await asyncio.sleep(self.glance_s())
 
+    @staticmethod
+    async def _first_glance(period: Callable[[], float]) -> None:
+        """Wait a share of the glance period drawn once, so the fleet's first glances spread
+        over it; the period is read again each second, because a node that has just started
+        learns the fleet's size (and so how seldom to glance) from its first replies: a
+        period fixed at start had every node of a restarted fleet glance within the first
+        TRAINER_INDEX_S (at 10,000 nodes, ~330 asks a second at the trainer)."""
+        share, start = random.random(), time.monotonic()
+        while (left := start + share * period() - time.monotonic()) > 0:
+            await asyncio.sleep(min(left, 1.0))
+
     async def _poll(self, peer: Peer, hold: bool = True) -> None:
         heads = [h for h in (self.known_head(), peer.head) if h is not None]
         after = max(heads, default=-1)
@@ -205,9 +216,11 @@ class HeadWatcher:
         reply = await self.client.get_json(f"{peer.url}/v1/chain/head", "head", params=params,
                                            timeout=self.poll_timeout + 10)
         version, bt, node = parse_head(reply, peer.url)
-        nodes = reply.get("nodes")
+        nodes, relayed = reply.get("nodes"), reply.get("trainer_nodes")
         peer.fleet_nodes = bounded_int(nodes, peer.url, "head nodes", 10**8) if nodes is not None \
             else None
+        peer.trainer_nodes = bounded_int(relayed, peer.url, "head trainer_nodes", 10**8) \
+            if relayed is not None else None
         key, region = reply.get("key"), reply.get("region")
         self.book.learn_own(peer.url, node, key if is_key_hex(key) else None, bt, version,
                             region if isinstance(region, str) and _plain_name(region) else None,

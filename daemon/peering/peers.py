@@ -125,6 +125,10 @@ class Peer:
     fleet_nodes: int | None = None
     """How many live nodes it said it knows in its last head reply (the trainer's count paces
     how often nodes that hear it through others still ask it: Syncer.glance_s)."""
+    trainer_nodes: int | None = None
+    """The trainer's count as this peer last heard it (its head replies relay it), so a node
+    that hears the trainer through this peer paces its asks by the fleet's size from its first
+    reply on, not after its own first ask of the trainer."""
 
     @property
     def trusted(self) -> bool:

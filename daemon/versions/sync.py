@@ -459,14 +459,25 @@ class Syncer:
         """How often a node that hears the trainer through another still reads the trainer's
         index or asks its head (without holding the request): TRAINER_INDEX_S per
         TRAINER_INDEX_READERS nodes, counting the peers this node knows or, when more, the live
-        nodes the trainer's last head reply said it knows (a book holds at most `max_peers`):
-        about TRAINER_INDEX_READERS such asks per TRAINER_INDEX_S over the whole fleet, until
-        the GLANCE_MAX_S cap (at 160 nodes), then N per GLANCE_MAX_S."""
+        nodes the trainer's last head reply said it knows (a book holds at most `max_peers`),
+        or that count as relayed by the peer it hears the trainer through: about
+        TRAINER_INDEX_READERS such asks per TRAINER_INDEX_S over the whole fleet, until the
+        GLANCE_MAX_S cap (at 160 nodes), then N per GLANCE_MAX_S."""
+        return min(GLANCE_MAX_S, TRAINER_INDEX_S * max(
+            1.0, max(len(self.book.peers), self.trainer_fleet() or 0) / TRAINER_INDEX_READERS))
+
+    def trainer_fleet(self) -> int | None:
+        """The trainer's live-node count as last heard: from a trainer peer's head reply, or
+        relayed by the peer this node hears the trainer through (this node's head replies
+        relay it in turn, app.head_doc). Only those two are believed: an inflated count delays
+        this node's glances at the trainer to GLANCE_MAX_S at most."""
         where = self.book.where
-        fleet = max((p.fleet_nodes or 0 for p in self.book.peers.values()
-                     if where(p)[1] == "trainer"), default=0)
-        return min(GLANCE_MAX_S, TRAINER_INDEX_S
-                   * max(1.0, max(len(self.book.peers), fleet) / TRAINER_INDEX_READERS))
+        heard = [p.fleet_nodes for p in self.book.peers.values()
+                 if p.fleet_nodes is not None and where(p)[1] == "trainer"]
+        up = self.book.peers.get(self._through()[1] or "")
+        if up is not None and up.trainer_nodes is not None:
+            heard.append(up.trainer_nodes)
+        return max(heard, default=None)
 
     def upstream(self) -> str | None:
         """The URL of the peer this node hears the trainer through (RegionPeering.fetchers),

@@ -106,6 +106,19 @@ def test_only_the_fleets_fetcher_watches_the_trainer_and_reports_come_per_region
                    interval=0.5)
         # the trainer counts the fleet for those that glance at it seldom (Syncer.glance_s)
         assert trainer.get("/v1/chain/head?timeout=0")["nodes"] == 6
+
+        # and every node relays that count, so a node that hears the trainer through it paces
+        # its glances by the fleet's size from its first reply (Syncer.trainer_fleet)
+        def relayed() -> bool:
+            nonlocal state, version
+            version += 1
+            state = step(state, version, density=0.02)
+            c.publish(version, state)
+            c.wait_all_at(version, 60)
+            return all(c.daemons[n].get("/v1/chain/head?timeout=0").get("trainer_nodes") == 6
+                       for names in regions.values() for n in names)
+
+        wait_until(relayed, 60, "every region node relays the trainer's count", interval=0.5)
         digest = trainer.status()["state_digest"]
         assert all(c.daemons[n].status()["state_digest"] == digest
                    for names in regions.values() for n in names)

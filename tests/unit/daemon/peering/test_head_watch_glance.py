@@ -5,6 +5,7 @@ other their way to the trainer still learn its heads; the peer they hear through
 long-polled. Without a glance period such a peer is never asked."""
 
 import asyncio
+from collections.abc import Callable
 
 import aiohttp
 import pytest
@@ -28,8 +29,9 @@ def head_app(version: int, asked: list[str]) -> web.Application:
     return app
 
 
-async def watch(glance_s: float | None, seconds: float, max_peers: int = 16
-                ) -> tuple[list[str], list[str], dict]:
+async def watch(glance_s: float | Callable[[dict], float] | None, seconds: float,
+                max_peers: int = 16) -> tuple[list[str], list[str], dict]:
+    """`glance_s`: the period, or a function of what has been heard so far (peer -> version)."""
     trainer_asked: list[str] = []
     fetcher_asked: list[str] = []
     heard: dict[str, int | None] = {}
@@ -46,7 +48,9 @@ async def watch(glance_s: float | None, seconds: float, max_peers: int = 16
 
         watcher = HeadWatcher(book, PeerClient(session, "t"), on_head, lambda: None, max_peers, 5.0,
                               elsewhere=lambda p: p.url == t_url, through=lambda: [f_url],
-                              glance_s=None if glance_s is None else (lambda: glance_s))
+                              glance_s=None if glance_s is None else
+                              (lambda: glance_s(heard)) if callable(glance_s) else
+                              (lambda: glance_s))
         task = asyncio.create_task(watcher.run())
         await asyncio.sleep(seconds)
         task.cancel()
@@ -72,3 +76,19 @@ async def test_without_a_glance_period_a_peer_heard_elsewhere_is_never_asked() -
     trainer_asked, fetcher_asked, heard = await watch(glance_s=None, seconds=0.8)
     assert trainer_asked == [] and fetcher_asked
     assert heard == {"fetcher": 6}
+
+
+@pytest.mark.parametrize("learns", [False, True])
+async def test_the_first_glance_waits_on_the_period_as_it_is_learned(monkeypatch, learns: bool
+                                                                     ) -> None:
+    """The first glance comes after a share of the period drawn once (half here), the period
+    read again as the node learns the fleet's size: once the upstream's first reply makes it
+    1,000 s, the trainer is not asked in the next second and a half; kept at 0.5 s, it is."""
+    monkeypatch.setattr("daemon.peering.asking.random.random", lambda: 0.5)
+
+    def period(heard: dict) -> float:
+        return 1000.0 if learns and "http" in "".join(heard) else 0.5
+
+    trainer_asked, fetcher_asked, _ = await watch(glance_s=period, seconds=1.5)
+    assert fetcher_asked
+    assert (trainer_asked == []) is learns, trainer_asked

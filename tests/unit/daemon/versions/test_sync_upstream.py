@@ -75,3 +75,23 @@ def test_glances_at_the_trainer_are_paced_by_the_fleet_the_trainer_counts() -> N
     trainer.fleet_nodes = None
     s.book.peers[urls["a1"]].fleet_nodes = 10**6  # only the trainer's own count is taken
     assert s.glance_s() == TRAINER_INDEX_S * max(1.0, known / TRAINER_INDEX_READERS)
+
+
+def test_the_count_relayed_by_the_upstream_paces_glances_from_the_first_reply() -> None:
+    """A node that has not asked the trainer yet paces its glances by the trainer's count as its
+    upstream relays it (`trainer_nodes` in head replies): without it every node of a restarted
+    fleet glanced within the first TRAINER_INDEX_S. Another peer's relayed count is not
+    believed, and the node relays the count it believes (app.head_doc)."""
+    b_fetcher = gateway("b", MEMBERS["b"])
+    s, urls = syncer(next(n for n in MEMBERS["b"] if n != b_fetcher), "b")
+    known = len(s.book.peers)
+    assert s.trainer_fleet() is None
+    other = next(u for n, u in urls.items() if n not in (b_fetcher, "trainer"))
+    s.book.peers[other].trainer_nodes = 10**6  # not the peer it hears the trainer through
+    assert s.trainer_fleet() is None
+    assert s.glance_s() == TRAINER_INDEX_S * max(1.0, known / TRAINER_INDEX_READERS)
+    s.book.peers[urls[b_fetcher]].trainer_nodes = 100
+    assert s.trainer_fleet() == 100
+    assert s.glance_s() == TRAINER_INDEX_S * 100 / TRAINER_INDEX_READERS
+    s.book.peers[urls["trainer"]].fleet_nodes = 400  # its own ask of the trainer counts too
+    assert s.trainer_fleet() == 400 and s.glance_s() == GLANCE_MAX_S
