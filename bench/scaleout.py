@@ -31,7 +31,7 @@ sharded publishing costs against the single-process Publisher. One JSON line las
   (`--nodes 8,16,32`): real daemons on loopback, a trainer in a region of its own and N nodes in
   regions of `--region-size`; per delta version, the trainer daemon's HTTP response body bytes
   (its per-route counters, daemon/observe/served.py; median of `--fleet-versions`) and CPU
-  seconds (/proc, the mean over the versions: 10 ms ticks round a median) while every node
+  seconds (the process's CPU clock; the mean over the versions) while every node
   reaches it, not counting the bench's own /metrics scrapes between versions (their CPU is
   `trainer_scrape_cpu_s`, one scrape's mean);
   `control_*_last_over_first` divide the largest N's
@@ -44,9 +44,18 @@ sharded publishing costs against the single-process Publisher. One JSON line las
   last_over_first` divides those). `fetchers_per_region`, `fleet_fetchers`, `gateway_views`:
   what each node's status says of fetch roles and gateways after the versions (right: 1 per
   region, 1, 1); `--max-peers 4` makes every book far smaller than the fleet.
+  The versions are measured once the fleet has started: until a node knows its region's peers
+  it long-polls the trainer (its one bootstrap peer), and those held polls end when their
+  timeout runs out, inside whichever window is open then (at N = 32, 32 head replies landed in
+  the first version's). What the start costs the trainer is printed apart:
+  `trainer_start_head_responses` and `trainer_start_cpu_s`, from v0's publish to SETTLE_S
+  after every node holds it.
 """
 
 import argparse
+import contextlib
+import ctypes
+import ctypes.util
 import json
 import os
 import statistics
@@ -75,6 +84,10 @@ GOALS = {"control_bytes_last_over_first": 1.5, "control_cpu_last_over_first": 1.
          "moe_publish_over_dense": 1.25, "moe_apply_over_dense": 1.25,
          "sharded_1rank_over_publisher": 1.2, "ranks2_over_ranks1": 1.0,
          "delta_file_over_payload": 1.03}
+
+
+SETTLE_S = 6.0
+"""The harness's long-poll timeout (5 s) and a second: the start's held polls have ended."""
 
 
 def log(msg: str) -> None:
@@ -266,17 +279,27 @@ def ranks(params: float) -> dict:
 
 NOT_CONTROL = ("/metrics", "/v1/publish")
 """Routes not counted as the control plane: this bench's own scrapes, the trainer's publisher."""
+HEAD = "/v1/chain/head"
 
 
 IDLE_S = 10.0
-"""How long the trainer's idle CPU rate is sampled after the versions (10 ms clock ticks)."""
+"""How long the trainer's idle CPU rate is sampled after the versions."""
 
 
 def _cpu_s(pid: int) -> float:
-    """A process's CPU seconds so far (user + system, /proc: 10 ms clock ticks)."""
+    """A process's CPU seconds so far, all its threads: its CPU-time clock (nanoseconds,
+    clock_getcpuclockid), else /proc's user + system in 10 ms ticks. A version costs the
+    trainer 10-50 ms, so a tick could be as much as a version's whole figure."""
+    clock = ctypes.c_int()
+    if _LIBC is not None and _LIBC.clock_getcpuclockid(pid, ctypes.byref(clock)) == 0:
+        with contextlib.suppress(OSError):
+            return time.clock_gettime(clock.value)
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rpartition(")")[2].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if ctypes.util.find_library("c") else None
 
 
 def _trainer_sent(trainer) -> tuple[float, float, dict[str, float], dict[str, float]]:
@@ -311,6 +334,7 @@ def fleet_costs(ns: list[int], region_size: int, n_versions: int,
                  "version_window_s": [], "trainer_idle_cpu_s_per_s": [],
                  "trainer_cpu_s_per_version_over_idle": [], "max_peers": max_peers,
                  "fetchers_per_region": [], "fleet_fetchers": [], "gateway_views": [],
+                 "trainer_start_head_responses": [], "trainer_start_cpu_s": [],
                  "all_current": True}
     for n in ns:
         with tempfile.TemporaryDirectory(prefix="scaleout-fleet-", dir=_tmp_root()) as tmp, \
@@ -324,8 +348,14 @@ def fleet_costs(ns: list[int], region_size: int, n_versions: int,
             c.start_all(timeout=300)
             log(f"N={n}: {n} daemons up in {time.monotonic() - t0:.0f} s")
             state = tiny_model(0, tensors=8, rows=256, cols=512)
+            _, start_cpu, _, start_asked = _trainer_sent(trainer)
             c.publish(0, state, snapshot=True)
             c.wait_all_at(0, 300)
+            time.sleep(SETTLE_S)
+            start_cpu1, _, _, start_asked1 = _trainer_sent(trainer)
+            out["trainer_start_head_responses"].append(round(
+                start_asked1.get(HEAD, 0.0) - start_asked.get(HEAD, 0.0)))
+            out["trainer_start_cpu_s"].append(round(start_cpu1 - start_cpu, 3))
             per_bytes, per_cpu, per_s, routes, calls, scrapes = [], [], [], {}, {}, []
             for v in range(1, n_versions + 1):
                 _, cpu0, sent0, asked0 = _trainer_sent(trainer)
@@ -354,16 +384,14 @@ def fleet_costs(ns: list[int], region_size: int, n_versions: int,
             current = all(d.status()["state_digest"] == digest
                           for d in c.daemons.values() if d.role == "region")
             out["all_current"] = out["all_current"] and current
-            # CPU: the mean over the versions, not the median: /proc counts 10 ms clock ticks
-            # and a version costs the trainer 10-50 ms, so one version's figure is rounded by
-            # up to a tick (medians of 0.02 and 0.05 s moved a ratio by 2x); the sum over all
-            # versions is rounded once
+            # CPU: the mean over the versions (kept from when /proc's 10 ms ticks rounded
+            # each version's figure: medians of 0.02 and 0.05 s moved a ratio by 2x)
             b, cpu = statistics.median(per_bytes), sum(per_cpu) / len(per_cpu)
             window = statistics.median(per_s)
             net = cpu - idle * sum(per_s) / len(per_s)
             roles = _roles(c)
             out["trainer_control_bytes_per_version"].append(round(b))
-            out["trainer_cpu_s_per_version"].append(round(cpu, 3))
+            out["trainer_cpu_s_per_version"].append(round(cpu, 4))
             out["version_window_s"].append(round(window, 2))
             out["trainer_idle_cpu_s_per_s"].append(round(idle, 4))
             out["trainer_cpu_s_per_version_over_idle"].append(round(net, 3))
@@ -372,7 +400,7 @@ def fleet_costs(ns: list[int], region_size: int, n_versions: int,
             out["trainer_responses_by_route"].append(
                 {r: round(sum(x) / len(x), 1) for r, x in sorted(calls.items()) if any(x)})
             out["version_windows_s"].append([round(x, 2) for x in per_s])
-            out["trainer_cpu_s_each_version"].append([round(x, 3) for x in per_cpu])
+            out["trainer_cpu_s_each_version"].append([round(x, 4) for x in per_cpu])
             out["trainer_scrape_cpu_s"].append(round(sum(scrapes) / len(scrapes), 4))
             out["fetchers_per_region"].append(roles["fetchers_per_region"])
             out["fleet_fetchers"].append(roles["fleet_fetchers"])
@@ -382,7 +410,9 @@ def fleet_costs(ns: list[int], region_size: int, n_versions: int,
                 f"CPU {idle:.4f} s/s, above idle {net:.3f} s); all current: {current}; "
                 f"fetchers per region {roles['fetchers_per_region']}, fleet fetchers "
                 f"{roles['fleet_fetchers']}, distinct views of the gateways "
-                f"{roles['gateway_views']}")
+                f"{roles['gateway_views']}; the fleet's start (v0 and {SETTLE_S:.0f} s): "
+                f"{out['trainer_start_head_responses'][-1]} head replies, "
+                f"{out['trainer_start_cpu_s'][-1]:.3f} CPU s")
     for ratio, series in (("control_bytes", "trainer_control_bytes_per_version"),
                           ("control_cpu", "trainer_cpu_s_per_version"),
                           ("control_cpu_over_idle", "trainer_cpu_s_per_version_over_idle")):
