@@ -32,6 +32,7 @@ class Book:
 def app_node(live: LiveNodes) -> SimpleNamespace:
     return SimpleNamespace(
         token="t", book=Book(), store=Store(), board=Board(), live=live,
+        role=SimpleNamespace(syncer=None),  # the trainer's: it never applies
         long_poll_timeout_s=1.0, stopping=lambda: False, bt=lambda: "x:1", node="trainer",
         url="http://127.0.0.1:1", max_body_bytes=1 << 20,
         identity=Identities(NodeKey(Ed25519PrivateKey.generate(), "trainer")))
@@ -56,6 +57,8 @@ async def test_a_head_poll_records_the_poller_and_refuses_bad_values() -> None:
         q = {"node": "r2", "have": ""}
         r = await client.get("/v1/chain/head", params=q, headers=signed(r2, q))
         assert r.status == 200
+        doc = await r.json()  # the trainer's own count, relayed as such by those polling it
+        assert doc["nodes"] == doc["trainer_nodes"] == 2
         bad = [await client.get(f"/v1/chain/head?{q}", headers=auth)
                for q in ("node=a/b", "node=r3&region=%20", "node=r3&have=-1", "node=r3&have=x")]
         errors = [(b.status, (await b.json())["error"]) for b in bad]
