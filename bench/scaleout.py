@@ -286,6 +286,9 @@ IDLE_S = 10.0
 """How long the trainer's idle CPU rate is sampled after the versions."""
 
 
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if ctypes.util.find_library("c") else None
+
+
 def _cpu_s(pid: int) -> float:
     """A process's CPU seconds so far, all its threads: its CPU-time clock (nanoseconds,
     clock_getcpuclockid), else /proc's user + system in 10 ms ticks. A version costs the
@@ -297,9 +300,6 @@ def _cpu_s(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rpartition(")")[2].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-_LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if ctypes.util.find_library("c") else None
 
 
 def _trainer_sent(trainer) -> tuple[float, float, dict[str, float], dict[str, float]]:

@@ -243,10 +243,16 @@ def head_doc(node: Parts) -> dict[str, Any]:
     arts = [a for a in node.store.artifacts() if head is not None and parse_artifact(a)[0] == head]
     ids = getattr(node, "identity", None)
     book = getattr(node, "book", None)
+    nodes = live_nodes(node)
+    syncer = getattr(node.role, "syncer", None)
     return {"version": head, "artifacts": arts, "bt": node.bt(), "node": node.node,
             "url": node.url, "key": ids.own.public if ids is not None else None,
             "region": getattr(book, "region", None), "role": getattr(book, "role", None),
-            "nodes": live_nodes(node), "trainer_nodes": trainer_nodes(node)}
+            "nodes": nodes,
+            # the trainer's count as this daemon believes it (its own on the trainer), relayed
+            # so the nodes hearing the trainer through this one pace their asks of it from
+            # their first poll (Syncer.trainer_fleet, glance_s)
+            "trainer_nodes": nodes if syncer is None else syncer.trainer_fleet()}
 
 
 def live_nodes(node: Parts) -> int:
@@ -263,14 +269,6 @@ def live_nodes(node: Parts) -> int:
     if fleet is not None:
         names.update(e.report.node for e in fleet.board.live(now, live.within_s))
     return len(names)
-
-
-def trainer_nodes(node: Parts) -> int | None:
-    """The trainer's live-node count: its own on the trainer, else as this daemon last heard it
-    (Syncer.trainer_fleet), relayed in head replies so that the nodes hearing the trainer
-    through this one pace their asks of it from their first poll (Syncer.glance_s)."""
-    syncer = getattr(node.role, "syncer", None)
-    return live_nodes(node) if syncer is None else syncer.trainer_fleet()
 
 
 def record_poller(request: web.Request, node: Parts) -> None:
