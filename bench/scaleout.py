@@ -48,8 +48,8 @@ sharded publishing costs against the single-process Publisher. One JSON line las
   it long-polls the trainer (its one bootstrap peer), and those held polls end when their
   timeout runs out, inside whichever window is open then (at N = 32, 32 head replies landed in
   the first version's). What the start costs the trainer is printed apart:
-  `trainer_start_head_responses` and `trainer_start_cpu_s`, from v0's publish to SETTLE_S
-  after every node holds it.
+  `trainer_start_head_responses` and `trainer_start_cpu_s`, from v0's publish until a second
+  past the daemons' long-poll timeout after every node holds it.
 """
 
 import argparse
@@ -84,10 +84,6 @@ GOALS = {"control_bytes_last_over_first": 1.5, "control_cpu_last_over_first": 1.
          "moe_publish_over_dense": 1.25, "moe_apply_over_dense": 1.25,
          "sharded_1rank_over_publisher": 1.2, "ranks2_over_ranks1": 1.0,
          "delta_file_over_payload": 1.03}
-
-
-SETTLE_S = 6.0
-"""The harness's long-poll timeout (5 s) and a second: the start's held polls have ended."""
 
 
 def log(msg: str) -> None:
@@ -286,7 +282,8 @@ IDLE_S = 10.0
 """How long the trainer's idle CPU rate is sampled after the versions."""
 
 
-_LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if ctypes.util.find_library("c") else None
+_LIBC_PATH = ctypes.util.find_library("c")
+_LIBC = ctypes.CDLL(_LIBC_PATH) if _LIBC_PATH else None
 
 
 def _cpu_s(pid: int) -> float:
@@ -351,7 +348,8 @@ def fleet_costs(ns: list[int], region_size: int, n_versions: int,
             _, start_cpu, _, start_asked = _trainer_sent(trainer)
             c.publish(0, state, snapshot=True)
             c.wait_all_at(0, 300)
-            time.sleep(SETTLE_S)
+            settle_s = max(d.config["long_poll_timeout_s"] for d in c.daemons.values()) + 1.0
+            time.sleep(settle_s)  # the start's held polls have ended
             start_cpu1, _, _, start_asked1 = _trainer_sent(trainer)
             out["trainer_start_head_responses"].append(round(
                 start_asked1.get(HEAD, 0.0) - start_asked.get(HEAD, 0.0)))
@@ -410,7 +408,7 @@ def fleet_costs(ns: list[int], region_size: int, n_versions: int,
                 f"CPU {idle:.4f} s/s, above idle {net:.3f} s); all current: {current}; "
                 f"fetchers per region {roles['fetchers_per_region']}, fleet fetchers "
                 f"{roles['fleet_fetchers']}, distinct views of the gateways "
-                f"{roles['gateway_views']}; the fleet's start (v0 and {SETTLE_S:.0f} s): "
+                f"{roles['gateway_views']}; the fleet's start (v0 and {settle_s:.0f} s): "
                 f"{out['trainer_start_head_responses'][-1]} head replies, "
                 f"{out['trainer_start_cpu_s'][-1]:.3f} CPU s")
     for ratio, series in (("control_bytes", "trainer_control_bytes_per_version"),

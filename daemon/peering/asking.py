@@ -51,6 +51,13 @@ def parse_head(reply: dict, url: str) -> tuple[int | None, Endpoint | None, str 
     return version, bt, node
 
 
+def _node_count(reply: dict, field: str, url: str) -> int | None:
+    """A head reply's count of nodes (`nodes`, `trainer_nodes`): None when absent (older
+    daemons), BadReply when it is not a plausible count."""
+    value = reply.get(field)
+    return None if value is None else bounded_int(value, url, f"head {field}", 10**8)
+
+
 OnHead = Callable[[Peer, int | None], Awaitable[None]]
 
 
@@ -216,11 +223,8 @@ class HeadWatcher:
         reply = await self.client.get_json(f"{peer.url}/v1/chain/head", "head", params=params,
                                            timeout=self.poll_timeout + 10)
         version, bt, node = parse_head(reply, peer.url)
-        nodes, relayed = reply.get("nodes"), reply.get("trainer_nodes")
-        peer.fleet_nodes = bounded_int(nodes, peer.url, "head nodes", 10**8) if nodes is not None \
-            else None
-        peer.trainer_nodes = bounded_int(relayed, peer.url, "head trainer_nodes", 10**8) \
-            if relayed is not None else None
+        peer.fleet_nodes = _node_count(reply, "nodes", peer.url)
+        peer.trainer_nodes = _node_count(reply, "trainer_nodes", peer.url)
         key, region = reply.get("key"), reply.get("region")
         self.book.learn_own(peer.url, node, key if is_key_hex(key) else None, bt, version,
                             region if isinstance(region, str) and _plain_name(region) else None,

@@ -83,11 +83,12 @@ async def test_the_first_glance_waits_on_the_period_as_it_is_learned(monkeypatch
                                                                      ) -> None:
     """The first glance comes after a share of the period drawn once (half here), the period
     read again as the node learns the fleet's size: once the upstream's first reply makes it
-    1,000 s, the trainer is not asked in the next second and a half; kept at 0.5 s, it is."""
+    1,000 s, the trainer is not asked in the next second and a half; kept at 1 s, it is (at
+    0.5 s: the upstream has that long to answer first)."""
     monkeypatch.setattr("daemon.peering.asking.random.random", lambda: 0.5)
 
-    def period(heard: dict) -> float:
-        return 1000.0 if learns and "http" in "".join(heard) else 0.5
+    def period(heard: dict) -> float:  # `heard`: the replies so far, the upstream's first
+        return 1000.0 if learns and heard else 1.0
 
     trainer_asked, fetcher_asked, _ = await watch(glance_s=period, seconds=1.5)
     assert fetcher_asked
