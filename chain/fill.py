@@ -46,6 +46,8 @@ class _Group:
     count: int
     offsets: np.ndarray
     """Where each member starts in the group's elements, and the end (from the table)."""
+    names: list[str]
+    """Its tensors' names, in table order."""
     members: list["_Item"] = field(default_factory=list)
     changes: codec.Changes | None = None
     """Once decoded: the group's changes, in the group's positions."""
@@ -76,6 +78,33 @@ class _Item:
     """A group record covers this tensor: no other record may."""
     member: int = 0
     """Its place in the group record that covers it."""
+
+    @property
+    def numel(self) -> int:
+        return self.t.numel
+
+
+@dataclass
+class _GroupUnit:
+    """A group record's tensors read, written and checked as one: no `_Item` a member, their
+    names, digests and moves kept as lists a group. The fill's common case in a region (every
+    member to write, all brought forward or all copied, back to back in both directories);
+    anything else is handed back as members (`Fill._members`). At 50,000 tensors of 20,000
+    elements the per-member steps of `_Item`s were ~10 us a tensor, a third of an apply."""
+
+    index: int
+    """The first member's place in the table."""
+    rows: list[TensorEntry]
+    group: _Group | None
+    numel: int
+    forward: bool = False
+    target: np.ndarray | None = None
+    source: np.ndarray | None = None
+    moves: list = field(default_factory=list)
+    digests: list[str] = field(default_factory=list)
+    repaired: int = 0
+    more = False
+    """Never splits a batch (see `_Item.more`)."""
 
 
 class Fill:
@@ -123,9 +152,11 @@ class Fill:
         what = self.what
         pending = [r.next_header() for r in readers]
 
-        def items(done: set[str]) -> Iterator[_Item]:
+        def items(done: set[str]) -> Iterator[_Item | _GroupUnit]:
             group: _Group | None = None
-            for i, t in enumerate(self.tensors):
+            i, tensors = 0, self.tensors
+            while i < len(tensors):
+                t = tensors[i]
                 item = _Item(i, t, t.name in done)
                 if group is not None:
                     self._join(group, item)
@@ -139,11 +170,17 @@ class Fill:
                                        f"{what} or is out of order")
                 self._check_parts(item)
                 if item.group is not None:
+                    unit = self._unit(item, done, pending)
+                    if unit is not None:
+                        yield unit
+                        i += len(unit.rows)
+                        continue
                     group = item.group
                     item.more = group.count > 1
                 if group is not None and len(group.members) == group.count:
                     group = None
                 yield item
+                i += 1
 
         self._pass(items, resumed)
         if any(p is not None for p in pending) or not all(r.at_end() for r in readers):
@@ -162,24 +199,25 @@ class Fill:
 
         self._pass(items, resumed)
 
-    def _pass(self, items: Callable[[set[str]], Iterator[_Item]], resumed: bool) -> None:
+    def _pass(self, items: Callable[[set[str]], Iterator[_Item | _GroupUnit]], resumed: bool
+              ) -> None:
         """The journaled pass both sources share: tensors the journal lists are done; the rest
         go in batches of about BATCH elements."""
         self.resumed = resumed
         jpath = self.journal_path
         done = set(jpath.read_text().split("\n")) if jpath and jpath.exists() else set()
         with open(jpath or os.devnull, "a") as self.journal:
-            batch: list[_Item] = []
+            batch: list[_Item | _GroupUnit] = []
             size = 0
             for item in items(done):
                 batch.append(item)
-                size += item.t.numel
+                size += item.numel
                 if size >= BATCH and not item.more:
                     self._batch_unlinked(batch)
                     batch, size = [], 0
             self._batch_unlinked(batch)
 
-    def _batch_unlinked(self, batch: list[_Item]) -> None:
+    def _batch_unlinked(self, batch: list[_Item | _GroupUnit]) -> None:
         """`_batch`, then the cycles its groups make broken (a group lists its members, each
         member points back at it), so reference counting frees the batch as it ends: left to
         the cyclic collector, a 50,000-tensor apply left ~450,000 objects behind that one
@@ -188,7 +226,9 @@ class Fill:
             self._batch(batch)
         finally:
             for it in batch:
-                it.span = it.group = None
+                it.group = None
+                if type(it) is _Item:
+                    it.span = None
 
     def _read(self, item: _Item, rec: RecordHeader, reader: BlockReader) -> None:
         t = item.t
@@ -240,8 +280,39 @@ class Fill:
         if rec.n > 8 * elements * BY_NAME[rec.dtype].itemsize + (1 << 20):
             raise BadDelta(f"group record for {item.t.name} is implausibly large ({rec.n} "
                            f"bytes for {elements} elements)")
-        item.group = _Group(reader.read(rec.n), rec.dtype, rec.count, offsets)
+        item.group = _Group(reader.read(rec.n), rec.dtype, rec.count, offsets,
+                            [t.name for t in self.tensors[item.index:end]])
         self._join(item.group, item)
+
+    def _unit(self, item: _Item, done: set[str], pending: list[RecordHeader | None]
+               ) -> _GroupUnit | None:
+        """The group record just opened at `item` as one `_GroupUnit`, where nothing asks for its
+        members one by one: none journaled yet, every member a tensor of the group's dtype
+        with a parent of its dtype and shape, no other record naming one (the streams' next
+        records lie past the last member). Else None: the members are read as `_Item`s,
+        whose steps refuse what is wrong, each naming its tensor."""
+        g = item.group
+        if self.moves or item.done or (done and not done.isdisjoint(g.names)):
+            return None
+        rows = self.tensors[item.index:item.index + g.count]
+        last = g.names[-1]
+        if any(p is not None and p.name <= last for p in pending):
+            return None
+        slots = self.base.slots
+        dtype = g.dtype
+        for t in rows:
+            slot = slots.get(t.name)
+            if t.dtype != dtype or slot is None or slot.dtype != dtype or slot.shape != t.shape:
+                return None
+        item.group, g.members = None, []  # `item` is not kept: no cycle through it
+        return _GroupUnit(item.index, rows, g, int(g.offsets[-1]))
+
+    def _members(self, w: _GroupUnit) -> list[_Item]:
+        """`w`'s tensors as the `_Item`s `_join` makes, its decoded group on each (`span`)."""
+        g = w.group
+        g.members = [_Item(w.index + k, t, False, "delta", [(0, t.numel)], grouped=True,
+                           member=k, span=g) for k, t in enumerate(w.rows)]
+        return g.members
 
     def _join(self, group: _Group, item: _Item) -> None:
         """`item`, the next tensor in table order, is covered by `group`."""
@@ -289,7 +360,7 @@ class Fill:
         group decodes in place instead of from a copy (a memory pass over the group saved).
         Every member's parent was checked when the group took it (`_join`)."""
         span = getattr(self.base, "span", None)
-        return None if span is None else span([m.t.name for m in g.members])
+        return None if span is None else span(g.names)
 
     def _source(self, t: TensorEntry, at: int, count: int
                 ) -> tuple[np.ndarray, codec.Layers]:
@@ -297,14 +368,20 @@ class Fill:
         elements, and changes the decoder lays over them first (none here)."""
         return self._base_of(t)[at:at + count], ()
 
-    def _decode(self, batch: list[_Item]) -> None:
+    def _decode(self, batch: list[_Item | _GroupUnit]) -> None:
         """Decode the batch's delta payloads against the base into each item's changes."""
-        coded = [it for it in batch if it.payloads]
+        coded = [it for it in batch if type(it) is _Item and it.payloads]
         groups = [it.group for it in batch if it.group is not None]
         if not coded and not groups:
             return
         # the same tensors in table order, so adjacent ones share a call
-        self.base.prefault_many([it.t.name for it in batch if it.payloads or it.grouped])
+        names: list[str] = []
+        for it in batch:
+            if type(it) is _GroupUnit:
+                names += it.group.names
+            elif it.payloads or it.grouped:
+                names.append(it.t.name)
+        self.base.prefault_many(names)
         records = [(it.t, at, count, payload) for it in coded
                    for at, count, payload in it.payloads]
         sources = [self._source(t, at, count) for t, at, count, _ in records]
@@ -333,7 +410,7 @@ class Fill:
         offsets = g.offsets
         claimed = hdr.claimed_elements(g.payload)
         if claimed != offsets[-1]:
-            raise BadDelta(f"group record for {g.members[0].t.name} and {len(g.members) - 1} "
+            raise BadDelta(f"group record for {g.names[0]} and {len(g.names) - 1} "
                            f"tensors after it is coded over {claimed} elements; they hold "
                            f"{offsets[-1]}")
         view = self._group_view(g)
@@ -358,7 +435,8 @@ class Fill:
         of a region's apply (its main thread's py-spy samples at 960 elements a tensor)."""
         for m in g.members:
             m.span = g
-        g.members[0].group = None
+        if g.members:  # none on a `_GroupUnit`'s
+            g.members[0].group = None
         g.payload, g.changes = b"", changes
         if self.moves:
             moves = lanehash.moved_by_groups(cat, changes.pos, changes.val, offsets)
@@ -371,20 +449,30 @@ class Fill:
                            strict=True):
             m.changes = mine
 
-    def _batch(self, batch: list[_Item]) -> None:
+    def _batch(self, batch: list[_Item | _GroupUnit]) -> None:
+        """Decode, write and check `batch` (its `_GroupUnit`s that cannot be written as one are
+        replaced by their members, in place: the caller unlinks what the list holds)."""
         self._decode(batch)
-        work = [it for it in batch if not it.done and it.op != "full"]
+        batch[:] = [m for it in batch for m in
+                    ((it,) if type(it) is _Item or self._settle_unit(it) else self._members(it))]
+        units = [it for it in batch if type(it) is _GroupUnit]
+        work = [it for it in batch if type(it) is _Item and not it.done and it.op != "full"]
         for it in work:
             it.forward = self._can_pull(it)
-        run_jobs(self._jobs(work))
+        run_jobs([(w.numel, self._unit_job(w)) for w in units] + self._jobs(work))
         # a tensor brought forward whose older version was not what VERSION.json says:
-        # copied whole from the base instead, then patched
+        # copied whole from the base instead, then patched (a `_GroupUnit`: all its tensors)
         redo = [it for it, ok in zip(work, self._finish(work), strict=True) if not ok]
         for it in redo:
             it.forward, it.repaired = False, True
-        run_jobs(self._jobs(redo))
+        again = [w for w in units if not self._finish_unit(w)]
+        for w in again:
+            w.forward = False
+        run_jobs([(w.numel, self._unit_job(w)) for w in again] + self._jobs(redo))
         self._finish(redo)
-        full = [it for it in batch if not it.done and it.op == "full"]
+        for w in again:
+            self._finish_unit(w)
+        full = [it for it in batch if type(it) is _Item and not it.done and it.op == "full"]
         for it, d in zip(full, tensor_digests([(it.t.dtype, it.t.shape,
                                                 self.out.bits(it.t.name)) for it in full]),
                          strict=True):
@@ -393,6 +481,9 @@ class Fill:
         owns: dict[int, list[np.ndarray]] = {}  # uncut groups' members' positions, by group
         try:
             for it in batch:
+                if type(it) is _GroupUnit:
+                    self._check_unit(it, finished)
+                    continue
                 name = it.t.name
                 if it.op == "full":
                     self.changes[name] = None
@@ -441,7 +532,9 @@ class Fill:
         jobs of about PART elements (a job and its page faults per 1,000-element tensor cost
         more than writing it)."""
         spans, work = self._spans(work)
-        jobs = [(int(g.offsets[-1]), self._span_job(g, items, target, source))
+        jobs = [(int(g.offsets[-1]), self._span_job(g, [it.t.name for it in items],
+                                                    items[0].forward, target, source,
+                                                    _moves_to(items)))
                 for g, items, target, source in spans]
         # a group's members written one by one: each with its own share of the changes
         for g in {id(it.span): it.span for it in work
@@ -484,15 +577,14 @@ class Fill:
             taken.update(id(it) for it in items)
         return spans, [it for it in work if id(it) not in taken]
 
-    def _span_job(self, g: _Group, items: list[_Item], target: np.ndarray, source: np.ndarray
-                  ) -> Callable[[], None]:
+    def _span_job(self, g: _Group, names: list[str], forward: bool, target: np.ndarray,
+                  source: np.ndarray, put: Callable[[list], None]) -> Callable[[], None]:
         """One kernel call writing a group's tensors (lanehash.pull_put_groups): brought
         forward by the positions changed since (each tensor's own, cut to it, in the group's
         positions), or copied whole from the base; then the group's changes. Each tensor's
-        digest move comes back for `_finish`."""
+        digest move, in order, goes to `put`."""
         def job() -> None:
-            names = [it.t.name for it in items]
-            if items[0].forward:
+            if forward:
                 steps = [_group_positions([s[name] for name in names], g.offsets)
                          for s in self.steps]
                 ppos = steps[0] if len(steps) == 1 else np.unique(np.concatenate(steps))
@@ -502,11 +594,61 @@ class Fill:
                 self.out.prefault_many(names)
                 target[:] = source
                 ppos = np.empty(0, np.int64)
-            moves = lanehash.moved_by_group_writes(target, source, g.offsets, ppos,
-                                                   g.changes.pos, g.changes.val).tolist()
-            for it, (a, b) in zip(items, moves, strict=True):
-                it.moves = [(a, b)]
+            put(lanehash.moved_by_group_writes(target, source, g.offsets, ppos,
+                                               g.changes.pos, g.changes.val).tolist())
         return job
+
+    # --- a group as one (`_GroupUnit`) ----------------------------------------------------------
+    def _settle_unit(self, w: _GroupUnit) -> bool:
+        """Whether `w` is written as one: its tensors all brought forward or all copied, and
+        back to back in this directory and in the base (then its two views are kept)."""
+        names = w.group.names
+        pull = not self.resumed and self._pullable.issuperset(names)
+        if not pull and not self.resumed and not self._pullable.isdisjoint(names):
+            return False
+        span = getattr(self.out, "span", None)
+        target = None if span is None else span(names)
+        source = self._group_view(w.group)
+        if target is None or source is None or target.dtype != source.dtype or \
+                target.size != w.numel or source.size != w.numel:
+            return False
+        w.forward, w.target, w.source = pull, target, source
+        return True
+
+    def _unit_job(self, w: _GroupUnit) -> Callable[[], None]:
+        def put(moves: list) -> None:
+            w.moves = moves
+        return self._span_job(w.group, w.group.names, w.forward, w.target, w.source, put)
+
+    def _finish_unit(self, w: _GroupUnit) -> bool:
+        """`_finish` for a `_GroupUnit`: its tensors' digests from their moves; False where it was
+        brought forward and any tensor misses its digest (the caller copies all of them)."""
+        names = w.group.names
+        starts = [self.own[n] for n in names] if w.forward else \
+            [self.base_digests[n] for n in names]  # type: ignore[index]
+        w.digests = lanehash.add_many(starts, w.moves)
+        if not w.forward:
+            return True
+        missed = sum(d != t.digest for d, t in zip(w.digests, w.rows, strict=True))
+        w.repaired = missed
+        return not missed
+
+    def _check_unit(self, w: _GroupUnit, finished: list[str]) -> None:
+        """The bookkeeping `_batch` does a tensor, for a `_GroupUnit`'s: CHANGES positions, the
+        digest check (the tensors before a mismatch stay done), progress once a group."""
+        g, names = w.group, w.group.names
+        self.changes.update(zip(names, codec.split_positions(g.changes.pos, g.offsets),
+                                strict=True))
+        if w.digests != [t.digest for t in w.rows]:
+            bad = next(k for k, (d, t) in enumerate(zip(w.digests, w.rows, strict=True))
+                       if d != t.digest)
+            finished += names[:bad]
+            raise DigestMismatch(f"tensor {names[bad]} of {self.what} does not match its "
+                                 "digest after apply; the artifact is bad and was not applied")
+        self.repaired += w.repaired
+        finished += names
+        if self.progress:  # may raise to stop the pass between two groups
+            self.progress(self.what, w.index + len(names), len(self.tensors))
 
     def _whole_job(self, group: list[_Item]) -> Callable[[], None]:
         def job() -> None:
@@ -597,6 +739,14 @@ class Fill:
         for it, digest in zip(items, lanehash.add_many(starts, moves), strict=True):
             it.digest = digest
         return [not it.forward or it.digest == it.t.digest for it in items]
+
+
+def _moves_to(items: list[_Item]) -> Callable[[list], None]:
+    """Where a group job's digest moves go: each item's own, in order."""
+    def put(moves: list) -> None:
+        for it, m in zip(items, moves, strict=True):
+            it.moves = [m]
+    return put
 
 
 def _group_positions(parts: list[np.ndarray], offsets: np.ndarray) -> np.ndarray:

@@ -284,14 +284,24 @@ def _kill_trainer(c: Cluster, trainer: Daemon, v: int, run: ChaosRun,
     note(f"trainer daemon killed -9 after v{v}; regions mid-fetch of {art}: {fetching}")
 
 
+CATCH_UP_S = 60.0
+"""How long a lagging eu1 gets to reach a version retention keeps before a delta it may drop
+is corrupted anyway."""
+
+
 def _corrupt_and_join(c: Cluster, p: Params, run: ChaosRun, sampler: Sampler,
                       note: Callable[[str], None], v: int) -> None:
     """Once the trainer no longer offers v0, flip bytes in a delta eu1 is current on and seeds
     (so retention keeps serving it), and start the late joiner from eu1. Preferred: the delta
     right after a snapshot, which the late joiner will fetch; from v`late_from`+2 any recent
     one; from 3 versions before the end, the newest delta eu1 holds at all (eu1 stuck, as on a
-    daemon without issue 11's fixes), so the late joiner still runs."""
+    daemon without issue 11's fixes), so the late joiner still runs. Before that last resort
+    eu1 gets a while to reach a recent version: a delta older than the trainer's window is
+    dropped by eu1's retention as soon as it catches up, before its self-check comes round
+    (a loaded host's eu1 still on v10 at v23 had v10 corrupted, then dropped it unchecked)."""
     eu1, trainer = c.daemons["eu1"], c.daemons["trainer"]
+    if v >= p.final - 3:
+        _wait_regions_at(c, ["eu1"], p.late_from, CATCH_UP_S)
     try:
         cur = eu1.current()
         index = trainer.get("/v1/chain/index")["artifacts"]
