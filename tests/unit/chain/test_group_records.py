@@ -4,6 +4,7 @@ engine-first; each tensor's digest moves by its own share; what a forged group c
 refused with the tensor named."""
 
 import itertools
+import re
 
 import numpy as np
 import pytest
@@ -13,13 +14,14 @@ from hypothesis import strategies as st
 
 from chain import lanehash
 from chain.decode import decode_patch
-from chain.errors import BadDelta
+from chain.errors import BadDelta, DigestMismatch
 from chain.fill import Fill, _group_positions, _inside
 from chain.safetensors_io import TensorFiles
 from chain.sources import StateDictSource, source_digest
 from chain.store import ChainStore
 from chain.stream import BlockReader, BlockWriter, RecordHeader, encode_header
-from chain.versiondir import read_info
+from chain.tensortable import TensorTable
+from chain.versiondir import read_changes, read_info, write_changes
 from chain.weights import WeightsDir
 from chain.writer import GROUP_ELEMENTS, write_artifact
 from tests.unit.chain.test_weights import getter, same
@@ -353,6 +355,76 @@ def test_small_tensors_travel_in_groups_and_apply_bit_exactly(tmp_path, signing_
     from safetensors.torch import load_file
 
     assert same(load_file(cur.path / "model.safetensors"), states[3])
+
+
+def _grouped_member(store: ChainStore, m) -> str:
+    """A tensor a group record of `m` covers, not its first (one the fill never reads alone)."""
+    names = m.tensors.names()
+    h = next(h for h in records(store, m) if h.op == "group" and h.count > 2)
+    return names[names.index(h.name) + 1]
+
+
+def test_a_group_brought_forward_in_part_is_written_member_by_member(tmp_path, signing_key,
+                                                                      monkeypatch):
+    """One member's step in CHANGES says "whole" (no positions): the group can be neither
+    brought forward nor copied as one, so the fill hands it back as members (Fill._members),
+    which write the same weights: that member copied from current, the rest brought forward."""
+    states = [experts(600, 15, 0)]
+    for v in (1, 2, 3):
+        states.append(step(states[-1], v))
+    store, ms = chain_of(tmp_path / "g", signing_key, states)
+    w = WeightsDir(tmp_path / "w")
+    w.apply(store.plan(None, 2), getter(store))
+    assert w.versions() == [1, 2]  # v1 is the spare v3 brings forward over v2's CHANGES
+    member = _grouped_member(store, ms[3])
+    changes = read_changes(w.path(2), 2)
+    assert changes[member] is not None and changes[member].size
+    changes[member] = None
+    write_changes(w.path(2), 2, changes)
+    expanded: list[int] = []
+    real = Fill._members
+
+    def members(self, unit):
+        expanded.append(len(unit.rows))
+        return real(self, unit)
+
+    monkeypatch.setattr(Fill, "_members", members)
+    cur = w.apply([ms[3]], getter(store))
+    assert expanded, "no group was handed back as members"
+    assert cur.version == 3 and w.verify().version == 3
+    from safetensors.torch import load_file
+
+    assert same(load_file(cur.path / "model.safetensors"), states[3])
+
+
+def test_a_group_member_that_misses_its_digest_is_named_and_nothing_applied(tmp_path,
+                                                                           signing_key):
+    """A signed manifest whose digest for one grouped tensor is not what its records make:
+    the group brought forward misses it, is copied whole from current and still misses it.
+    The apply stops naming that tensor, current stays, and the members verified before it
+    stay journaled for the retry."""
+    states = [experts(600, 15, 0)]
+    for v in (1, 2, 3):
+        states.append(step(states[-1], v))
+    store, ms = chain_of(tmp_path / "g", signing_key, states)
+    w = WeightsDir(tmp_path / "w")
+    w.apply(store.plan(None, 2), getter(store))
+    member = _grouped_member(store, ms[3])
+    rows = ms[3].tensors.as_dicts()
+    row = next(r for r in rows if r["name"] == member)
+    row["digest"] = ("1" if row["digest"][0] == "0" else "0") + row["digest"][1:]
+    table = TensorTable.of(rows)
+    fields = {k: getattr(ms[3], k) for k in type(ms[3]).model_fields}
+    bad = type(ms[3])(**(fields | {"tensors": table, "state_digest": table.state_digest(),
+                                   "signature": None})).signed(signing_key)
+    with pytest.raises(DigestMismatch, match=f"tensor {re.escape(member)} of"):
+        w.apply([bad], getter(store))
+    assert w.current().version == 2 and w.verify().version == 2
+    (staging,) = w.staging()
+    journaled = (staging / "JOURNAL").read_text().split()
+    names = ms[3].tensors.names()
+    assert member not in journaled
+    assert names[names.index(member) - 1] in journaled  # the group's first, verified before
 
 
 def test_groups_decode_engine_first_over_pending_patches(tmp_path, signing_key):
