@@ -296,6 +296,10 @@ class TensorTable(Columns):
     def names(self) -> list[str]:
         return list(self._layout.name_list())
 
+    def numels(self) -> list[int]:
+        """Elements of each tensor, in table order (shared by the layout: never change it)."""
+        return self._layout.numels()
+
     def digests(self) -> list[str]:
         raw = self._digests.hex()
         return [raw[k:k + 32] for k in range(0, len(raw), 32)]

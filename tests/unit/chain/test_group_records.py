@@ -385,7 +385,7 @@ def test_a_group_brought_forward_in_part_is_written_member_by_member(tmp_path, s
     real = Fill._members
 
     def members(self, unit):
-        expanded.append(len(unit.rows))
+        expanded.append(unit.count)
         return real(self, unit)
 
     monkeypatch.setattr(Fill, "_members", members)
