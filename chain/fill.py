@@ -8,8 +8,13 @@ written. The digest follows from the slot's known digest and the words touched, 
 data is never re-read. Work goes in batches of about BATCH elements, decoding and patching
 spread over the codec's threads; finished tensors go to the JOURNAL and their pages are dropped
 from this process (they stay in the page cache), so memory stays near one batch.
+
+A group record (many small tensors coded as one payload) is read, written and checked as one
+unit where it can be (`_GroupUnit`): one kernel call writes its tensors, their digests are
+lists, and the steps above are taken a group at a time instead of a tensor at a time.
 """
 
+import itertools
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -49,6 +54,8 @@ class _Group:
     """Where each member starts in the group's elements, and the end (from the table)."""
     names: list[str]
     """Its tensors' names, in table order."""
+    first: int
+    """Its first tensor's place in the table."""
     members: list["_Item"] = field(default_factory=list)
     changes: codec.Changes | None = None
     """Once decoded: the group's changes, in the group's positions."""
@@ -284,7 +291,7 @@ class Fill:
             raise BadDelta(f"group record for {item.t.name} is implausibly large ({rec.n} "
                            f"bytes for {elements} elements)")
         item.group = _Group(reader.read(rec.n), rec.dtype, rec.count, offsets,
-                            self.names[item.index:end])
+                            self.names[item.index:end], item.index)
         self._join(item.group, item)
 
     def _row(self, i: int) -> TensorRow:
@@ -426,9 +433,10 @@ class Fill:
         if view is not None and view.size == offsets[-1]:
             return view, offsets
         cat = np.empty(int(offsets[-1]), BY_NAME[g.dtype].uint)
-        for m, lo, hi in zip(g.members, offsets[:-1].tolist(), offsets[1:].tolist(),
-                             strict=True):
-            base, layers = self._source(m.t, 0, m.t.numel)
+        # by place in the table: a `_GroupUnit`'s group has no members
+        for k, (lo, hi) in enumerate(itertools.pairwise(offsets.tolist())):
+            t = self._row(g.first + k)
+            base, layers = self._source(t, 0, t.numel)
             cat[lo:hi] = base
             for pos, val in layers:
                 cat[lo + pos] = val
