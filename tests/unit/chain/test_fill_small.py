@@ -49,3 +49,13 @@ def test_changes_past_a_small_tensor_never_reach_the_next_tensor_in_the_file(tmp
                                          np.array([7, 0xDEAD], np.uint16))})
     assert np.array_equal(out.bits("a"), src.bits("a"))
     assert np.array_equal(out.bits("b"), want_b)
+
+
+@pytest.mark.parametrize("names", [["b", "a"], ["a", "a"]], ids=["unsorted", "twice"])
+def test_a_tensor_list_out_of_name_order_is_refused(tmp_path, names):
+    """The record checks rest on name order (a group covers the tensors up to its last name):
+    a delta file's list, which no manifest check has sorted, is refused before any write."""
+    allocate(tmp_path / "m.safetensors", [("a", "bfloat16", [4], 8), ("b", "bfloat16", [4], 8)])
+    tensors = [TensorEntry(name=n, dtype="bfloat16", shape=[4], digest="0" * 32) for n in names]
+    with pytest.raises(BadDelta, match="not in name order or names a tensor twice"):
+        Fill(WritableFiles(tmp_path, ["m.safetensors"]), tensors, "d.delta", None, {})

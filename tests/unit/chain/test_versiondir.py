@@ -43,10 +43,13 @@ def test_version_file_round_trips(tmp_path) -> None:
 
 
 def test_a_version_file_whose_digests_are_not_strings_is_refused(tmp_path) -> None:
-    """A damaged VERSION.json is rebuilt, never read as digests it does not hold."""
+    """A damaged VERSION.json is rebuilt, never read as digests it does not hold (a digest
+    that is no 32 hex digits stopped a bring-forward with a ValueError)."""
     write_info(tmp_path, VersionInfo(3, "ab" * 16, "r", {"a": "0" * 32}), None)
     doc = json.loads((tmp_path / "VERSION.json").read_bytes())
-    for bad in ({"a": 5}, {"a": None}, ["a"], {"a": ["0" * 32]}):
+    for bad in ({"a": 5}, {"a": None}, ["a"], {"a": ["0" * 32]}, {"a": "0" * 31},
+                {"a": "g" + "0" * 31}, {"a": "0" * 32, "b": "A" * 32},
+                {"a": "0" * 31, "b": "0" * 33}):
         (tmp_path / "VERSION.json").write_text(json.dumps({**doc, "tensors": bad}))
         with pytest.raises(BadVersionDir, match="garbles field"):
             read_info(tmp_path)
