@@ -364,17 +364,23 @@ def _grouped_member(store: ChainStore, m) -> str:
     return names[names.index(h.name) + 1]
 
 
+def _at_v2_of_three(tmp_path, key) -> tuple[list, ChainStore, list, WeightsDir]:
+    """600 experts and three deltas; a region at v2 holding v1 as its spare."""
+    states = [experts(600, 15, 0)]
+    for v in (1, 2, 3):
+        states.append(step(states[-1], v))
+    store, ms = chain_of(tmp_path / "g", key, states)
+    w = WeightsDir(tmp_path / "w")
+    w.apply(store.plan(None, 2), getter(store))
+    return states, store, ms, w
+
+
 def test_a_group_brought_forward_in_part_is_written_member_by_member(tmp_path, signing_key,
                                                                       monkeypatch):
     """One member's step in CHANGES says "whole" (no positions): the group can be neither
     brought forward nor copied as one, so the fill hands it back as members (Fill._members),
     which write the same weights: that member copied from current, the rest brought forward."""
-    states = [experts(600, 15, 0)]
-    for v in (1, 2, 3):
-        states.append(step(states[-1], v))
-    store, ms = chain_of(tmp_path / "g", signing_key, states)
-    w = WeightsDir(tmp_path / "w")
-    w.apply(store.plan(None, 2), getter(store))
+    states, store, ms, w = _at_v2_of_three(tmp_path, signing_key)
     assert w.versions() == [1, 2]  # v1 is the spare v3 brings forward over v2's CHANGES
     member = _grouped_member(store, ms[3])
     changes = read_changes(w.path(2), 2)
@@ -434,12 +440,7 @@ def test_a_group_member_that_misses_its_digest_is_named_and_nothing_applied(tmp_
     the group brought forward misses it, is copied whole from current and still misses it.
     The apply stops naming that tensor, current stays, and the members verified before it
     stay journaled for the retry."""
-    states = [experts(600, 15, 0)]
-    for v in (1, 2, 3):
-        states.append(step(states[-1], v))
-    store, ms = chain_of(tmp_path / "g", signing_key, states)
-    w = WeightsDir(tmp_path / "w")
-    w.apply(store.plan(None, 2), getter(store))
+    _, store, ms, w = _at_v2_of_three(tmp_path, signing_key)
     member = _grouped_member(store, ms[3])
     rows = ms[3].tensors.as_dicts()
     row = next(r for r in rows if r["name"] == member)
