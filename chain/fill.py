@@ -98,7 +98,7 @@ class _GroupUnit:
     names, digests and moves kept as lists a group. The fill's common case in a region (every
     member to write, all brought forward or all copied, back to back in both directories);
     anything else is handed back as members (`Fill._members`). At 50,000 tensors of 20,000
-    elements the per-member steps of `_Item`s were ~10 us a tensor, a third of an apply."""
+    elements the per-member steps of `_Item`s were ~10 us a tensor, a quarter of an apply."""
 
     index: int
     """The first member's place in the table."""
