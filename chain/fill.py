@@ -169,33 +169,39 @@ class Fill:
 
         def items(done: set[str]) -> Iterator[_Item | _GroupUnit]:
             group: _Group | None = None
+            item: _Item | None = None
             i, count = 0, len(self.tensors)
-            while i < count:
-                t = self._row(i)
-                item = _Item(i, t, t.name in done)
-                if group is not None:
-                    self._join(group, item)
-                    item.more = len(group.members) < group.count
-                for s, r in enumerate(readers):
-                    while pending[s] is not None and pending[s].name == t.name:
-                        self._read(item, pending[s], r)
-                        pending[s] = r.next_header()
-                    if pending[s] is not None and pending[s].name < t.name:
-                        raise BadDelta(f"record for {pending[s].name!r} is not a tensor of "
-                                       f"{what} or is out of order")
-                self._check_parts(item)
-                if item.group is not None:
-                    unit = self._unit(item, done, pending)
-                    if unit is not None:
-                        yield unit
-                        i += unit.count
-                        continue
-                    group = item.group
-                    item.more = group.count > 1
-                if group is not None and len(group.members) == group.count:
-                    group = None
-                yield item
-                i += 1
+            try:
+                while i < count:
+                    t = self._row(i)
+                    item = _Item(i, t, t.name in done)
+                    if group is not None:
+                        self._join(group, item)
+                        item.more = len(group.members) < group.count
+                    for s, r in enumerate(readers):
+                        while pending[s] is not None and pending[s].name == t.name:
+                            self._read(item, pending[s], r)
+                            pending[s] = r.next_header()
+                        if pending[s] is not None and pending[s].name < t.name:
+                            raise BadDelta(f"record for {pending[s].name!r} is not a tensor of "
+                                           f"{what} or is out of order")
+                    self._check_parts(item)
+                    if item.group is not None:
+                        unit = self._unit(item, done, pending)
+                        if unit is not None:
+                            yield unit
+                            i += unit.count
+                            continue
+                        group = item.group
+                        item.more = group.count > 1
+                    if group is not None and len(group.members) == group.count:
+                        group = None
+                    yield item
+                    i += 1
+            except BaseException:  # a group the item being read opened lists it: unlinked
+                if item is not None:
+                    item.group = None
+                raise
 
         self._pass(items, resumed)
         if any(p is not None for p in pending) or not all(r.at_end() for r in readers):
@@ -224,12 +230,16 @@ class Fill:
         with open(jpath or os.devnull, "a") as self.journal:
             batch: list[_Item | _GroupUnit] = []
             size = 0
-            for item in items(done):
-                batch.append(item)
-                size += item.numel
-                if size >= BATCH and not item.more:
-                    self._batch_unlinked(batch)
-                    batch, size = [], 0
+            try:
+                for item in items(done):
+                    batch.append(item)
+                    size += item.numel
+                    if size >= BATCH and not item.more:
+                        self._batch_unlinked(batch)
+                        batch, size = [], 0
+            except BaseException:  # a stream refused part way: its groups read so far
+                _unlink(batch)
+                raise
             self._batch_unlinked(batch)
 
     def _batch_unlinked(self, batch: list[_Item | _GroupUnit]) -> None:
@@ -240,10 +250,7 @@ class Fill:
         try:
             self._batch(batch)
         finally:
-            for it in batch:
-                it.group = None
-                if type(it) is _Item:
-                    it.span = None
+            _unlink(batch)
 
     def _read(self, item: _Item, rec: RecordHeader, reader: BlockReader) -> None:
         t = item.t
@@ -763,6 +770,15 @@ class Fill:
         for it, digest in zip(items, lanehash.add_many(starts, moves), strict=True):
             it.digest = digest
         return [not it.forward or it.digest == it.t.digest for it in items]
+
+
+def _unlink(batch: list[_Item | _GroupUnit]) -> None:
+    """Break the cycles a batch's groups make: a group lists its members, and its first
+    member (once decoded, each member) points back at it."""
+    for it in batch:
+        it.group = None
+        if type(it) is _Item:
+            it.span = None
 
 
 def _moves_to(items: list[_Item]) -> Callable[[list], None]:

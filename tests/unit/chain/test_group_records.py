@@ -687,3 +687,32 @@ def test_a_groups_step_positions_are_its_members_cut_and_moved(members):
     got = _group_positions(parts, offsets)
     assert got.dtype == np.int64 and np.array_equal(got, want)
     assert np.all(np.diff(got) > 0)
+
+
+@pytest.mark.parametrize("edit", [_own_record_too(empty=False), _regroup(lambda h: h.count - 1)],
+                         ids=["member-with-own-record", "one-short"])
+def test_a_refused_stream_leaves_no_cycles_for_the_collector(tmp_path, signing_key, edit):
+    """A forged record stream refused part way (while reading a group's members, or when its
+    group decodes): the groups read so far are unlinked from their members as the error
+    leaves the pass, as after a batch."""
+    import gc
+
+    from chain.fill import _Group, _GroupUnit, _Item
+
+    store, ms, w = at_v1(tmp_path, signing_key, experts(1200, 15, 2), 21)
+    bad = forged(store, ms[2], signing_key, edit)
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        with pytest.raises(BadDelta):
+            w.apply([bad], getter(store))
+        gc.collect()
+        left = sum(isinstance(o, (_Item, _Group, _GroupUnit)) for o in gc.garbage)
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        if enabled:
+            gc.enable()
+    assert left == 0
