@@ -104,7 +104,6 @@ class _GroupUnit:
     """The first member's place in the table."""
     count: int
     group: _Group | None
-    numel: int
     forward: bool = False
     target: np.ndarray | None = None
     source: np.ndarray | None = None
@@ -113,6 +112,10 @@ class _GroupUnit:
     repaired: int = 0
     more = False
     """Never splits a batch (see `_Item.more`)."""
+
+    @property
+    def numel(self) -> int:
+        return int(self.group.offsets[-1])  # type: ignore[union-attr]
 
 
 class Fill:
@@ -332,7 +335,7 @@ class Fill:
             if kind != dtype or slot is None or slot.dtype != dtype or slot.shape != shape:
                 return None
         item.group, g.members = None, []  # `item` is not kept: no cycle through it
-        return _GroupUnit(item.index, g.count, g, int(g.offsets[-1]))
+        return _GroupUnit(item.index, g.count, g)
 
     def _members(self, w: _GroupUnit) -> list[_Item]:
         """`w`'s tensors as the `_Item`s `_join` makes, its decoded group on each (`span`)."""
