@@ -104,3 +104,58 @@ def test_advice_for_many_tensors_covers_each_once_per_run_of_neighbours(tmp_path
     files.release_many(names[::-1])
     assert 1 < len(calls) <= len(names)
     covered(names)
+
+
+def _mapped_kib(path: Path) -> int:
+    """This process's resident KiB of its mappings of `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if head and "-" in head[0] and len(head) >= 5:  # a mapping's first line
+            inside = line.endswith(str(path))
+        elif inside and head[0] == "Rss:":
+            total += int(head[1])
+    return total
+
+
+def test_advice_reaches_the_tensors_own_pages_and_keeps_their_bytes(tmp_path: Path) -> None:
+    """madvise goes through libc (the GIL let go) at the map's own address: populating a
+    tensor maps its pages into this process, releasing unmaps them, and its bytes stay."""
+    from chain import safetensors_io as sio
+
+    if not Path("/proc/self/smaps").exists() or sio._MADVISE is None:
+        pytest.skip("needs Linux's /proc/self/smaps and libc's madvise")
+    path = tmp_path / "big.safetensors"
+    big = torch.arange(1 << 22, dtype=torch.int32)  # 16 MiB
+    save_file({"big": big, "small": torch.ones(3)}, str(path))
+    files = TensorFiles(path)
+    files.release_many(["big"])
+    before = _mapped_kib(path)
+    files.prefault_many(["big"])
+    populated = _mapped_kib(path)
+    if populated - before < 8 * 1024:
+        pytest.skip("this kernel has no MADV_POPULATE_READ (Linux 5.14+)")
+    assert populated - before <= 16 * 1024 + 8  # the tensor's pages, not the whole map's more
+    files.release_many(["big"])
+    assert _mapped_kib(path) <= before + 8
+    assert torch.equal(torch.from_numpy(files.bits("big").view("int32").copy()), big)
+
+
+def test_a_failed_release_is_an_error_and_a_failed_populate_is_not(tmp_path, monkeypatch):
+    """Populating is only a speed-up (older kernels refuse it); a DONTNEED that fails would
+    leave the footprint unbounded, so it raises, naming the call."""
+    import ctypes
+    import errno
+
+    from chain import safetensors_io as sio
+
+    files = TensorFiles(_write(tmp_path))
+
+    def refuse(addr: int, length: int, advice: int) -> int:
+        ctypes.set_errno(errno.EINVAL)
+        return -1
+
+    monkeypatch.setattr(sio, "_MADVISE", refuse)
+    files.prefault_many(["a", "b"])
+    with pytest.raises(OSError, match="DONTNEED"):
+        files.release_many(["a"])
