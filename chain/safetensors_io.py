@@ -247,7 +247,9 @@ def _advise_range(m: _Map, start: int, end: int, advice: int) -> None:
     if _MADVISE(flat.__array_interface__["data"][0] + lo, hi - lo, advice) != 0 and \
             advice == mmap.MADV_DONTNEED:
         err = ctypes.get_errno()
-        raise OSError(err, f"madvise(DONTNEED): {os.strerror(err)}")
+        raise OSError(err, f"madvise(DONTNEED) of {mm.filename} bytes {lo}..{hi} failed: "
+                           f"{os.strerror(err)}; the map is no longer this file's (closed "
+                           "or remapped under the reader?)")
 
 
 def _advise_many(maps: dict[str, _Map], slots: list[Slot], advice: int) -> None:
