@@ -32,7 +32,7 @@ from chain.manifest import TensorEntry
 from chain.safetensors_io import TensorFiles, WritableFiles
 from chain.stream import BlockReader, RecordHeader
 from chain.tensortable import TensorRow, TensorTable
-from chain.versiondir import VersionInfo
+from chain.versiondir import ChangedPositions, VersionInfo
 
 BATCH = 1 << 24
 PART = 1 << 22
@@ -145,7 +145,7 @@ class Fill:
         self.steps: list[dict[str, np.ndarray | None] | None] = []
         self.own: dict[str, str] | None = None
         self._pullable: set[str] = set()
-        self.changes: dict[str, np.ndarray | None] = {}
+        self.changes = ChangedPositions()
         self.repaired = 0
         self.resumed = False
         self._starts: np.ndarray | None = None
@@ -518,17 +518,17 @@ class Fill:
                     continue
                 name = it.t.name
                 if it.op == "full":
-                    self.changes[name] = None
+                    self.changes.tensor(name, None)
                 elif it.changes is not None:
-                    self.changes[name] = it.changes.pos
+                    self.changes.tensor(name, it.changes.pos)
                 elif it.span is not None:  # a group written as one: never cut
                     g = it.span
                     own = owns.get(id(g))
                     if own is None:
                         own = owns[id(g)] = codec.split_positions(g.changes.pos, g.offsets)
-                    self.changes[name] = own[it.member]
+                    self.changes.tensor(name, own[it.member])
                 else:
-                    self.changes[name] = np.empty(0, np.int64)
+                    self.changes.tensor(name, np.empty(0, np.int64))
                 if it.done:
                     continue
                 if it.digest != it.t.digest:
@@ -670,8 +670,7 @@ class Fill:
         """The bookkeeping `_batch` does a tensor, for a `_GroupUnit`'s: CHANGES positions, the
         digest check (the tensors before a mismatch stay done), progress once a group."""
         g, names = w.group, w.group.names
-        self.changes.update(zip(names, codec.split_positions(g.changes.pos, g.offsets),
-                                strict=True))
+        self.changes.members(names, *codec.own_positions(g.changes.pos, g.offsets))
         want = self._digests[w.index:w.index + w.count]
         if w.digests != want:
             bad = next(k for k, (d, e) in enumerate(zip(w.digests, want, strict=True))

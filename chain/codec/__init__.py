@@ -13,11 +13,12 @@ from chain.codec.api import (
     encode_changes,
     encode_many,
     encode_tensor_delta,
+    own_positions,
     payload_stats,
     split_changes,
     split_positions,
 )
 
 __all__ = ["DIRECT", "Changes", "Layers", "apply_many", "apply_tensor_delta", "decode_many",
-           "encode_changes", "encode_many", "encode_tensor_delta", "payload_stats",
-           "split_changes", "split_positions"]
+           "encode_changes", "encode_many", "encode_tensor_delta", "own_positions",
+           "payload_stats", "split_changes", "split_positions"]

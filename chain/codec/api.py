@@ -233,7 +233,7 @@ def split_changes(changes: Changes, offsets: np.ndarray,
     from offsets[j] to offsets[j + 1]) as each member's, in its own positions: one array
     operation for the whole group, each member's arrays views of it. `moves`: the members'
     digest moves, (members, 2) lane sums (lanehash.moved_by_groups)."""
-    own, cuts = _own_positions(changes.pos, offsets)
+    own, cuts = own_positions(changes.pos, offsets)
     moved = moves.tolist() if moves is not None else None
     return [Changes(own[a:b], changes.val[a:b], None if moved is None else
                     (moved[j][0], moved[j][1]))
@@ -243,12 +243,13 @@ def split_changes(changes: Changes, offsets: np.ndarray,
 def split_positions(pos: np.ndarray, offsets: np.ndarray) -> list[np.ndarray]:
     """`split_changes`' positions alone (what a region's CHANGES file keeps a tensor): no
     values cut and no Changes made, a third of the time at 50,000 members."""
-    own, cuts = _own_positions(pos, offsets)
+    own, cuts = own_positions(pos, offsets)
     return [own[a:b] for a, b in itertools.pairwise(cuts)]
 
 
-def _own_positions(pos: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, list[int]]:
-    """Group positions as each member's own, end to end, and where each member's begin."""
+def own_positions(pos: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, list[int]]:
+    """Group positions as each member's own, end to end, and where each member's begin
+    (members + 1 cuts): what a region's CHANGES keeps of a group, uncut."""
     cuts = np.searchsorted(pos, offsets)
     return pos - np.repeat(offsets[:-1], np.diff(cuts)), cuts.tolist()
 

@@ -8,11 +8,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from chain.codec import split_positions
+from chain.codec import own_positions, split_positions
 from chain.versiondir import (
     CHANGES_FILE,
     FORMAT,
     BadVersionDir,
+    ChangedPositions,
     VersionInfo,
     read_changes,
     read_info,
@@ -105,3 +106,44 @@ def test_changes_round_trip_whatever_arrays_hold_the_positions(tmp_path_factory,
     head = json.loads(raw[raw.index(b'{"version"'):raw.index(b'"}') + 2])
     assert list(head) == ["version", "tensors", "counts", "check"] and head["version"] == 9
 
+
+
+@given(runs=st.lists(st.tuples(st.integers(0, 9), st.lists(st.integers(0, 5000), min_size=1,
+                                                          max_size=4)), max_size=8),
+       alone=st.lists(st.tuples(st.integers(0, 40), st.booleans()), max_size=6),
+       seed=st.integers(0, 2**16))
+def test_changes_collected_as_runs_read_back_per_tensor(tmp_path_factory, runs, alone,
+                                                         seed) -> None:
+    """An apply's ChangedPositions (groups' members as one array, tensors alone, in any order,
+    a tensor given again after its group: the last counts) is written as the same CHANGES a
+    mapping of each tensor's positions writes. Sizes reach past the length at which a run is
+    written without being joined (4,096), so both ways of writing are taken."""
+    rng = np.random.default_rng(seed)
+    got, want = ChangedPositions(), {}
+    for g, members in runs:
+        offsets = np.cumsum([0, *[m + 1 for m in members]], dtype=np.int64)
+        pos = np.sort(rng.choice(int(offsets[-1]), sum(members), replace=False)).astype(
+            np.int64)
+        names = [f"g{g}.{j}" for j in range(len(members))]
+        own, cuts = own_positions(pos, offsets)
+        got.members(names, own, cuts)
+        want.update(zip(names, split_positions(pos, offsets), strict=True))
+    for k, whole in alone:
+        name = f"g{k % 10}.{k // 10}" if k % 2 else f"t{k}"  # odd: may repeat a member
+        pos = None if whole else np.sort(rng.choice(50, k, replace=False)).astype(np.int64)
+        got.tensor(name, pos)
+        want[name] = pos
+    d = tmp_path_factory.mktemp("runs")
+    write_changes(d, 3, got)
+    back = read_changes(d, 3)
+    assert back is not None and list(back) == sorted(want)
+    for name, pos in want.items():
+        assert (back[name] is None) if pos is None else np.array_equal(back[name], pos), name
+    e = tmp_path_factory.mktemp("mapping")
+    write_changes(e, 3, want)
+    assert (e / CHANGES_FILE).read_bytes() == (d / CHANGES_FILE).read_bytes()
+
+
+def test_changed_members_need_one_cut_more_than_names() -> None:
+    with pytest.raises(ValueError, match="2 tensors need 3 cuts, not 2"):
+        ChangedPositions().members(["a", "b"], np.arange(4), [0, 4])
