@@ -95,10 +95,11 @@ class _Item:
 @dataclass
 class _GroupUnit:
     """A group record's tensors read, written and checked as one: no `_Item` a member, their
-    names, digests and moves kept as lists a group. The fill's common case in a region (every
-    member to write, all brought forward or all copied, back to back in both directories);
-    anything else is handed back as members (`Fill._members`). At 50,000 tensors of 20,000
-    elements the per-member steps of `_Item`s were ~10 us a tensor, a quarter of an apply."""
+    names and digests kept as lists a group, their digest moves as one array. The fill's
+    common case in a region (every member to write, all brought forward or all copied, back
+    to back in both directories); anything else is handed back as members (`Fill._members`).
+    At 50,000 tensors of 20,000 elements the per-member steps of `_Item`s were ~10 us a
+    tensor, a quarter of an apply."""
 
     index: int
     """The first member's place in the table."""
@@ -107,7 +108,8 @@ class _GroupUnit:
     forward: bool = False
     target: np.ndarray | None = None
     source: np.ndarray | None = None
-    moves: list = field(default_factory=list)
+    moves: np.ndarray | None = None
+    """(members, 2) lane sums, once written (lanehash.moved_by_group_writes)."""
     digests: list[str] = field(default_factory=list)
     repaired: int = 0
     more = False
@@ -610,11 +612,13 @@ class Fill:
         return spans, [it for it in work if id(it) not in taken]
 
     def _span_job(self, g: _Group, names: list[str], forward: bool, target: np.ndarray,
-                  source: np.ndarray, put: Callable[[list], None]) -> Callable[[], None]:
+                  source: np.ndarray, put: Callable[[np.ndarray], None]) -> Callable[[], None]:
         """One kernel call writing a group's tensors (lanehash.pull_put_groups): brought
         forward by the positions changed since (each tensor's own, cut to it, in the group's
         positions), or copied whole from the base; then the group's changes. Each tensor's
-        digest move, in order, goes to `put`."""
+        digest move, in order, goes to `put` as one (members, 2) array (a unit's moves stay
+        one array up to lanehash.add_many: as a list, converting it back cost ~20 ms an apply
+        at 50,000 tensors)."""
         def job() -> None:
             if forward:
                 steps = [_group_positions([s[name] for name in names], g.offsets)
@@ -627,7 +631,7 @@ class Fill:
                 target[:] = source
                 ppos = np.empty(0, np.int64)
             put(lanehash.moved_by_group_writes(target, source, g.offsets, ppos,
-                                               g.changes.pos, g.changes.val).tolist())
+                                               g.changes.pos, g.changes.val))
         return job
 
     # --- a group as one (`_GroupUnit`) ----------------------------------------------------------
@@ -648,7 +652,7 @@ class Fill:
         return True
 
     def _unit_job(self, w: _GroupUnit) -> Callable[[], None]:
-        def put(moves: list) -> None:
+        def put(moves: np.ndarray) -> None:
             w.moves = moves
         return self._span_job(w.group, w.group.names, w.forward, w.target, w.source, put)
 
@@ -783,10 +787,10 @@ def _unlink(batch: list[_Item | _GroupUnit]) -> None:
             it.span = None
 
 
-def _moves_to(items: list[_Item]) -> Callable[[list], None]:
+def _moves_to(items: list[_Item]) -> Callable[[np.ndarray], None]:
     """Where a group job's digest moves go: each item's own, in order."""
-    def put(moves: list) -> None:
-        for it, m in zip(items, moves, strict=True):
+    def put(moves: np.ndarray) -> None:
+        for it, m in zip(items, moves.tolist(), strict=True):
             it.moves = [m]
     return put
 
