@@ -62,7 +62,8 @@ SEED_SETTINGS = {
 
 
 ALL_STATUS = 0x7FFFFFFF
-"""torrent_handle.status()'s default flags: everything libtorrent can compute."""
+"""Every status flag libtorrent defines (torrent_handle.status()'s default, 0xffffffff, differs
+in an unused top bit the binding's signed argument cannot take)."""
 
 
 class SwarmError(RuntimeError):
@@ -133,6 +134,8 @@ class _Torrent:
     flushes_sent: int = 0
     flushes_done: int = 0
     finish_flush: int = 0
+    status: lt.torrent_status | None = None
+    """A status of this torrent, for `Swarm._statuses` to refresh (its handle is what counts)."""
 
     def flush(self) -> int:
         """Ask libtorrent to write its cache out; returns the count cache_flushed must reach."""
@@ -280,15 +283,18 @@ class Swarm:
                   ) -> list[tuple[str, "_Torrent", lt.torrent_status]]:
         """Every torrent's (artifact, torrent, status), in one call into libtorrent's thread.
         A call a torrent (its status, then its peers) cost ~35 us each, four a torrent every
-        second between the status loop and the region watch: most of an idle trainer
-        daemon's CPU, which seeds every retained version. `flags`: what libtorrent computes
-        (torrent_handle.status's; 0 for the counters alone)."""
+        second between the status loop and the region watch: what grew with the versions a
+        trainer seeds. `refresh_torrent_status`, not `get_torrent_status`: the latter's binding
+        calls its Python filter on libtorrent's thread without the GIL (libtorrent issues 6385,
+        7599: an abort under `python -X dev`, a deadlock with two callers). `flags`: what
+        libtorrent computes (torrent_handle.status's; 0 for the counters alone)."""
         with self._lock:
-            by_handle = {t.handle: (a, t) for a, t in self._torrents.items()}
+            items = [(a, t) for a, t in self._torrents.items() if t.status is not None]
+        by_handle = {t.handle: (a, t) for a, t in items}
         out = []
-        for s in self._ses().get_torrent_status(_every, flags):
+        for s in self._ses().refresh_torrent_status([t.status for _, t in items], flags):
             found = by_handle.get(s.handle)
-            if found is not None:  # else added since the lock was let go: next time
+            if found is not None:
                 out.append((*found, s))
         return out
 
@@ -297,8 +303,8 @@ class Swarm:
         Peers are asked for only on torrents with connections (an idle seed has none)."""
         out, up, down = {}, self._removed_up, self._removed_down
         for artifact, t, s in sorted(self._statuses(), key=lambda x: x[0]):
-            p = self._progress(artifact, t, s)
-            try:
+            try:  # _progress may ask for a flush
+                p = self._progress(artifact, t, s)
                 infos = t.handle.get_peer_info() if s.num_connections else []
             except RuntimeError:
                 continue  # removed or re-added meanwhile (retention, refresh): skip this once
@@ -516,7 +522,7 @@ class Swarm:
                 params.trackers = [self._tracker.url]
             handle = self._ses().add_torrent(params)
             self._torrents[artifact] = _Torrent(handle, str(save_path), seeding, complete=seeding,
-                                                announce=announce)
+                                                announce=announce, status=handle.status(0))
             self._by_hash[str(ti.info_hashes().v2)] = artifact
         self.add_peers(artifact, peers)
 
@@ -590,11 +596,6 @@ class Swarm:
             raise SwarmError("the swarm is closed")
         return self._session
 
-
-
-def _every(status: lt.torrent_status) -> bool:
-    """get_torrent_status's filter: every torrent."""
-    return True
 
 
 def _fmt(endpoint: Peer) -> str:

@@ -428,3 +428,50 @@ def test_redial_waits_longer_each_time_a_download_stays_alone() -> None:
     assert r.wait == 1.0
     assert not r.due(0, t + 200.5)  # alone from here
     assert r.due(0, t + 201.5)
+
+
+_POLL_FROM_TWO_THREADS = """
+import sys, threading
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from chain.digest import block_id
+from daemon.bittorrent import torrents
+from daemon.bittorrent.swarm import Swarm, SwarmConfig
+tmp = Path(sys.argv[2])
+swarm = Swarm(SwarmConfig(listen="127.0.0.2:0", seed_mode=True))
+for k in range(40):
+    art, data = f"v{k:08d}.delta", bytes([k]) * 4096
+    path = tmp / "store" / block_id(data)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    torrent = torrents.make_torrent(art, [(block_id(data), path)], 1 << 18)
+    torrents.link_blocks(art, [(block_id(data), path)], tmp / "seed")
+    swarm.seed(art, torrent, tmp / "seed")
+seen = []
+def poll():
+    for _ in range(200):
+        seen.append(len(swarm.status()["torrents"]))
+        swarm.peer_bytes()
+threads = [threading.Thread(target=poll) for _ in range(2)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+swarm.close()
+print(min(seen), max(seen), len(seen))
+"""
+
+
+def test_status_polled_from_two_threads_at_once_under_python_dev_mode(tmp_path):
+    """Swarm.status and peer_bytes ask libtorrent for every torrent in one call. The call
+    libtorrent's binding offers with a Python filter runs the filter on libtorrent's thread
+    without the GIL: Python's dev mode aborts on it, two callers at once deadlock. Two threads
+    polling 40 torrents 200 times each must finish and see every torrent each time."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-X", "dev", "-c", _POLL_FROM_TWO_THREADS,
+                          str(Path(__file__).resolve().parents[4]), str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["40", "40", "400"], out.stdout
