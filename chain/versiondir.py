@@ -131,9 +131,11 @@ def write_info(directory: Path, info: VersionInfo, mode: int | None) -> None:
 class ChangedPositions:
     """What CHANGES will hold, collected as an apply finishes tensors: runs of tensors with
     their positions end to end, a group record's members as the one array their group
-    decoded to and a tensor alone as its own. At 50,000 tensors in ~1,000 groups, cutting each
-    group's array into its members' views and joining 50,000 views again to write them cost
-    ~90 ms an apply; a run is written as it lies."""
+    decoded to and a tensor alone as its own; a run is written as it lies. At 50,000 tensors in
+    ~1,000 groups, cutting each group's array into its members' views and joining them again
+    was ~80 ms of an apply's main thread (py-spy); collecting and writing 1,000 groups' positions
+    took ~119 ms that way and ~80 ms this way with glibc's heap held fixed (docs/MEASURED.md,
+    stop 49)."""
 
     def __init__(self) -> None:
         self._names: list[list[str]] = []
@@ -142,10 +144,10 @@ class ChangedPositions:
 
     @classmethod
     def of(cls, changes: Mapping[str, np.ndarray | None]) -> "ChangedPositions":
-        """Each tensor of `changes` a run of its own (None: changed whole), in name order."""
+        """Each tensor of `changes` a run of its own (None: changed whole); `ordered` sorts."""
         out = cls()
-        for name in sorted(changes):
-            out.tensor(name, changes[name])
+        for name, pos in changes.items():
+            out.tensor(name, pos)
         return out
 
     def tensor(self, name: str, pos: np.ndarray | None) -> None:
@@ -157,8 +159,9 @@ class ChangedPositions:
     def members(self, names: list[str], own: np.ndarray, cuts: list[int]) -> None:
         """Consecutive tensors' positions end to end in `own` (each its own positions; member
         j's from cuts[j] to cuts[j + 1]), as codec.own_positions gives a group's."""
-        if len(cuts) != len(names) + 1:
-            raise ValueError(f"{len(names)} tensors need {len(names) + 1} cuts, not {len(cuts)}")
+        if not names or len(cuts) != len(names) + 1:
+            raise ValueError(f"{len(names)} tensors need {len(names) + 1} cuts, not {len(cuts)}"
+                             + ("" if names else ", and a run needs a tensor"))
         self._names.append(names)
         self._counts.append([b - a for a, b in itertools.pairwise(cuts)])
         self._positions.append(own[cuts[0]:cuts[-1]])
@@ -167,10 +170,7 @@ class ChangedPositions:
         """Each tensor's positions (None: changed whole); a tensor given twice, its last."""
         out: dict[str, np.ndarray | None] = {}
         for names, counts, pos in zip(self._names, self._counts, self._positions, strict=True):
-            at = 0
-            for name, count in zip(names, counts, strict=True):
-                out[name] = None if count == WHOLE else pos[at:at + count]
-                at += max(count, 0)
+            _per_tensor(names, counts, pos, out)
         return out
 
     def ordered(self) -> tuple[list[str], list[int], list[np.ndarray]]:
@@ -185,6 +185,20 @@ class ChangedPositions:
 
 
 _EMPTY = np.empty(0, np.int64)
+
+
+def _per_tensor(names: list[str], counts: list[int], pos: np.ndarray,
+                out: dict[str, np.ndarray | None]) -> int:
+    """Each tensor's slice of `pos` (its positions end to end, counts in order) into `out`,
+    None where its count is WHOLE; how many positions the counts took."""
+    at = 0
+    for name, count in zip(names, counts, strict=True):
+        if count == WHOLE:
+            out[name] = None
+        else:
+            out[name] = pos[at:at + count]
+            at += count
+    return at
 
 
 def write_changes(directory: Path, version: int,
@@ -261,13 +275,7 @@ def read_changes(directory: Path, version: int) -> dict[str, np.ndarray | None] 
             return None
         pos = body.view(np.int64)
         out: dict[str, np.ndarray | None] = {}
-        at = 0
-        for name, count in zip(head["tensors"], head["counts"], strict=True):
-            if count == WHOLE:
-                out[name] = None
-            else:
-                out[name] = pos[at : at + count]
-                at += count
+        at = _per_tensor(head["tensors"], head["counts"], pos, out)
         return out if at == pos.size else None
     except (OSError, ValueError, KeyError, TypeError, struct.error):
         return None

@@ -147,3 +147,9 @@ def test_changes_collected_as_runs_read_back_per_tensor(tmp_path_factory, runs, 
 def test_changed_members_need_one_cut_more_than_names() -> None:
     with pytest.raises(ValueError, match="2 tensors need 3 cuts, not 2"):
         ChangedPositions().members(["a", "b"], np.arange(4), [0, 4])
+
+
+def test_changed_members_refuse_an_empty_run() -> None:
+    """A run of no tensors has no first name to order it by: refused where it is given."""
+    with pytest.raises(ValueError, match="a run needs a tensor"):
+        ChangedPositions().members([], np.arange(0), [0])
