@@ -127,6 +127,8 @@ class _Torrent:
     handle: lt.torrent_handle
     save_path: str
     seeding: bool
+    status: lt.torrent_status
+    """A status of this torrent, for `Swarm._statuses` to refresh (its handle is what counts)."""
     complete: bool = False
     """Finished and its write cache flushed: every block file is on disk and readable."""
     announce: tuple[bytes, ...] = ()
@@ -134,8 +136,6 @@ class _Torrent:
     flushes_sent: int = 0
     flushes_done: int = 0
     finish_flush: int = 0
-    status: lt.torrent_status | None = None
-    """A status of this torrent, for `Swarm._statuses` to refresh (its handle is what counts)."""
 
     def flush(self) -> int:
         """Ask libtorrent to write its cache out; returns the count cache_flushed must reach."""
@@ -265,7 +265,7 @@ class Swarm:
             raise SwarmError(f"{artifact} left the swarm while its progress was read") from None
         return self._progress(artifact, t, s)
 
-    def _progress(self, artifact: str, t: "_Torrent", s: lt.torrent_status) -> Progress:
+    def _progress(self, artifact: str, t: _Torrent, s: lt.torrent_status) -> Progress:
         if s.is_finished and not t.complete and not t.finish_flush:
             with self._lock:  # finished without a torrent_finished_alert (e.g. resumed)
                 if not t.finish_flush:
@@ -280,7 +280,7 @@ class Swarm:
             error=s.errc.message() if s.errc.value() else "")
 
     def _statuses(self, flags: int = ALL_STATUS
-                  ) -> list[tuple[str, "_Torrent", lt.torrent_status]]:
+                  ) -> list[tuple[str, _Torrent, lt.torrent_status]]:
         """Every torrent's (artifact, torrent, status), in one call into libtorrent's thread.
         A call a torrent (its status, then its peers) cost ~35 us each, four a torrent every
         second between the status loop and the region watch: what grew with the versions a
@@ -289,7 +289,7 @@ class Swarm:
         7599: an abort under `python -X dev`, a deadlock with two callers). `flags`: what
         libtorrent computes (torrent_handle.status's; 0 for the counters alone)."""
         with self._lock:
-            items = [(a, t) for a, t in self._torrents.items() if t.status is not None]
+            items = list(self._torrents.items())
         by_handle = {t.handle: (a, t) for a, t in items}
         out = []
         for s in self._ses().refresh_torrent_status([t.status for _, t in items], flags):
@@ -300,7 +300,7 @@ class Swarm:
 
     def status(self) -> dict:
         """JSON-able snapshot: per-torrent progress with peers, session payload totals, bans.
-        Peers are asked for only on torrents with connections (an idle seed has none)."""
+        Peers are asked for only on torrents with connections."""
         out, up, down = {}, self._removed_up, self._removed_down
         for artifact, t, s in sorted(self._statuses(), key=lambda x: x[0]):
             try:  # _progress may ask for a flush
@@ -521,8 +521,9 @@ class Swarm:
                 self._tracker.offer(announce, [p for p in peers if p not in banned])
                 params.trackers = [self._tracker.url]
             handle = self._ses().add_torrent(params)
-            self._torrents[artifact] = _Torrent(handle, str(save_path), seeding, complete=seeding,
-                                                announce=announce, status=handle.status(0))
+            self._torrents[artifact] = _Torrent(handle, str(save_path), seeding,
+                                                handle.status(0), complete=seeding,
+                                                announce=announce)
             self._by_hash[str(ti.info_hashes().v2)] = artifact
         self.add_peers(artifact, peers)
 

@@ -285,6 +285,29 @@ def test_peer_bytes_names_each_connection_and_what_it_delivered(tmp_path, swarms
     assert sent[0][3] >= 2 << 20
 
 
+
+def test_status_lists_the_peers_of_a_torrent_with_connections(tmp_path, swarms):
+    """`Swarm.status()` asks for peers only where libtorrent counts connections: a seed and a
+    peer still connected after a 2 MiB transfer each list the other, with what it moved, as
+    `peer_bytes()` does; a torrent nobody connects to lists none."""
+    blocks, tb = _store(tmp_path, 2, 1 << 20)
+    torrents.link_blocks(ART, blocks, tmp_path / "seed")
+    seed = swarms("127.0.0.2")
+    seed.seed(ART, tb, tmp_path / "seed")
+    peer = swarms("127.0.0.3")
+    peer.download(ART, tb, tmp_path / "n0", [seed.endpoint])
+    _until([seed, peer], lambda: peer.progress(ART).finished
+           and seed.status()["torrents"][ART]["peer_list"], 30)
+    listed = seed.status()["torrents"][ART]["peer_list"]
+    assert [p["peer"] for p in listed] == [ep for _, ep, _, _ in seed.peer_bytes()]
+    assert listed[0]["peer"].startswith("127.0.0.3:") and listed[0]["uploaded"] >= 2 << 20
+    got = peer.status()["torrents"][ART]["peer_list"]
+    assert [p["peer"] for p in got] == [f"127.0.0.2:{seed.listen_port}"]
+    assert got[0]["downloaded"] >= 2 << 20 and got[0]["seed"]
+    alone = swarms("127.0.0.4")
+    alone.seed(ART, tb, tmp_path / "seed")
+    assert alone.status()["torrents"][ART]["peer_list"] == []
+
 def test_status_read_while_another_thread_refreshes_and_removes_never_raises(tmp_path, swarms):
     """The race fixed in e5c74c5: a status read (the control plane's thread) while the swarm
     thread refreshes or removes a torrent hit an invalid handle and stopped the daemon. Here one
