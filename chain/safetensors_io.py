@@ -249,7 +249,9 @@ def _advise_range(m: _Map, start: int, end: int, advice: int) -> None:
         err = ctypes.get_errno()
         raise OSError(err, f"madvise(DONTNEED) of {mm.filename} bytes {lo}..{hi} failed: "
                            f"{os.strerror(err)}; the map is no longer this file's (closed "
-                           "or remapped under the reader?)")
+                           "or remapped under the reader?). The apply stops here and resumes "
+                           "from its journal when run again; if it recurs, report it as a "
+                           "deltaswarm bug with this message")
 
 
 def _advise_many(maps: dict[str, _Map], slots: list[Slot], advice: int) -> None:
