@@ -267,15 +267,22 @@ def test_a_refreshed_torrent_dials_again_a_seed_that_came_back_on_its_endpoint(t
         back.close()
 
 
-def test_peer_bytes_names_each_connection_and_what_it_delivered(tmp_path, swarms):
-    """`Swarm.peer_bytes()` (daemon/peering/regions.py's measure of who serves): per connection, the
-    payload received from and sent to that peer, as libtorrent counts it."""
+
+def _two_mib_from_a_seed(tmp_path: Path, swarms) -> tuple[bytes, Swarm, Swarm]:
+    """A seed at 127.0.0.2 and a peer at 127.0.0.3 downloading 2 MiB from it: (torrent, seed,
+    peer)."""
     blocks, tb = _store(tmp_path, 2, 1 << 20)
     torrents.link_blocks(ART, blocks, tmp_path / "seed")
     seed = swarms("127.0.0.2")
     seed.seed(ART, tb, tmp_path / "seed")
     peer = swarms("127.0.0.3")
     peer.download(ART, tb, tmp_path / "n0", [seed.endpoint])
+    return tb, seed, peer
+
+def test_peer_bytes_names_each_connection_and_what_it_delivered(tmp_path, swarms):
+    """`Swarm.peer_bytes()` (daemon/peering/regions.py's measure of who serves): per connection, the
+    payload received from and sent to that peer, as libtorrent counts it."""
+    _, seed, peer = _two_mib_from_a_seed(tmp_path, swarms)
     _until([seed, peer], lambda: peer.progress(ART).finished, 30)
     got = peer.peer_bytes()
     assert [(a, ep) for a, ep, _, _ in got] == [(ART, f"127.0.0.2:{seed.listen_port}")]
@@ -290,12 +297,7 @@ def test_status_lists_the_peers_of_a_torrent_with_connections(tmp_path, swarms):
     """`Swarm.status()` asks for peers only where libtorrent counts connections: a seed and a
     peer still connected after a 2 MiB transfer each list the other, with what it moved, as
     `peer_bytes()` does; a torrent nobody connects to lists none."""
-    blocks, tb = _store(tmp_path, 2, 1 << 20)
-    torrents.link_blocks(ART, blocks, tmp_path / "seed")
-    seed = swarms("127.0.0.2")
-    seed.seed(ART, tb, tmp_path / "seed")
-    peer = swarms("127.0.0.3")
-    peer.download(ART, tb, tmp_path / "n0", [seed.endpoint])
+    tb, seed, peer = _two_mib_from_a_seed(tmp_path, swarms)
     _until([seed, peer], lambda: peer.progress(ART).finished
            and seed.status()["torrents"][ART]["peer_list"], 30)
     listed = seed.status()["torrents"][ART]["peer_list"]
