@@ -129,7 +129,7 @@ class _Decode(Fill):
             self.out.release(t.name)
             self.olds.pop(t.name, None)
         # one madvise per run of adjacent tensors, not one per tensor
-        self.base.release_many([it.t.name for it in batch if it.t.name in self.base.slots])
+        self.base.release_many([it.t.name for it in batch], known_only=True)
 
 
 @without_gc

@@ -32,7 +32,7 @@ from chain.manifest import TensorEntry
 from chain.safetensors_io import TensorFiles, WritableFiles
 from chain.stream import BlockReader, RecordHeader
 from chain.tensortable import TensorRow, TensorTable
-from chain.versiondir import ChangedPositions, VersionInfo
+from chain.versiondir import ChangedPositions, StoredChanges, VersionInfo
 
 BATCH = 1 << 24
 PART = 1 << 22
@@ -144,7 +144,7 @@ class Fill:
                            "twice")
         self.base, self.base_digests = base, base_digests
         self.progress, self.journal_path = progress, journal
-        self.steps: list[dict[str, np.ndarray | None] | None] = []
+        self.steps: list[StoredChanges | None] = []
         self.own: dict[str, str] | None = None
         self._pullable: set[str] = set()
         self.changes = ChangedPositions()
@@ -152,7 +152,7 @@ class Fill:
         self.resumed = False
         self._starts: np.ndarray | None = None
 
-    def in_place(self, steps: list, own: VersionInfo | None) -> None:
+    def in_place(self, steps: list[StoredChanges | None], own: VersionInfo | None) -> None:
         """The slots hold an older version (`own`, None if unknown) that `steps` (CHANGES per
         version since) bring up to the base."""
         self.steps, self.own = steps, own.tensors if own is not None else None
@@ -162,7 +162,7 @@ class Fill:
         if self.own is not None and steps and all(s is not None for s in steps):
             self._pullable = set(self.own)
             for s in steps:
-                self._pullable.intersection_update(n for n, pos in s.items() if pos is not None)
+                self._pullable.intersection_update(s.with_positions())
 
     # --- the pass ---------------------------------------------------------------------------
     def run(self, reader: BlockReader | Sequence[BlockReader], resumed: bool = False) -> None:
@@ -553,7 +553,7 @@ class Fill:
         self.journal.flush()
         self.out.release_many(names)
         if self.base is not None:
-            self.base.release_many([n for n in names if n in self.base.slots])
+            self.base.release_many(names, known_only=True)
 
     def _can_pull(self, it: _Item) -> bool:
         """Whether the slot holds an older version that the recorded steps bring forward (only
@@ -621,13 +621,12 @@ class Fill:
         at 50,000 tensors)."""
         def job() -> None:
             if forward:
-                steps = [_group_positions([s[name] for name in names], g.offsets)
-                         for s in self.steps]
+                steps = [_group_positions(s, names, g.offsets) for s in self.steps]
                 ppos = steps[0] if len(steps) == 1 else np.unique(np.concatenate(steps))
                 if ppos.size or g.changes.pos.size:
-                    self.out.prefault_many(names)
+                    self.out.prefault_view(target)
             else:
-                self.out.prefault_many(names)
+                self.out.prefault_view(target)
                 target[:] = source
                 ppos = np.empty(0, np.int64)
             put(lanehash.moved_by_group_writes(target, source, g.offsets, ppos,
@@ -795,12 +794,20 @@ def _moves_to(items: list[_Item]) -> Callable[[np.ndarray], None]:
     return put
 
 
-def _group_positions(parts: list[np.ndarray], offsets: np.ndarray) -> np.ndarray:
-    """Each member's sorted positions (`parts`, one array a member) in the group's positions
-    (`offsets`: where each member starts, and the end), those past their member dropped as
-    `_inside` drops them: array operations over the group, not four a member."""
-    counts = [p.size for p in parts]
-    local = np.concatenate(parts).astype(np.int64, copy=False)
+def _group_positions(step: StoredChanges, names: list[str], offsets: np.ndarray
+                     ) -> np.ndarray:
+    """A group's members' positions in one CHANGES `step` (each member's own, sorted) in the
+    group's positions (`offsets`: where each member starts, and the end), those past their
+    member dropped as `_inside` drops them: array operations over the group, not four a
+    member. The members' positions are one slice of the step where they are consecutive
+    tensors there (always, between versions of one table)."""
+    run = step.run(names)
+    if run is None:
+        parts = [step[n] for n in names]
+        counts: np.ndarray | list[int] = [p.size for p in parts]
+        local = np.concatenate(parts).astype(np.int64, copy=False)
+    else:
+        local, counts = run
     inside = (local >= 0) & (local < np.repeat(np.diff(offsets), counts))
     moved = local + np.repeat(offsets[:-1], counts)
     return moved if inside.all() else moved[inside]

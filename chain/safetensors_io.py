@@ -25,6 +25,7 @@ import xxhash
 
 from chain.dtypes import FROM_SAFETENSORS, SAFETENSORS_NAME, lookup
 from chain.errors import ChainError
+from chain.slotcolumns import FileColumns, SlotColumns
 
 SHARD_BYTES = 4 * 1024**3
 INDEX_NAME = "model.safetensors.index.json"
@@ -84,7 +85,30 @@ def read_header(path: Path, follow: bool = True) -> tuple[int, dict[str, Slot]]:
         return _parse_header(path, f)
 
 
+def read_columns(path: Path) -> tuple[int, dict[str, Slot], FileColumns]:
+    """`read_header`, with the file's slots as columns in byte order (built once per header,
+    kept with it)."""
+    with open_regular(path) as f:
+        base, parsed = _parsed_header(path, f)
+    columns = parsed.columns
+    if columns is None:  # two threads may both build it: the same columns either way
+        columns = parsed.columns = FileColumns.of(parsed.slots.values())
+    return base, dict(parsed.slots), columns
+
+
+@dataclass
+class _Parsed:
+    """A parsed, checked header: its slots (never changed once made) and their columns."""
+    slots: dict[str, Slot]
+    columns: FileColumns | None = None
+
+
 def _parse_header(path: Path, f: BinaryIO) -> tuple[int, dict[str, Slot]]:
+    base, parsed = _parsed_header(path, f)
+    return base, dict(parsed.slots)
+
+
+def _parsed_header(path: Path, f: BinaryIO) -> tuple[int, _Parsed]:
     head = f.read(8)
     if len(head) != 8:
         raise ChainError(f"{path} is not a safetensors file (too short)")
@@ -100,7 +124,7 @@ def _parse_header(path: Path, f: BinaryIO) -> tuple[int, dict[str, Slot]]:
         if known is not None:  # the most recently used goes last
             _parsed[key] = known
     if known is not None:
-        return 8 + n, dict(known)
+        return 8 + n, known
     try:
         doc = json.loads(raw)
     except (ValueError, RecursionError) as e:
@@ -112,19 +136,20 @@ def _parse_header(path: Path, f: BinaryIO) -> tuple[int, dict[str, Slot]]:
         if name == "__metadata__":
             continue
         slots[name] = _slot(path, file, name, info, data_bytes)
+    parsed = _Parsed(slots)
     with _parsed_lock:
-        _parsed[key] = slots
-        while sum(map(len, _parsed.values())) > _PARSED_SLOTS and len(_parsed) > 1:
+        _parsed[key] = parsed
+        while sum(len(p.slots) for p in _parsed.values()) > _PARSED_SLOTS and len(_parsed) > 1:
             _parsed.pop(next(iter(_parsed)))
-    return 8 + n, dict(slots)
+    return 8 + n, parsed
 
 
 _PARSED_SLOTS = 70_000
-_parsed: dict[tuple, dict[str, "Slot"]] = {}
+_parsed: dict[tuple, _Parsed] = {}
 """Headers already parsed and checked, by (file name, data bytes, header bytes), oldest dropped
-first past _PARSED_SLOTS tensors (~400 B each, name included): a region opens each version's
-directories again and again, and they share one layout (at 50,000 tensors a parse costs ~0.25
-s, twice per apply). Slots are immutable; callers get their own dict."""
+first past _PARSED_SLOTS tensors (~400 B each, name included, and ~40 B of columns): a region
+opens each version's directories again and again, and they share one layout (at 50,000 tensors
+a parse costs ~0.25 s, twice per apply). Slots are immutable; callers get their own dict."""
 _parsed_lock = threading.Lock()
 
 
@@ -254,27 +279,64 @@ def _advise_range(m: _Map, start: int, end: int, advice: int) -> None:
                            "deltaswarm bug with this message")
 
 
-def _advise_many(maps: dict[str, _Map], slots: list[Slot], advice: int) -> None:
-    """`_advise` for several tensors, one madvise per run of adjacent ones: tensors are laid
-    out back to back, so a batch of 10,000 small tensors is a few calls, not 10,000. Runs
-    are merged in the order given (callers go in table order, which is file order): no sort,
-    which with its key cost as much as the calls; slots out of order only make more calls."""
-    file, lo, hi = "", 0, 0
-    for slot in slots:
-        if slot.end == slot.start or slot.file not in maps:
-            continue
-        if slot.file == file and lo <= slot.start <= hi:
-            if slot.end > hi:
-                hi = slot.end
-            continue
-        if hi > lo:
-            _advise_range(maps[file], lo, hi, advice)
-        file, lo, hi = slot.file, slot.start, slot.end
-    if hi > lo:
-        _advise_range(maps[file], lo, hi, advice)
+class _MappedFiles:
+    """What `TensorFiles` and `WritableFiles` share: each file's memory map, every tensor's
+    slot, and the slots as columns (`SlotColumns`), which answer a group's questions (one
+    view? which byte ranges?) without walking a slot a tensor."""
+
+    def _open(self, directory: Path, files: list[str], mode: str) -> None:
+        self.slots: dict[str, Slot] = {}
+        self._maps: dict[str, _Map] = {}
+        columns: list[tuple[str, FileColumns]] = []
+        for fname in files:
+            base, slots, cols = read_columns(Path(directory) / fname)
+            if (Path(directory) / fname).stat().st_size > base:
+                self._maps[fname] = _Map.open(Path(directory) / fname, base, mode)
+            for name in slots:
+                if name in self.slots:
+                    raise ChainError(f"tensor {name} appears in two files of {directory}")
+            self.slots.update(slots)
+            columns.append((fname, cols))
+        self._columns = SlotColumns(columns)
+
+    def bits(self, name: str) -> np.ndarray:
+        return _view(self._maps, self.slots[name])
+
+    def span(self, names: list[str]) -> np.ndarray | None:
+        """These tensors' elements as one flat view, if they lie back to back in one file in
+        this order (one dtype); else None."""
+        first = self._columns.first_row(names)
+        if first is None:  # not consecutive rows: slot by slot
+            return _span(self._maps, [self.slots[n] for n in names])
+        where = self._columns.back_to_back(first, len(names))
+        if where is None or where[0] not in self._maps or where[2] == where[1]:
+            return None
+        file, lo, hi, dtype = where
+        m = self._maps[file]
+        return m.flat[m.base + lo : m.base + hi].view(lookup(dtype).uint)
+
+    def release(self, name: str) -> None:
+        _advise(self._maps, self.slots[name], mmap.MADV_DONTNEED)
+
+    def release_many(self, names: list[str], known_only: bool = False) -> None:
+        """Drop these tensors' pages from this process, one call per run of adjacent ones
+        (`known_only`: names not in these files are skipped, else KeyError)."""
+        self._advise_many(names, mmap.MADV_DONTNEED, known_only)
+
+    def _advise_many(self, names: list[str], advice: int, known_only: bool = False) -> None:
+        """`_advise` for several tensors, one madvise per run of adjacent ones: tensors lie
+        back to back, so a batch of 10,000 small tensors is a few calls, not 10,000. Runs are
+        merged in the order given (callers go in table order, which is file order): tensors
+        out of order only make more calls."""
+        for file, lo, hi in self._columns.ranges(self._columns.rows(names, known_only)):
+            if hi > lo and file in self._maps:  # a run of empty tensors: no pages
+                _advise_range(self._maps[file], lo, hi, advice)
+
+    def names(self) -> list[str]:
+        return sorted(self.slots)
 
 
-class TensorFiles:
+class TensorFiles(_MappedFiles):
     """Read-only bit-pattern views of every tensor in a safetensors file or HF directory."""
 
     def __init__(self, path: Path) -> None:
@@ -282,38 +344,13 @@ class TensorFiles:
         files = ([path] if path.is_file() else sorted(path.glob("*.safetensors")))
         if not files:
             raise ChainError(f"no .safetensors files in {path}")
-        self.slots: dict[str, Slot] = {}
-        self._maps: dict[str, _Map] = {}
-        for f in files:
-            base, slots = read_header(f)
-            if f.stat().st_size > base:
-                self._maps[f.name] = _Map.open(f, base, "r")
-            for name, slot in slots.items():
-                if name in self.slots:
-                    raise ChainError(f"tensor {name} appears in two files of {path}")
-                self.slots[name] = slot
-
-    def bits(self, name: str) -> np.ndarray:
-        return _view(self._maps, self.slots[name])
-
-    def span(self, names: list[str]) -> np.ndarray | None:
-        """These tensors' elements as one view, if they lie back to back (`_span`)."""
-        return _span(self._maps, [self.slots[n] for n in names])
-
-    def release(self, name: str) -> None:
-        _advise(self._maps, self.slots[name], mmap.MADV_DONTNEED)
-
-    def release_many(self, names: list[str]) -> None:
-        _advise_many(self._maps, [self.slots[n] for n in names], mmap.MADV_DONTNEED)
+        self._open(files[0].parent, [f.name for f in files], "r")
 
     def prefault(self, name: str) -> None:
         _advise(self._maps, self.slots[name], MADV_POPULATE_READ)
 
     def prefault_many(self, names: list[str]) -> None:
-        _advise_many(self._maps, [self.slots[n] for n in names], MADV_POPULATE_READ)
-
-    def names(self) -> list[str]:
-        return sorted(self.slots)
+        self._advise_many(names, MADV_POPULATE_READ)
 
 
 class ReadFiles:
@@ -363,7 +400,7 @@ class ReadFiles:
     def release(self, name: str) -> None:
         """Nothing to drop: `bits` hands out copies the caller frees."""
 
-    def release_many(self, names: list[str]) -> None:
+    def release_many(self, names: list[str], known_only: bool = False) -> None:
         """Nothing to drop (see release)."""
 
     def prefault(self, name: str) -> None:
@@ -423,34 +460,25 @@ def write_index(directory: Path, shards: dict[str, list]) -> None:
     (Path(directory) / INDEX_NAME).write_text(json.dumps(doc, indent=1, sort_keys=True))
 
 
-class WritableFiles:
+class WritableFiles(_MappedFiles):
     """Writable bit-pattern views over files made by `allocate`."""
 
     def __init__(self, directory: Path, files: list[str]) -> None:
-        self.slots: dict[str, Slot] = {}
-        self._maps: dict[str, _Map] = {}
-        for fname in files:
-            base, slots = read_header(Path(directory) / fname)
-            if (Path(directory) / fname).stat().st_size > base:
-                self._maps[fname] = _Map.open(Path(directory) / fname, base, "r+")
-            self.slots.update(slots)
-
-    def bits(self, name: str) -> np.ndarray:
-        return _view(self._maps, self.slots[name])
-
-    def span(self, names: list[str]) -> np.ndarray | None:
-        """These tensors' elements as one writable view, if they lie back to back."""
-        return _span(self._maps, [self.slots[n] for n in names])
-
-    def release(self, name: str) -> None:
-        _advise(self._maps, self.slots[name], mmap.MADV_DONTNEED)
-
-    def release_many(self, names: list[str]) -> None:
-        _advise_many(self._maps, [self.slots[n] for n in names], mmap.MADV_DONTNEED)
+        self._open(Path(directory), files, "r+")
 
     def prefault_many(self, names: list[str]) -> None:
         """Map these whole tensors for writing, one call per run of adjacent ones."""
-        _advise_many(self._maps, [self.slots[n] for n in names], MADV_POPULATE_WRITE)
+        self._advise_many(names, MADV_POPULATE_WRITE)
+
+    def prefault_view(self, view: np.ndarray) -> None:
+        """Map the pages under `view`, a view `span` or `bits` gave, for writing in one call:
+        no tensor looked up (a group's 50 names, a thousand groups a version)."""
+        if _MADVISE is None or not view.nbytes:
+            return
+        page = mmap.PAGESIZE
+        at = view.__array_interface__["data"][0]
+        lo = at // page * page
+        _MADVISE(lo, -(-(at + view.nbytes) // page) * page - lo, MADV_POPULATE_WRITE)
 
     def prefault(self, name: str, lo: int = 0, hi: int | None = None) -> None:
         """Map elements lo..hi (default: all) of tensor `name` for writing, in one call."""

@@ -29,8 +29,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from chain.atomic import fsync_dir, symlink_atomic, write_atomic
 from chain.codec import Changes
 from chain.digest import state_digest, tensor_digests
@@ -53,6 +51,7 @@ from chain.versiondir import (
     OURS,
     SHARDS,
     BadVersionDir,
+    StoredChanges,
     VersionInfo,
     read_changes,
     read_info,
@@ -209,7 +208,7 @@ class WeightsDir:
             return None
         return path
 
-    def _steps(self, start: int, cur: Current) -> list[dict[str, np.ndarray | None] | None]:
+    def _steps(self, start: int, cur: Current) -> list[StoredChanges | None]:
         """The CHANGES of versions start+1..current (None where a directory lacks them)."""
         out = []
         for v in range(start + 1, cur.version + 1):

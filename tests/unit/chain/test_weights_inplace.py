@@ -88,7 +88,7 @@ def test_missing_or_damaged_bookkeeping_falls_back_to_copying_from_current(tmp_p
         raw[-3] ^= 0xFF
         (w.path(1) / "CHANGES").write_bytes(bytes(raw))
     elif damage == "positions_past_the_tensor":  # well formed, checksummed, but wrong
-        changes = read_changes(w.path(1), 1)
+        changes = dict(read_changes(w.path(1), 1))
         sizes = {n: a.numel() for n, a in load_file(w.path(1) / SHARD).items()}
         for name, pos in changes.items():
             if pos is not None:  # the kernels check no bounds: these must not be written
