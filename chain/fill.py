@@ -329,13 +329,9 @@ class Fill:
         last = g.names[-1]
         if any(p is not None and p.name <= last for p in pending):
             return None
-        slots = self.base.slots
-        dtype = g.dtype
-        for name, (kind, shape) in zip(g.names, self._metas[item.index:item.index + g.count],
-                                       strict=True):
-            slot = slots.get(name)
-            if kind != dtype or slot is None or slot.dtype != dtype or slot.shape != shape:
-                return None
+        metas = self._metas[item.index:item.index + g.count]
+        if any(kind != g.dtype for kind, _ in metas) or not self.base.holds(g.names, metas):
+            return None
         item.group, g.members = None, []  # `item` is not kept: no cycle through it
         return _GroupUnit(item.index, g.count, g)
 
@@ -804,13 +800,19 @@ def _group_positions(step: StoredChanges, names: list[str], offsets: np.ndarray
     run = step.run(names)
     if run is None:
         parts = [step[n] for n in names]
-        counts: np.ndarray | list[int] = [p.size for p in parts]
+        counts = np.array([p.size for p in parts], np.int64)
         local = np.concatenate(parts).astype(np.int64, copy=False)
     else:
         local, counts = run
-    inside = (local >= 0) & (local < np.repeat(np.diff(offsets), counts))
     moved = local + np.repeat(offsets[:-1], counts)
-    return moved if inside.all() else moved[inside]
+    # each member's positions are sorted: its first and last say whether all lie inside it
+    # (a check a member, not three array passes over every position)
+    ends = np.cumsum(counts)
+    some = counts > 0
+    if (local[(ends - counts)[some]] >= 0).all() and \
+            (local[ends[some] - 1] < np.diff(offsets)[some]).all():
+        return moved
+    return moved[(local >= 0) & (local < np.repeat(np.diff(offsets), counts))]
 
 
 def _inside(pos: np.ndarray, n: int) -> np.ndarray:

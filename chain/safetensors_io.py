@@ -315,6 +315,17 @@ class _MappedFiles:
         m = self._maps[file]
         return m.flat[m.base + lo : m.base + hi].view(lookup(dtype).uint)
 
+    def holds(self, names: list[str], metas: list[tuple[str, list[int]]]) -> bool:
+        """Whether these tensors are here with these (dtype, shape)s: one list comparison
+        where they are consecutive here (a group of a table, in a directory written from
+        it), else a slot each."""
+        first = self._columns.first_row(names)
+        if first is not None:
+            return self._columns.metas[first:first + len(names)] == metas
+        slots = self.slots
+        return all((s := slots.get(n)) is not None and (s.dtype, s.shape) == m
+                   for n, m in zip(names, metas, strict=True))
+
     def release(self, name: str) -> None:
         _advise(self._maps, self.slots[name], mmap.MADV_DONTNEED)
 

@@ -30,6 +30,8 @@ class FileColumns:
     start: np.ndarray
     end: np.ndarray
     dtypes: list[str]
+    metas: list[tuple[str, list[int]]] = field(repr=False)
+    """Each row's (dtype, shape), as a tensor table lists them (TensorTable.metas)."""
     at: dict[str, int] = field(repr=False)
     """A name's row."""
 
@@ -47,7 +49,7 @@ class FileColumns:
             start, end = start[order], end[order]
         names = [s.name for s in rows]
         return cls(names, start, end, [s.dtype for s in rows],
-                   {n: i for i, n in enumerate(names)})
+                   [(s.dtype, s.shape) for s in rows], {n: i for i, n in enumerate(names)})
 
 
 class SlotColumns:
@@ -60,7 +62,7 @@ class SlotColumns:
         if len(files) == 1:
             one = files[0][1]
             self.names, self.start, self.end, self.at = one.names, one.start, one.end, one.at
-            dtypes = one.dtypes
+            dtypes, self.metas = one.dtypes, one.metas
             self.file = np.zeros(len(one.names), np.int32)
         else:
             self.names = [n for _, c in files for n in c.names]
@@ -68,6 +70,7 @@ class SlotColumns:
             self.end = np.concatenate([c.end for _, c in files] or [np.empty(0, np.int64)])
             self.at = {n: i for i, n in enumerate(self.names)}
             dtypes = [d for _, c in files for d in c.dtypes]
+            self.metas = [m for _, c in files for m in c.metas]
             self.file = np.repeat(np.arange(len(files), dtype=np.int32),
                                   [len(c.names) for _, c in files])
         self.dtypes = dtypes
