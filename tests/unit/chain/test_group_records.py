@@ -21,7 +21,7 @@ from chain.sources import StateDictSource, source_digest
 from chain.store import ChainStore
 from chain.stream import BlockReader, BlockWriter, RecordHeader, encode_header
 from chain.tensortable import TensorTable
-from chain.versiondir import read_changes, read_info, write_changes
+from chain.versiondir import StoredChanges, read_changes, read_info, write_changes
 from chain.weights import WeightsDir
 from chain.writer import GROUP_ELEMENTS, write_artifact
 from tests.unit.chain.test_weights import getter, same
@@ -383,7 +383,7 @@ def test_a_group_brought_forward_in_part_is_written_member_by_member(tmp_path, s
     states, store, ms, w = _at_v2_of_three(tmp_path, signing_key)
     assert w.versions() == [1, 2]  # v1 is the spare v3 brings forward over v2's CHANGES
     member = _grouped_member(store, ms[3])
-    changes = read_changes(w.path(2), 2)
+    changes = dict(read_changes(w.path(2), 2))
     assert changes[member] is not None and changes[member].size
     changes[member] = None
     write_changes(w.path(2), 2, changes)
@@ -684,9 +684,19 @@ def test_a_groups_step_positions_are_its_members_cut_and_moved(members):
     np.cumsum(numels, out=offsets[1:])
     want = np.concatenate([_inside(p, n)[_inside(p, n) >= 0] + off for p, n, off in
                            zip(parts, numels, offsets[:-1].tolist(), strict=True)])
-    got = _group_positions(parts, offsets)
-    assert got.dtype == np.int64 and np.array_equal(got, want)
-    assert np.all(np.diff(got) > 0)
+    names = [f"t{k:03d}" for k in range(len(parts))]
+    # the members as one run of the step, and with another tensor between two of them (the
+    # step then gives them one by one)
+    runs = {"run": StoredChanges(names, [p.size for p in parts], np.concatenate(parts))}
+    if len(names) > 1:
+        split = [names[0], names[0] + "x", *names[1:]]
+        runs["interleaved"] = StoredChanges(
+            split, [parts[0].size, 3, *[p.size for p in parts[1:]]],
+            np.concatenate([parts[0], np.array([0, 1, 2], np.int64), *parts[1:]]))
+    for step in runs.values():
+        got = _group_positions(step, names, offsets)
+        assert got.dtype == np.int64 and np.array_equal(got, want)
+        assert np.all(np.diff(got) > 0)
 
 
 @pytest.mark.parametrize("edit", [_own_record_too(empty=False), _regroup(lambda h: h.count - 1)],

@@ -153,3 +153,29 @@ def test_changed_members_refuse_an_empty_run() -> None:
     """A run of no tensors has no first name to order it by: refused where it is given."""
     with pytest.raises(ValueError, match="a run needs a tensor"):
         ChangedPositions().members([], np.arange(0), [0])
+
+
+def test_stored_changes_give_a_run_of_tensors_as_one_slice(tmp_path) -> None:
+    """read_changes' StoredChanges: consecutive tensors' positions are one slice of the file's
+    array with their counts; a run with a tensor changed whole, or names not consecutive
+    there, has none (the caller asks tensor by tensor)."""
+    changes = {"a": np.array([1, 4]), "b": np.array([], np.int64), "c": np.array([0, 2, 3]),
+               "d": None, "e": np.array([7])}
+    write_changes(tmp_path, 5, changes)
+    back = read_changes(tmp_path, 5)
+    assert back is not None and back.with_positions() == ["a", "b", "c", "e"]
+    pos, counts = back.run(["a", "b", "c"])
+    assert pos.tolist() == [1, 4, 0, 2, 3] and counts.tolist() == [2, 0, 3]
+    assert np.shares_memory(pos, back.pos)
+    assert back.run(["c", "d", "e"]) is None  # d changed whole
+    assert back.run(["a", "c"]) is None and back.run(["zz"]) is None
+    assert back["d"] is None and back["e"].tolist() == [7]
+
+
+def test_stored_changes_whose_counts_miss_their_positions_are_not_read(tmp_path) -> None:
+    write_changes(tmp_path, 2, {"a": np.array([1, 2]), "b": np.array([3])})
+    raw = bytearray((tmp_path / CHANGES_FILE).read_bytes())
+    at = raw.index(b'"counts": [2, 1]')
+    raw[at:at + 16] = b'"counts": [2, 2]'
+    (tmp_path / CHANGES_FILE).write_bytes(bytes(raw))
+    assert read_changes(tmp_path, 2) is None
