@@ -41,9 +41,10 @@ from chain.safetensors_io import (
     WritableFiles,
     allocate,
     layout,
-    read_header,
+    read_columns,
     write_index,
 )
+from chain.slotcolumns import SlotColumns
 from chain.stream import BlockReader
 from chain.versiondir import (
     ADVANCE,
@@ -388,16 +389,19 @@ def _info_or_none(path: Path) -> VersionInfo | None:
 
 def _same_layout(path: Path, m: Manifest) -> bool:
     """Whether the directory holds exactly the manifest's tensors, each of its dtype and shape
-    (compared from the table's columns: no row object a tensor)."""
+    (compared from the table's columns and the files' (`SlotColumns`): two list comparisons
+    where the files hold the tensors in the table's order, as a region writes them)."""
     try:
-        slots = {}
-        for f in sorted(path.glob("*.safetensors")):
-            slots.update(read_header(f)[1])
+        files = SlotColumns([(f.name, read_columns(f)[2])
+                             for f in sorted(path.glob("*.safetensors"))])
     except (ChainError, OSError):
         return False
-    names = m.tensors.names()
-    return len(slots) == len(names) and all(n in slots for n in names) and \
-        [(slots[n].dtype, slots[n].shape) for n in names] == m.tensors.metas()
+    names, metas = m.tensors.names(), m.tensors.metas()
+    if files.names == names:
+        return files.metas == metas
+    at = files.at
+    return len(files.names) == len(names) and all(n in at for n in names) and \
+        [files.metas[at[n]] for n in names] == metas
 
 
 def _write_files(staging: Path, m: Manifest, get_block: GetBlock, mode: int) -> None:

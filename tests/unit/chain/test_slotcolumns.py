@@ -104,3 +104,35 @@ def test_names_not_here_are_refused_unless_asked_to_skip(tmp_path: Path) -> None
     finally:
         sio._advise_range = real
     assert calls == [(0, 10)]  # "a" and "b" lie back to back: one call
+
+
+def test_a_spare_directory_is_reused_only_for_the_same_tensors_dtypes_and_shapes(
+        tmp_path: Path) -> None:
+    """weights._same_layout, from the files' columns: the same table in any file order is the
+    same layout; a changed shape or dtype, a tensor more or less, is not."""
+    from types import SimpleNamespace
+
+    from chain.tensortable import TensorTable
+    from chain.weights import _same_layout
+
+    def manifest(rows: list[tuple[str, str, list[int]]]) -> SimpleNamespace:
+        return SimpleNamespace(tensors=TensorTable.of(
+            [{"name": n, "dtype": d, "shape": s, "digest": "0" * 32} for n, d, s in rows]))
+
+    rows = [("a", "bfloat16", [3]), ("b", "float32", [2]), ("c", "bfloat16", [4])]
+    d = tmp_path / "v"
+    d.mkdir()
+    _write(d / "model.safetensors", [("a", "BF16", 3), ("b", "F32", 2), ("c", "BF16", 4)],
+           [0, 1, 2])
+    assert _same_layout(d, manifest(rows))
+    assert not _same_layout(d, manifest([*rows[:2], ("c", "bfloat16", [5])]))
+    assert not _same_layout(d, manifest([*rows[:2], ("c", "float32", [4])]))
+    assert not _same_layout(d, manifest(rows[:2]))
+    assert not _same_layout(d, manifest([*rows, ("d", "bfloat16", [1])]))
+    e = tmp_path / "w"  # the same tensors in two files, laid out out of name order
+    e.mkdir()
+    _write(e / "model-1.safetensors", [("c", "BF16", 4), ("a", "BF16", 3)], [1, 0])
+    _write(e / "model-2.safetensors", [("b", "F32", 2)], [0])
+    assert _same_layout(e, manifest(rows))
+    assert not _same_layout(e, manifest([("a", "bfloat16", [3]), ("b", "float32", [2]),
+                                         ("e", "bfloat16", [4])]))
