@@ -147,7 +147,7 @@ def _parsed_header(path: Path, f: BinaryIO) -> tuple[int, _Parsed]:
 _PARSED_SLOTS = 70_000
 _parsed: dict[tuple, _Parsed] = {}
 """Headers already parsed and checked, by (file name, data bytes, header bytes), oldest dropped
-first past _PARSED_SLOTS tensors (~400 B each, name included, and ~40 B of columns): a region
+first past _PARSED_SLOTS tensors (~400 B each, name included, and ~200 B of columns): a region
 opens each version's directories again and again, and they share one layout (at 50,000 tensors
 a parse costs ~0.25 s, twice per apply). Slots are immutable; callers get their own dict."""
 _parsed_lock = threading.Lock()

@@ -48,6 +48,8 @@ class FileColumns:
             rows = [rows[i] for i in order.tolist()]
             start, end = start[order], end[order]
         names = [s.name for s in rows]
+        start.setflags(write=False)  # shared by every reader of this header (cached)
+        end.setflags(write=False)
         return cls(names, start, end, [s.dtype for s in rows],
                    [(s.dtype, s.shape) for s in rows], {n: i for i, n in enumerate(names)})
 

@@ -170,7 +170,10 @@ class ChangedPositions:
         """Each tensor's positions (None: changed whole); a tensor given twice, its last."""
         out: dict[str, np.ndarray | None] = {}
         for names, counts, pos in zip(self._names, self._counts, self._positions, strict=True):
-            out.update(StoredChanges(names, counts, pos))
+            at = 0
+            for name, count in zip(names, counts, strict=True):
+                out[name] = None if count == WHOLE else pos[at:at + max(count, 0)]
+                at += max(count, 0)
         return out
 
     def ordered(self) -> tuple[list[str], list[int], list[np.ndarray]]:
@@ -259,9 +262,8 @@ def read_changes(directory: Path, version: int) -> "StoredChanges | None":
         body = raw[_HEAD.size + n :]
         if body.size % 8 or xxhash.xxh3_64_hexdigest(memoryview(body)) != head["check"]:
             return None
-        stored = StoredChanges(head["tensors"], head["counts"], body.view(np.int64))
-        return stored if stored.complete else None
-    except (OSError, ValueError, KeyError, TypeError, struct.error):
+        return StoredChanges(head["tensors"], head["counts"], body.view(np.int64))
+    except (OSError, ValueError, KeyError, TypeError, OverflowError, struct.error):
         return None
 
 
@@ -269,17 +271,33 @@ class StoredChanges(Mapping[str, "np.ndarray | None"]):
     """A CHANGES file's positions as read: each tensor's (None: changed whole), a slice of one
     array made when asked for, and a run of consecutive tensors' at once (`run`). A dict of
     50,000 slices made at every read, then gathered back a group at a time, cost a region
-    ~60 ms an apply (py-spy)."""
+    ~60 ms an apply (py-spy).
+
+    What `write_changes` writes is checked as it is read, since the apply leans on it (the
+    header is outside the checksum): names strictly in order, counts whole numbers that take
+    every position, each tensor's positions strictly increasing from 0 up. A group's check
+    that its positions lie inside their members looks only at each member's first and last
+    (`fill._group_positions`): an unsorted list would slip a stray position into the next
+    member, which the kernels, checking no bounds, would write. ValueError otherwise."""
 
     def __init__(self, names: list[str], counts: list[int], pos: np.ndarray) -> None:
         self.names, self.pos = names, pos
-        self.counts = np.asarray(counts, np.int64)
-        if self.counts.shape != (len(names),) or (self.counts < WHOLE).any():
-            raise ValueError("CHANGES counts do not match its tensors")
+        if len(counts) != len(names) or any(type(c) is not int or c < WHOLE for c in counts) \
+                or any(a >= b for a, b in itertools.pairwise(names)):
+            raise ValueError("CHANGES lists its tensors out of order, twice, or with counts "
+                             "that are not whole numbers")
+        self.counts = np.asarray(counts, np.int64)  # OverflowError past 2^63
         self.starts = np.zeros(len(names) + 1, np.int64)
         np.cumsum(np.maximum(self.counts, 0), out=self.starts[1:])
-        self.complete = int(self.starts[-1]) == pos.size
-        """Whether the counts take exactly the positions stored (else the file is damaged)."""
+        if int(self.starts[-1]) != pos.size:
+            raise ValueError(f"CHANGES counts take {int(self.starts[-1])} positions; it holds "
+                             f"{pos.size}")
+        # each tensor's positions strictly increasing from 0: a step down only where a
+        # tensor's first position follows the one before's last
+        down = np.flatnonzero(pos[1:] <= pos[:-1]) + 1
+        firsts = self.starts[:-1][self.counts > 0]
+        if (down.size and not np.isin(down, firsts).all()) or (pos[firsts] < 0).any():
+            raise ValueError("CHANGES positions are not sorted within a tensor, or negative")
         self._at: dict[str, int] | None = None
 
     def _rows(self) -> dict[str, int]:

@@ -5,11 +5,14 @@ import json
 
 import numpy as np
 import pytest
+import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
 from chain.codec import own_positions, split_positions
 from chain.versiondir import (
+    _HEAD,
+    _MAGIC,
     CHANGES_FILE,
     FORMAT,
     BadVersionDir,
@@ -179,3 +182,38 @@ def test_stored_changes_whose_counts_miss_their_positions_are_not_read(tmp_path)
     raw[at:at + 16] = b'"counts": [2, 2]'
     (tmp_path / CHANGES_FILE).write_bytes(bytes(raw))
     assert read_changes(tmp_path, 2) is None
+
+
+@pytest.mark.parametrize("damage", ["unsorted", "repeated_position", "negative", "name_twice",
+                                    "names_out_of_order", "count_not_whole", "count_huge"])
+def test_a_changes_header_or_body_the_apply_cannot_trust_is_not_read(tmp_path, damage) -> None:
+    """CHANGES as a region reads it is checked: names strictly in order, whole counts, each
+    tensor's positions strictly increasing from 0. The header is outside the checksum, so the
+    file is rewritten here with a valid checksum over the body: it must still read as absent
+    (the apply then copies whole tensors) rather than bring a stray position forward."""
+    names, counts, pos = ["a", "b", "c"], [2, 1, 3], [1, 4, 0, 2, 5, 9]
+    if damage == "unsorted":
+        pos = [1, 4, 0, 5, 2, 9]
+    elif damage == "repeated_position":
+        pos = [1, 1, 0, 2, 5, 9]
+    elif damage == "negative":
+        pos = [1, 4, -2, 2, 5, 9]
+    elif damage == "name_twice":
+        names = ["a", "b", "b"]
+    elif damage == "names_out_of_order":
+        names = ["a", "c", "b"]
+    elif damage == "count_not_whole":
+        counts = [2, 1.0, 3]
+    else:
+        counts = [2, 2**63, 3]
+    def stored(names: list, counts: list, pos: list) -> None:
+        body = np.array(pos, np.int64).tobytes()
+        head = json.dumps({"version": 4, "tensors": names, "counts": counts,
+                           "check": xxhash.xxh3_64_hexdigest(body)}).encode()
+        (tmp_path / CHANGES_FILE).write_bytes(_HEAD.pack(_MAGIC, len(head)) + head + body)
+
+    stored(names, counts, pos)
+    assert read_changes(tmp_path, 4) is None
+    stored(["a", "b", "c"], [2, 1, 3], [1, 4, 0, 2, 5, 9])  # the same file, nothing wrong
+    back = read_changes(tmp_path, 4)
+    assert back is not None and back["c"].tolist() == [2, 5, 9]
