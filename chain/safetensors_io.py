@@ -483,7 +483,9 @@ class WritableFiles(_MappedFiles):
 
     def prefault_view(self, view: np.ndarray) -> None:
         """Map the pages under `view`, a view `span` or `bits` gave, for writing in one call:
-        no tensor looked up (a group's 50 names, a thousand groups a version)."""
+        no tensor looked up (a group's 50 names, a thousand groups a version). Without libc's
+        madvise (`_MADVISE` None) it does nothing: the pages then fault in as they are
+        written, as after a populate a kernel before 5.14 refuses."""
         if _MADVISE is None or not view.nbytes:
             return
         page = mmap.PAGESIZE

@@ -3,9 +3,10 @@
 A region's apply asks its two directories about groups of tensors thousands of times a
 version: are these 50 tensors back to back (one view, one kernel call), and which byte ranges
 do these 10,000 tensors cover (one madvise per run). Walking a `Slot` object a tensor for
-that cost ~0.15 s of a 50,000-tensor apply (py-spy, main thread). Here every tensor has a
-row (its place in byte order), and each question is a slice or an array operation over rows;
-a file's columns are built once per header (`FileColumns.of`, cached with the parsed header).
+that cost ~0.1 s of a 50,000-tensor apply's main thread (py-spy, docs/MEASURED.md stop 50).
+Here every tensor has a row (its place in byte order), and each question is a slice or an
+array operation over rows; a file's columns are built once per header (`FileColumns.of`,
+cached with the parsed header).
 """
 
 from collections.abc import Iterable, Iterator
@@ -24,12 +25,12 @@ class _SlotLike(Protocol):
 
 @dataclass(frozen=True)
 class FileColumns:
-    """One file's tensors in byte order: names, byte ranges (data offsets) and dtypes."""
+    """One file's tensors in byte order: names, byte ranges (data offsets), dtypes and
+    shapes."""
 
     names: list[str]
     start: np.ndarray
     end: np.ndarray
-    dtypes: list[str]
     metas: list[tuple[str, list[int]]] = field(repr=False)
     """Each row's (dtype, shape), as a tensor table lists them (TensorTable.metas)."""
     at: dict[str, int] = field(repr=False)
@@ -50,8 +51,8 @@ class FileColumns:
         names = [s.name for s in rows]
         start.setflags(write=False)  # shared by every reader of this header (cached)
         end.setflags(write=False)
-        return cls(names, start, end, [s.dtype for s in rows],
-                   [(s.dtype, s.shape) for s in rows], {n: i for i, n in enumerate(names)})
+        return cls(names, start, end, [(s.dtype, s.shape) for s in rows],
+                   {n: i for i, n in enumerate(names)})
 
 
 class SlotColumns:
@@ -64,18 +65,17 @@ class SlotColumns:
         if len(files) == 1:
             one = files[0][1]
             self.names, self.start, self.end, self.at = one.names, one.start, one.end, one.at
-            dtypes, self.metas = one.dtypes, one.metas
+            self.metas = one.metas
             self.file = np.zeros(len(one.names), np.int32)
         else:
             self.names = [n for _, c in files for n in c.names]
             self.start = np.concatenate([c.start for _, c in files] or [np.empty(0, np.int64)])
             self.end = np.concatenate([c.end for _, c in files] or [np.empty(0, np.int64)])
             self.at = {n: i for i, n in enumerate(self.names)}
-            dtypes = [d for _, c in files for d in c.dtypes]
             self.metas = [m for _, c in files for m in c.metas]
             self.file = np.repeat(np.arange(len(files), dtype=np.int32),
                                   [len(c.names) for _, c in files])
-        self.dtypes = dtypes
+        self.dtypes = dtypes = [dtype for dtype, _ in self.metas]
         n = len(self.names)
         breaks = np.ones(n, bool)
         breaks[1:] = (self.file[1:] != self.file[:-1]) | (self.start[1:] != self.end[:-1])
@@ -118,10 +118,7 @@ class SlotColumns:
         """The row of `names[0]` where `names` are consecutive rows in this order, else None
         (a tensor of no bytes may sort either side of its neighbour: callers check such
         names slot by slot)."""
-        i = self.at.get(names[0]) if names else None
-        if i is None or self.names[i:i + len(names)] != names:
-            return None
-        return i
+        return first_row(self.at, self.names, names)
 
     def back_to_back(self, i: int, count: int) -> tuple[str, int, int, str] | None:
         """(file, first byte, end byte, dtype) of rows i..i+count-1 where they share a dtype
@@ -131,3 +128,13 @@ class SlotColumns:
             return None
         return self.files[int(self.file[i])], int(self.start[i]), int(self.end[j]), \
             self.dtypes[i]
+
+
+def first_row(at: dict[str, int], ordered: list[str], names: list[str]) -> int | None:
+    """The row of `names[0]` in `ordered` (`at`: each name's row there) where `names` are
+    consecutive rows of it in this order, else None: one lookup and one list comparison,
+    where a lookup a name, its dict entry out of cache, costs ten times as much."""
+    i = at.get(names[0]) if names else None
+    if i is None or ordered[i:i + len(names)] != names:
+        return None
+    return i

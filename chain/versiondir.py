@@ -22,6 +22,7 @@ import xxhash
 
 from chain.atomic import atomic_writer, write_atomic
 from chain.errors import ChainError
+from chain.slotcolumns import first_row
 
 FORMAT = 2
 """2: digests are additive lane hashes (chain/lanehash.py); directories without a format were
@@ -271,7 +272,7 @@ class StoredChanges(Mapping[str, "np.ndarray | None"]):
     """A CHANGES file's positions as read: each tensor's (None: changed whole), a slice of one
     array made when asked for, and a run of consecutive tensors' at once (`run`). A dict of
     50,000 slices made at every read, then gathered back a group at a time, cost a region
-    ~60 ms an apply (py-spy).
+    ~30 ms a delta (py-spy, docs/MEASURED.md stop 50).
 
     What `write_changes` writes is checked as it is read, since the apply leans on it (the
     header is outside the checksum): names strictly in order, counts whole numbers that take
@@ -325,8 +326,8 @@ class StoredChanges(Mapping[str, "np.ndarray | None"]):
     def run(self, names: list[str]) -> tuple[np.ndarray, np.ndarray] | None:
         """Consecutive tensors' positions end to end (each its own) and their counts, where
         `names` are consecutive here in this order and none changed whole; else None."""
-        i = self._rows().get(names[0]) if names else None
-        if i is None or self.names[i:i + len(names)] != names:
+        i = first_row(self._rows(), self.names, names)
+        if i is None:
             return None
         counts = self.counts[i:i + len(names)]
         if (counts == WHOLE).any():
