@@ -727,3 +727,43 @@ def test_a_refused_stream_leaves_no_cycles_for_the_collector(tmp_path, signing_k
         if enabled:
             gc.enable()
     assert left == 0
+
+
+def test_groups_brought_forward_in_a_directory_of_several_shard_files(tmp_path, signing_key,
+                                                                      monkeypatch):
+    """A region's directories split over several files (a model past SHARD_BYTES; here the
+    shard size is cut to ~40 KB so 600 experts make many files): the fill's columns break runs
+    at file boundaries, a group crossing one is written member by member, and every version
+    is bit-exact. A one-file directory never takes these paths."""
+    import functools
+
+    from chain import safetensors_io, weights
+
+    monkeypatch.setattr(weights, "layout",
+                        functools.partial(safetensors_io.layout, shard_bytes=40_000))
+    states = [experts(600, 15, 0)]
+    for v in (1, 2, 3):
+        states.append(step(states[-1], v))
+    store, ms = chain_of(tmp_path / "g", signing_key, states)
+    expanded: list[int] = []
+    real = Fill._members
+
+    def members(self, unit):
+        expanded.append(unit.count)
+        return real(self, unit)
+
+    monkeypatch.setattr(Fill, "_members", members)
+    w = WeightsDir(tmp_path / "w")
+    w.apply(store.plan(None, 1), getter(store))
+    for v in (2, 3):
+        cur = w.apply(store.plan(w.current().version, v), getter(store))
+        assert cur.version == v and cur.state_digest == ms[v].state_digest
+        assert w.verify().version == v
+    assert len(list(cur.path.glob("*.safetensors"))) > 5
+    assert expanded, "no group crossed a file boundary"
+    from safetensors.torch import load_file
+
+    got = {}
+    for f in cur.path.glob("*.safetensors"):
+        got.update(load_file(f))
+    assert same(got, states[3])
