@@ -125,6 +125,17 @@ class StateDictSource:
         bits = dtypes.bits_view(flat)
         return bits if len(tensors) > 1 else bits.copy()  # one tensor's flatten is a view
 
+    def pieces(self, names: list[str]) -> "tuple[np.ndarray, list[torch.Tensor]] | None":
+        """These tensors' addresses (int64), for an encoder reading them where they lie
+        (codec.Pieces), and the tensors, which keep that memory alive; None unless every one
+        is on the CPU and contiguous (a GPU tensor is copied over by `cat`). ~0.3 us a
+        tensor, where `cat` copies it (1.2 us a tensor of 960 elements and 2 GB moved for a
+        50,000-tensor model of 1e9 elements)."""
+        tensors = [self._state[n] for n in names]
+        if not all(t.is_cpu and t.is_contiguous() for t in tensors):
+            return None
+        return np.fromiter(map(torch_data_ptr, tensors), np.int64, len(tensors)), tensors
+
     def span(self, names: list[str]) -> np.ndarray | None:
         """These tensors' bit views end to end as one read-only view, where they lie back to
         back (a publisher's kept copy: one allocation in name order), from the addresses
@@ -218,6 +229,10 @@ class StateDictSource:
                            [c.pos.size for _, c in members])
             at += np.concatenate([c.pos for _, c in members])
             whole[at] = np.concatenate([c.val for _, c in members])
+
+
+def torch_data_ptr(t: "torch.Tensor") -> int:
+    return t.data_ptr()
 
 
 def _meta(t: "torch.Tensor") -> tuple[str, list[int]]:

@@ -124,6 +124,7 @@ def encode_stream(
     pending: list[tuple[str, str, list[int], np.ndarray | None, np.ndarray | None, int]] = []
     scratch = _Scratch()
     cat = getattr(new, "cat", None)  # the source's own tensors end to end, in one call
+    pieces = getattr(new, "pieces", None)  # where the source's tensors lie, to read in place
     span = getattr(parent, "span", None)  # the parent's own view of tensors end to end
     move_digests = digests is None and parent_digests is not None
     split_groups = on_changes is not None and on_group is None
@@ -206,15 +207,17 @@ def encode_stream(
         pending.clear()
 
     def read_deferred(units: list[tuple[int, int]], to_hash: set[str]
-                      ) -> dict[int, np.ndarray]:
-        """The batch's deferred bits: each group's new elements end to end from the source in
-        one call (`cat`), on the codec's threads (torch copies without the GIL), keyed by the
-        group's first pending index, its members' own views cut from them only where they
-        are hashed; a tensor coded alone, its own view and its parent's. Reading a torch
-        tensor's bits costs ~3 us a tensor through Python, most of a 50,000-tensor publish's
-        per-tensor cost, where the source's one call copies them end to end (the copy a
-        group needs anyway) at ~1 us a tensor. `to_hash`: `hashed_names`'."""
-        cats: dict[int, np.ndarray] = {}
+                      ) -> dict[int, "np.ndarray | codec.Pieces"]:
+        """The batch's deferred bits, keyed by each group's first pending index: a group none
+        of whose members is hashed, where its members lie (`pieces`, codec.Pieces: the
+        encoder reads them in place, no copy); any other group, its new elements end to end
+        from the source in one call (`cat`, on the codec's threads: torch copies without the
+        GIL), its members' own views cut from them only where they are hashed; a tensor coded
+        alone, its own view and its parent's. Reading a torch tensor's bits costs ~3 us a
+        tensor through Python, most of a 50,000-tensor publish's per-tensor cost, where the
+        source's one call copies them end to end at ~1 us a tensor and `pieces` finds their
+        addresses at ~0.3 us. `to_hash`: `hashed_names`'."""
+        cats: dict[int, np.ndarray | codec.Pieces] = {}
         jobs = []
         for lo, hi in units:
             if pending[lo][4] is not None:
@@ -225,6 +228,14 @@ def encode_stream(
                                else old, new.bits(name), numel)
                 continue
             names = [p[0] for p in pending[lo:hi]]
+            hashed = bool(to_hash) and any(n in to_hash for n in names)
+            found = None if hashed or pieces is None else pieces(names)
+            if found is not None:
+                starts = np.zeros(hi - lo + 1, np.int64)
+                np.cumsum([p[5] for p in pending[lo:hi]], out=starts[1:])
+                cats[lo] = codec.Pieces(found[0], starts, lambda names=names: cat(names),
+                                        found[1])
+                continue
             jobs.append((sum([p[5] for p in pending[lo:hi]]),
                          lambda lo=lo, names=names: cats.__setitem__(lo, cat(names))))
         run_jobs(jobs)

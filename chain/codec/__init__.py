@@ -7,6 +7,7 @@ from chain.codec.api import (
     DIRECT,
     Changes,
     Layers,
+    Pieces,
     apply_many,
     apply_tensor_delta,
     decode_many,
@@ -19,6 +20,6 @@ from chain.codec.api import (
     split_positions,
 )
 
-__all__ = ["DIRECT", "Changes", "Layers", "apply_many", "apply_tensor_delta", "decode_many",
-           "encode_changes", "encode_many", "encode_tensor_delta", "own_positions",
+__all__ = ["DIRECT", "Changes", "Layers", "Pieces", "apply_many", "apply_tensor_delta",
+           "decode_many", "encode_changes", "encode_many", "encode_tensor_delta", "own_positions",
            "payload_stats", "split_changes", "split_positions"]

@@ -51,6 +51,9 @@ SPEC: dict[str, tuple[str, list[str]]] = {
     "encode_segment": ("chain.codec.kernels", [
         "W", "W", "i", "i", "b", "i", "i", "i", "i", "b", "i4", "i8", *_I8[:3], *_I8,
         "u1", "u1", "u1", "u1", "i8", "i"]),
+    "encode_pieces": ("chain.codec.kernels", [
+        "W", "i8", "i8", "i", "i", "i", "i", "i", "i", "b", "i4", "i8", *_I8[:3], *_I8,
+        "u1", "u1", "u1", "u1", "i8", "i", "W"]),
     "decode_segment": ("chain.codec.kernels", [
         "W", "i", "i", "b", "u1", "i", "i", "i", "i", "i", "i", "i", "i", "i", "i", "b", "i4",
         *_I8, "i8", "i8", "i4", "W", "i", "i", "b"]),

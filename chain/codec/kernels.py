@@ -33,8 +33,11 @@ costs at most its `direct` allowance more (chain.codec.api.DIRECT; the trainer's
 `direct_positions_pct`).
 """
 
+import numba
 import numpy as np
-from numba import njit
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from chain.codec.rangecoder import (
     INIT,
@@ -122,13 +125,37 @@ def _mix(h, v):
 @njit
 def _find_rank_words(old, new, lo, hi, sh, cm, h, chg, chg_rank, chg_ctx):
     """2-byte elements whose arrays are 8-byte aligned: offsets (from lo) of the changes, their
-    contexts and ranks (elements of the same context before them) in one pass. Each lane of a
-    word counts into its own quarter of `h` (4 * 256 entries, one array so the compiler sees the
-    quarters cannot alias): equal contexts in neighbouring lanes then form no store-to-load
-    chain. The lanes of a word that changed are recorded branch-free before it is counted."""
+    contexts and ranks (elements of the same context before them) in one pass (_words_between
+    over whole words, then the last few one at a time)."""
     n4 = (hi - lo) // 4
-    wo = old[lo:lo + 4 * n4].view(np.uint64)
-    wn = new[lo:lo + 4 * n4].view(np.uint64)
+    m = _words_between(old, new, 0, lo, lo + 4 * n4, lo, sh, cm, h, chg, chg_rank, chg_ctx,
+                       old, False, 0)
+    q1 = np.uint64(256)
+    q2 = np.uint64(512)
+    q3 = np.uint64(768)
+    for i in range(lo + 4 * n4, hi):
+        e = _ctx(old[i], sh, cm)
+        chg[m] = i - lo
+        chg_ctx[m] = e
+        chg_rank[m] = h[e] + h[q1 + e] + h[q2 + e] + h[q3 + e]
+        m += old[i] != new[i]
+        h[e] += 1
+    return m
+
+
+@njit
+def _words_between(old, new, noff, a, b, lo, sh, cm, h, chg, chg_rank, chg_ctx, vals, keep_vals,
+                   m):
+    """Elements [a, b) (whole 64-bit words of 2-byte elements, 8-byte aligned in both arrays)
+    of a segment from lo, old[i] against new[i - noff]: the changes after the `m` found
+    before, as _find_rank_words records them (and their new values in `vals`, with
+    `keep_vals`; else `vals` is never written). Each lane of a word counts into its own
+    quarter of `h` (4 * 256 entries, one array so the compiler sees the quarters cannot
+    alias): equal contexts in neighbouring lanes then form no store-to-load chain. The lanes
+    of a word that changed are recorded branch-free before it is counted."""
+    n4 = (b - a) // 4
+    wo = old[a:a + 4 * n4].view(np.uint64)
+    wn = new[a - noff:a - noff + 4 * n4].view(np.uint64)
     z = np.uint64(0)
     ff = np.uint64(0xFFFF)
     s1 = sh + np.uint64(16)
@@ -137,44 +164,45 @@ def _find_rank_words(old, new, lo, hi, sh, cm, h, chg, chg_rank, chg_ctx):
     q1 = np.uint64(256)
     q2 = np.uint64(512)
     q3 = np.uint64(768)
-    m = 0
     for u in range(n4):
         v = wo[u]
         e0 = (v >> sh) & cm
         e1 = (v >> s1) & cm
         e2 = (v >> s2) & cm
         e3 = (v >> s3) & cm
-        y = v ^ wn[u]
+        w = wn[u]
+        y = v ^ w
         if y != z:
-            b = 4 * u
-            chg[m] = b
+            b0 = a - lo + 4 * u
+            chg[m] = b0
             chg_ctx[m] = e0
             chg_rank[m] = h[e0] + h[q1 + e0] + h[q2 + e0] + h[q3 + e0]
+            if keep_vals:
+                vals[m] = w & ff
             m += (y & ff) != z
-            chg[m] = b + 1
+            chg[m] = b0 + 1
             chg_ctx[m] = e1
             chg_rank[m] = h[e1] + h[q1 + e1] + h[q2 + e1] + h[q3 + e1] + (e0 == e1)
+            if keep_vals:
+                vals[m] = (w >> np.uint64(16)) & ff
             m += ((y >> np.uint64(16)) & ff) != z
-            chg[m] = b + 2
+            chg[m] = b0 + 2
             chg_ctx[m] = e2
             chg_rank[m] = h[e2] + h[q1 + e2] + h[q2 + e2] + h[q3 + e2] + (e0 == e2) + (e1 == e2)
+            if keep_vals:
+                vals[m] = (w >> np.uint64(32)) & ff
             m += ((y >> np.uint64(32)) & ff) != z
-            chg[m] = b + 3
+            chg[m] = b0 + 3
             chg_ctx[m] = e3
             chg_rank[m] = h[e3] + h[q1 + e3] + h[q2 + e3] + h[q3 + e3] + (e0 == e3) + (e1 == e3) \
                 + (e2 == e3)
+            if keep_vals:
+                vals[m] = w >> np.uint64(48)
             m += (y >> np.uint64(48)) != z
         h[e0] += 1
         h[q1 + e1] += 1
         h[q2 + e2] += 1
         h[q3 + e3] += 1
-    for i in range(lo + 4 * n4, hi):
-        e = _ctx(old[i], sh, cm)
-        chg[m] = i - lo
-        chg_ctx[m] = e
-        chg_rank[m] = h[e] + h[q1 + e] + h[q2 + e] + h[q3 + e]
-        m += old[i] != new[i]
-        h[e] += 1
     return m
 
 
@@ -206,6 +234,66 @@ def _find_rank(old, new, lo, hi, sh, cm, h, chg, chg_rank, chg_ctx):
         chg_rank[j] = h[e] + h[q1 + e] + h[q2 + e] + h[q3 + e]
         h[e] += 1
         a = i + 1
+    return m
+
+
+@intrinsic
+def _address(typingctx, addr):
+    """An int64 address as a pointer for numba.carray: memory the caller keeps alive and
+    vouches for (chain.codec.api.Pieces)."""
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], cgutils.voidptr_t)
+    return types.voidptr(types.int64), codegen
+
+
+@njit
+def _find_rank_pieces(old, addrs, starts, lo, hi, sh, cm, h, chg, chg_rank, chg_ctx, vals):
+    """_find_rank where the new elements lie in pieces, read where they are: piece p holds
+    elements [starts[p], starts[p + 1]) at address addrs[p] (a group's member tensors in the
+    trainer's memory, not copied end to end first). Also each change's new value, in `vals`.
+    2-byte elements go a word at a time (_words_between) wherever old and the piece are
+    8-byte aligned together, the rest one at a time (_elements_between)."""
+    m = 0
+    obase = old.ctypes.data
+    p = np.searchsorted(starts, lo, side="right") - 1
+    while p < addrs.size and starts[p] < hi:
+        a = max(lo, starts[p])
+        b = min(hi, starts[p + 1])
+        off = starts[p]
+        new = numba.carray(_address(addrs[p]), (starts[p + 1] - off,), old.dtype)
+        w0 = b
+        if old.itemsize == 2 and (obase + 2 * a - addrs[p] - 2 * (a - off)) % 8 == 0:
+            w0 = min(b, a + (8 - (obase + 2 * a) % 8) % 8 // 2)  # the first aligned element
+        w1 = w0 + (b - w0) // 4 * 4
+        m = _elements_between(old, new, off, a, w0, lo, sh, cm, h, chg, chg_rank, chg_ctx,
+                              vals, m)
+        m = _words_between(old, new, off, w0, w1, lo, sh, cm, h, chg, chg_rank, chg_ctx, vals,
+                           True, m)
+        m = _elements_between(old, new, off, w1, b, lo, sh, cm, h, chg, chg_rank, chg_ctx,
+                              vals, m)
+        p += 1
+    return m
+
+
+@njit
+def _elements_between(old, new, noff, a, b, lo, sh, cm, h, chg, chg_rank, chg_ctx, vals, m):
+    """Elements [a, b) of a segment from lo, old[i] against new[i - noff], one at a time: the
+    changes after the `m` found before, with their new values in `vals`. Counts rotate over
+    the quarters of `h` by position (a rank sums the four), as the word scan's lanes do."""
+    q1 = np.uint64(256)
+    q2 = np.uint64(512)
+    q3 = np.uint64(768)
+    for i in range(a, b):
+        x = old[i]
+        y = new[i - noff]
+        e = _ctx(x, sh, cm)
+        if x != y:
+            chg[m] = i - lo
+            chg_ctx[m] = e
+            chg_rank[m] = h[e] + h[q1 + e] + h[q2 + e] + h[q3 + e]
+            vals[m] = y
+            m += 1
+        h[np.uint64((i & 3) << 8) + e] += 1
     return m
 
 
@@ -351,6 +439,35 @@ def encode_segment(old, new, lo, hi, words, shift, cmask, nctx, width, is_float,
         m = _find_rank_words(old, new, lo, hi, sh, cm, hist, chg, chg_rank, chg_ctx)
     else:
         m = _find_rank(old, new, lo, hi, sh, cm, hist, chg, chg_rank, chg_ctx)
+    return _code_changes(old, new, False, lo, m, nctx, width, is_float, models, kcnt,
+                         start, rpar, chg, chg_rank, chg_ctx, grank, gstep, tout, gout, vout,
+                         sout, keep, direct)
+
+
+@njit(nogil=True, cache=True)
+def encode_pieces(old, addrs, starts, lo, hi, shift, cmask, nctx, width, is_float,
+                  models, hist, kcnt, start, rpar, chg, chg_rank, chg_ctx, grank,
+                  gstep, tout, gout, vout, sout, keep, direct, vals):
+    """encode_segment where the new elements lie in pieces (see _find_rank_pieces), read in
+    place; each change's new value also goes to `vals` (hi - lo + 1 entries), in position
+    order, where `keep` gets its offset."""
+    sh = np.uint64(shift)
+    cm = np.uint64(cmask)
+    hist[:] = 0
+    kcnt[:nctx] = 0
+    m = _find_rank_pieces(old, addrs, starts, lo, hi, sh, cm, hist, chg, chg_rank, chg_ctx,
+                          vals)
+    return _code_changes(old, vals, True, lo, m, nctx, width, is_float, models, kcnt,
+                         start, rpar, chg, chg_rank, chg_ctx, grank, gstep, tout, gout, vout,
+                         sout, keep, direct)
+
+
+@njit
+def _code_changes(old, new, packed, lo, m, nctx, width, is_float, models, kcnt, start,
+                  rpar, chg, chg_rank, chg_ctx, grank, gstep, tout, gout, vout, sout, keep,
+                  direct):
+    """What encode_segment does once the changes are found: `m` changes at offsets chg[:m]
+    from lo; their new values new[lo + offset], or new[j] for the j-th change when `packed`."""
     if m == 0:
         return 0, 0, 0, 0, 0, np.uint64(0)
 
@@ -369,7 +486,7 @@ def encode_segment(old, new, lo, hi, words, shift, cmask, nctx, width, is_float,
         i = lo + chg[j]
         if save:
             keep[j] = chg[j]
-        kn = np.uint64(new[i])
+        kn = np.uint64(new[j] if packed else new[i])
         hsh += _mix(np.uint64(i), kn)
         ko = _flip(np.uint64(old[i]), width, is_float)
         kn = _flip(kn, width, is_float)
