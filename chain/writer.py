@@ -317,14 +317,19 @@ def encode_stream(
     deferred = cat is not None
     all_names = new.names()
     parent_names = parent.names() if parent is not None else []
-    # the parent's (dtype, shape) by name, where a delta compares layouts
-    parent_meta = dict(zip(parent_names, _metas(parent, parent_names),
-                           strict=True)) if delta else {}
-    for name, (dtype, shape) in zip(all_names, _metas(new, all_names), strict=True):
+    new_metas = _metas(new, all_names)
+    parent_metas = _metas(parent, parent_names) if delta else []
+    # every tensor in the parent's layout: two list comparisons (a trainer's usual version),
+    # else the parent's (dtype, shape) by name
+    all_same = delta and type(new_metas) is list and type(parent_metas) is list and \
+        parent_names == all_names and parent_metas == new_metas
+    parent_meta = dict(zip(parent_names, parent_metas, strict=True)) \
+        if delta and not all_same else {}
+    for name, (dtype, shape) in zip(all_names, new_metas, strict=True):
         numel = math.prod(shape)
         elements += numel
         dense_bytes += numel * itemsize[dtype]
-        same_layout = delta and parent_meta.get(name) == (dtype, shape)
+        same_layout = all_same or (delta and parent_meta.get(name) == (dtype, shape))
         # a tensor a group may take: its bits and its parent's are read with the group's
         # (`read_deferred`, `flush`)
         if same_layout and deferred and numel < group_below:

@@ -118,6 +118,8 @@ class Publisher:
         self._spans: dict = {}
         """Groups of `_last`'s tensors found back to back (StateDictSource `spans`), kept
         while every tensor of `_last` is the object they were found over."""
+        self._metas: tuple | None = None
+        """`_last`'s dtypes and shapes (StateDictSource `metas_found`), kept as `_spans` are."""
         if self.store.run() not in (None, run):
             raise ChainError(f"{chain_dir} holds run {self.store.run()!r}, not {run!r}; use a "
                              "fresh chain dir or the same run name")
@@ -139,7 +141,7 @@ class Publisher:
                 f"the weights given to resume() are not v{head} as published; restore the "
                 "trainer checkpoint saved with that version"
             )
-        self._last, self._views, self._spans = state, {}, {}
+        self._last, self._views, self._spans, self._metas = state, {}, {}, None
         return head
 
     @without_gc
@@ -168,7 +170,7 @@ class Publisher:
                 assert self._last is not None
                 parent_m = self.store.get(head, "delta") or self.store.get(head, "snapshot")
                 kept = StateDictSource(self._last, self._views, owned=True,
-                                       spans=self._spans)
+                                       spans=self._spans, metas=self._metas)
                 delta, stats = write_artifact(self.store.blocks, self.key, kind="delta",
                                               parent=kept, parent_manifest=parent_m,
                                               trust_parent=True,
@@ -185,6 +187,7 @@ class Publisher:
                 # one of a dropped or replaced tensor would hold it alive (a retyped model:
                 # two copies) until the next publish
                 self._spans = kept.spans if same else {}
+                self._metas = kept.metas_found if same else None
                 self._views = kept.views if same else {
                     k: v for k, v in (kept.views or {}).items() if self._last.get(k) is v[0]}
             if head is None or self.snapshots.due(version, self.store.manifests()):
@@ -194,6 +197,7 @@ class Publisher:
                 if delta is None:
                     stats = snap_stats
                     self._last, self._views, self._spans = _cpu_copy(state_dict), {}, {}
+                    self._metas = None
         notified = self._notify(version)
         self._retain(notified)
         return Published(

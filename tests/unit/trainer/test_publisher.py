@@ -124,21 +124,60 @@ def test_a_publisher_keeps_its_spans_until_a_version_replaces_a_tensor(publisher
     publisher.publish(0, state)
     step = _step(state, 1)
     publisher.publish(1, step)
-    spans = publisher._spans
+    spans, metas = publisher._spans, publisher._metas
     assert len(spans) == 1
+    assert metas is not None and metas[0] == sorted(state)
     step = _step(step, 2)
     out = publisher.publish(2, step)
     assert out.delta.state_digest == source_digest(StateDictSource(step))
     assert next(iter(publisher._spans.values())) is next(iter(spans.values()))  # carried
+    assert publisher._metas is metas  # carried too: the kept copy's layouts did not change
     step = _step(step, 3)
     step["e05.w"] = step["e05.w"].reshape(8, 4)
     out = publisher.publish(3, step)
     assert out.delta.state_digest == source_digest(StateDictSource(step))
-    assert publisher._spans == {}
+    assert publisher._spans == {} and publisher._metas is None
     step = _step(step, 4)
     out = publisher.publish(4, step)
     assert out.delta.state_digest == source_digest(StateDictSource(step))
     assert publisher._spans == {}  # the group crosses e05, held apart: copied, no span
+
+
+def test_a_group_is_read_where_its_members_lie_unless_one_is_not_contiguous(
+        publisher, monkeypatch):
+    """A group whose members are all contiguous CPU tensors is coded from their addresses
+    (`pieces`, codec.Pieces), never copied end to end (`cat`); a group holding a transposed
+    view is copied. Both versions' digests are right (the apply side checks the payload's
+    own hash too: a wrong address would not go unseen)."""
+    cats = []
+    real_cat = StateDictSource.cat
+    monkeypatch.setattr(StateDictSource, "cat",
+                        lambda self, names: cats.append(list(names)) or real_cat(self, names))
+    state = {f"e{i:02d}.w": torch.randn(16, 8).to(torch.bfloat16) for i in range(12)}
+    publisher.publish(0, state)
+    step = _step(state, 1)
+    out = publisher.publish(1, step)
+    assert out.delta.state_digest == source_digest(StateDictSource(step))
+    assert out.delta.stats["changed_tensors"] == 12 and cats == []
+    step = _step(step, 2)
+    step["e03.w"] = step["e03.w"].t().contiguous().t()  # same shape, not contiguous
+    assert not step["e03.w"].is_contiguous()
+    out = publisher.publish(2, step)
+    assert out.delta.state_digest == source_digest(StateDictSource(step))
+    assert cats == [sorted(state)]
+
+
+def test_metas_handed_over_are_given_without_walking_the_views():
+    """`metas` given to an owned source answer `metas` for the same names as they are (the
+    holder vouches for them); other names are looked up; a source not owned takes none."""
+    kept = _cpu_copy({f"t{i}": torch.randn(8).to(torch.bfloat16) for i in range(3)})
+    marker = [("bfloat16", [8])] * 3
+    names = ["t0", "t1", "t2"]
+    assert StateDictSource(kept, {}, owned=True, metas=(names, marker)).metas(
+        list(names)) is marker
+    assert StateDictSource(kept, {}, owned=True, metas=(names, marker)).metas(
+        ["t0", "t1"]) == [("bfloat16", [8])] * 2
+    assert StateDictSource(kept, {}, metas=(names, marker)).metas(names) is not marker
 
 
 def test_a_span_answer_handed_over_is_given_without_walking_the_views():
