@@ -132,9 +132,10 @@ def encode_stream(
     def hashed_names() -> set[str]:
         """The pending tensors whose digests are hashed from their bits: none where they are
         given; else those with no parent of their layout or no parent digest to move (all,
-        without parent digests). One pass over the batch, then a set lookup a tensor where a
-        call a tensor cost ~20 ms of a 50,000-tensor publish."""
-        if digests is not None:
+        without parent digests); none where every tensor has both (`covered`). One pass over
+        the batch, then a set lookup a tensor where a call a tensor cost ~20 ms of a
+        50,000-tensor publish."""
+        if digests is not None or covered:
             return set()
         if parent_digests is None:
             return {p[0] for p in pending}
@@ -163,7 +164,8 @@ def encode_stream(
                 pairs.append((olds, cats[lo] if lo in cats else next(news), dtype))
             elif old is not None:
                 pairs.append((old, bits, dtype))
-        offsets = {lo: np.cumsum([0] + [p[5] for p in pending[lo:hi]], dtype=np.int64)
+        offsets = {lo: cats[lo].starts if isinstance(cats.get(lo), codec.Pieces) else
+                   np.cumsum([0] + [p[5] for p in pending[lo:hi]], dtype=np.int64)
                    for lo, hi, _ in groups}
         moves = _GroupMoves({k: offsets[lo] for lo, _, k in groups} if move_digests else {})
         # each pair with what it was coded as: (old, new, dtype), (payload, changes)
@@ -325,6 +327,10 @@ def encode_stream(
         parent_names == all_names and parent_metas == new_metas
     parent_meta = dict(zip(parent_names, parent_metas, strict=True)) \
         if delta and not all_same else {}
+    # ... and a digest to move for every one (`hashed_names`): a list comparison, not a
+    # lookup a tensor a batch
+    covered = all_same and parent_digests is not None and \
+        len(parent_digests) == len(all_names) and list(parent_digests) == all_names
     for name, (dtype, shape) in zip(all_names, new_metas, strict=True):
         numel = math.prod(shape)
         elements += numel

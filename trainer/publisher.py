@@ -275,7 +275,10 @@ def _patched(last: dict[str, torch.Tensor], kept: StateDictSource,
     # its group, in place
     copied = {name: state[name].detach().to("cpu", copy=True).contiguous()
               for name, c in changes.items() if c is None}
-    out = {name: copied[name] if name in copied else last[name] for name in state}
+    # none copied and as many tensors: the same names (a name new to `last` is a full
+    # record), so `last` itself, not a new dict of 50,000 entries
+    out = last if not copied and len(state) == len(last) else \
+        {name: copied[name] if name in copied else last[name] for name in state}
     kept.patch([(name, c) for name, c in changes.items() if c is not None and c.pos.size],
                groups)
     return _compacted(out) if _replaces(last, state, changes) else out
