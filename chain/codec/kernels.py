@@ -262,7 +262,8 @@ def _find_rank_pieces(old, addrs, starts, lo, hi, sh, cm, h, chg, chg_rank, chg_
         off = starts[p]
         new = numba.carray(_address(addrs[p]), (starts[p + 1] - off,), old.dtype)
         w0 = b
-        if old.itemsize == 2 and (obase + 2 * a - addrs[p] - 2 * (a - off)) % 8 == 0:
+        if old.itemsize == 2 and obase % 2 == 0 and addrs[p] % 2 == 0 and \
+                (obase + 2 * a - addrs[p] - 2 * (a - off)) % 8 == 0:
             w0 = min(b, a + (8 - (obase + 2 * a) % 8) % 8 // 2)  # the first aligned element
         w1 = w0 + (b - w0) // 4 * 4
         m = _elements_between(old, new, off, a, w0, lo, sh, cm, h, chg, chg_rank, chg_ctx,

@@ -1,7 +1,8 @@
 """The refusal enumerations of test_codec_refusal.py (every truncation, every single-bit flip, a
 wrong base, a payload applied twice; positions as ranks, flagged ranks and direct; the forged
-direct payloads built to reach the kernel's own bounds guards) run once more
-on numba's JIT kernels with bounds checking on: the compiled kernels check no bounds, so a
+direct payloads built to reach the kernel's own bounds guards), and the encoder reading a
+group's members in place (codec.Pieces), run once more on numba's JIT kernels with bounds
+checking on: the compiled kernels check no bounds, so a
 malformed payload that made them read or write outside an array would pass unseen where the
 result hash then rejects the garbage. Here such an access raises IndexError instead of
 BadDelta, and the test fails."""
@@ -24,6 +25,10 @@ for coding in sorted(t.CODINGS):
 t.test_direct_positions_past_the_segment_are_refused()
 t.test_direct_positions_beyond_their_contexts_counts_are_refused()
 print("checked forged")
+import tests.unit.chain.test_codec_pieces as pieces
+pieces.test_pieces_code_what_the_elements_end_to_end_code()
+pieces.test_pieces_across_segment_boundaries("bfloat16")
+print("checked pieces")
 print(aot.status()["kernels"])
 """
 
@@ -36,4 +41,4 @@ def test_malformed_payloads_never_index_out_of_bounds(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     lines = p.stdout.split()
     assert lines[-1] == "jit"  # the bounds-checked kernels, not the compiled ones
-    assert p.stdout.count("checked") == 4
+    assert p.stdout.count("checked") == 5

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chain.codec import api
+from chain.codec import aot, api
 from chain.codec.api import Pieces, encode_changes
 from chain.dtypes import lookup
 
@@ -68,6 +68,17 @@ def test_pieces_across_segment_boundaries(dtype):
     old, new = _pair(dtype, sum(sizes), 0.01, 3)
     pieces, _ = _new_in_pieces(new, sizes, 1)
     _same_coding(old, new, pieces, dtype)
+
+
+@pytest.mark.skipif(aot.status()["kernels"] != "aot", reason="no compiled kernels here")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pieces_take_the_compiled_kernel(dtype):
+    """Every width's Pieces call runs the kernel compiled at install, not the JIT."""
+    old, new = _pair(dtype, 30_000, 0.02, 9)
+    pieces, _ = _new_in_pieces(new, [10_000, 20_000], 0)
+    before = dict(aot.status()["jit_fallbacks"])
+    _same_coding(old, new, pieces, dtype)
+    assert aot.status()["jit_fallbacks"] == before, "a Pieces call missed its compiled variant"
 
 
 def test_pieces_on_the_jit_agree(monkeypatch: pytest.MonkeyPatch):
