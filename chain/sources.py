@@ -139,16 +139,21 @@ class StateDictSource:
         bits = dtypes.bits_view(flat)
         return bits if len(tensors) > 1 else bits.copy()  # one tensor's flatten is a view
 
-    def pieces(self, names: list[str]) -> "tuple[np.ndarray, list[torch.Tensor]] | None":
+    def pieces(self, names: list[str], sizes: list[int], itemsize: int
+               ) -> "tuple[np.ndarray, list[torch.Tensor]] | None":
         """These tensors' addresses (int64), for an encoder reading them where they lie
-        (codec.Pieces), and the tensors, which keep that memory alive; None unless every one
-        is on the CPU and contiguous (a GPU tensor is copied over by `cat`). ~0.3 us a
-        tensor, where `cat` copies it (1.2 us a tensor of 960 elements and 2 GB moved for a
-        50,000-tensor model of 1e9 elements)."""
+        (codec.Pieces), and the tensors; None unless every one is on the CPU, contiguous,
+        and still of the size (`sizes`, elements) and element size the writer's walk read
+        (what the encoder will read at its address). A GPU tensor is copied over by `cat`.
+        ~0.35 us a tensor, where `cat` copies it (1.2 us a tensor of 960 elements, and 2 GB
+        moved for a 50,000-tensor model of 1e9 elements). The caller holds the state still
+        while it encodes, as for any publish: a tensor re-pointed (`t.data = ...`, `set_`,
+        `resize_`) by another thread meanwhile may free the memory being read."""
         tensors = list(map(self._state.__getitem__, names))
-        # one pass: a tensor off the CPU or not contiguous answers 0, as an empty one may
-        ptrs = [t.data_ptr() if t.is_cpu and t.is_contiguous() else 0 for t in tensors]
-        if 0 in ptrs:
+        # one pass; -1 for a tensor the encoder cannot read in place (0 is an empty one's)
+        ptrs = [t.data_ptr() if t.is_cpu and t.is_contiguous() and t.numel() == n and
+                t.element_size() == itemsize else -1 for t, n in zip(tensors, sizes, strict=True)]
+        if -1 in ptrs:
             return None
         return np.array(ptrs, np.int64), tensors
 

@@ -17,7 +17,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from chain import codec, lanehash
 from chain.blocks import DEFAULT_BLOCK, BlockStore
 from chain.codec import header as hdr
-from chain.codec.api import run_jobs
+from chain.codec.api import moved_alone, run_jobs
 from chain.digest import pieces_root, tensor_digests
 from chain.dtypes import BY_NAME
 from chain.gcpause import without_gc
@@ -231,7 +231,8 @@ def encode_stream(
                 continue
             names = [p[0] for p in pending[lo:hi]]
             hashed = bool(to_hash) and any(n in to_hash for n in names)
-            found = None if hashed or pieces is None else pieces(names)
+            found = None if hashed or pieces is None else \
+                pieces(names, [p[5] for p in pending[lo:hi]], BY_NAME[pending[lo][1]].itemsize)
             if found is not None:
                 starts = np.zeros(hi - lo + 1, np.int64)
                 np.cumsum([p[5] for p in pending[lo:hi]], out=starts[1:])
@@ -377,7 +378,7 @@ class _GroupMoves:
                  val: np.ndarray) -> tuple[int, int]:
         offsets = self.offsets.get(pair)
         if offsets is None:
-            return lanehash.moved_between(old, new, pos)
+            return moved_alone(pair, lo, old, new, pos, val)
         self.found[pair].append(lanehash.moved_by_groups(old, pos, val, offsets))
         return 0, 0
 

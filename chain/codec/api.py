@@ -275,8 +275,9 @@ Moved = Callable[[int, int, np.ndarray, np.ndarray, np.ndarray, np.ndarray], tup
 `old` and `new`."""
 
 
-def _moved_between(i: int, lo: int, old: np.ndarray, new: "np.ndarray | Pieces",
-                   pos: np.ndarray, val: np.ndarray) -> tuple[int, int]:
+def moved_alone(i: int, lo: int, old: np.ndarray, new: "np.ndarray | Pieces",
+                pos: np.ndarray, val: np.ndarray) -> tuple[int, int]:
+    """The default `Moved`: a segment's move of its own pair's digest."""
     if isinstance(new, Pieces):  # the new values at pos are `val`
         a, b = lanehash.moved_by_groups(old, pos, val, np.array([0, old.size], np.int64))[0]
         return int(a), int(b)
@@ -328,6 +329,8 @@ def encode_changes(pairs: Sequence[tuple[np.ndarray, "np.ndarray | Pieces", str]
     plans = []
     jobs = []
     for old, new, dtype in pairs:
+        if isinstance(new, Pieces) and not _LITTLE:  # the word scan's lanes are little-endian
+            new = np.ascontiguousarray(new.whole())
         if isinstance(new, Pieces):
             c = _check_pair(old, old, dtype)
             if new.size != old.size:
@@ -344,7 +347,7 @@ def encode_changes(pairs: Sequence[tuple[np.ndarray, "np.ndarray | Pieces", str]
         for s in range(len(parts)):
             lo, hi = s * seg, min(n, (s + 1) * seg)
             jobs.append((hi - lo, (old, new, lo, hi, words, c, parts, s, found,
-                                   moved or _moved_between, len(plans) - 1, direct)))
+                                   moved or moved_alone, len(plans) - 1, direct)))
     _run_grouped(jobs, _encode_job, threads)
     mode = hdr.CODED_POS if direct >= 0 else hdr.CODED
     return [(_assemble(old, new, dtype, c, parts, mode),

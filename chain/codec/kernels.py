@@ -129,7 +129,7 @@ def _find_rank_words(old, new, lo, hi, sh, cm, h, chg, chg_rank, chg_ctx):
     over whole words, then the last few one at a time)."""
     n4 = (hi - lo) // 4
     m = _words_between(old, new, 0, lo, lo + 4 * n4, lo, sh, cm, h, chg, chg_rank, chg_ctx,
-                       old, False, 0)
+                       chg, False, 0)  # no values kept: `chg` stands in, never written there
     q1 = np.uint64(256)
     q2 = np.uint64(512)
     q3 = np.uint64(768)
@@ -149,7 +149,8 @@ def _words_between(old, new, noff, a, b, lo, sh, cm, h, chg, chg_rank, chg_ctx, 
     """Elements [a, b) (whole 64-bit words of 2-byte elements, 8-byte aligned in both arrays)
     of a segment from lo, old[i] against new[i - noff]: the changes after the `m` found
     before, as _find_rank_words records them (and their new values in `vals`, with
-    `keep_vals`; else `vals` is never written). Each lane of a word counts into its own
+    `keep_vals`; else `vals` is never written, but numba still types the write, so it must be
+    a writable array: `old` may be read-only). Each lane of a word counts into its own
     quarter of `h` (4 * 256 entries, one array so the compiler sees the quarters cannot
     alias): equal contexts in neighbouring lanes then form no store-to-load chain. The lanes
     of a word that changed are recorded branch-free before it is counted."""

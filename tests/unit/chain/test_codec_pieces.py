@@ -90,6 +90,17 @@ def test_pieces_on_the_jit_agree(monkeypatch: pytest.MonkeyPatch):
     assert encode_changes([(old, pieces, "bfloat16")])[0][0] == want
 
 
+def test_the_jit_codes_a_read_only_old_both_ways(monkeypatch: pytest.MonkeyPatch):
+    """A read-only old (a file's tensors, a kept copy's span) on the JIT kernels, which type
+    every branch: the array path and the Pieces path code the same bytes."""
+    old, new = _pair("bfloat16", 20_000, 0.02, 7)
+    old.flags.writeable = False
+    pieces, _ = _new_in_pieces(new, [7_000, 13_000], 0)
+    monkeypatch.setattr(api.encode_segment, "_table", {})
+    monkeypatch.setattr(api.encode_pieces, "_table", {})
+    _same_coding(old, new, pieces, "bfloat16")
+
+
 def test_a_payload_sent_raw_takes_the_elements_whole():
     """Every element changed by a random value: coded larger than raw, sent raw."""
     rng = np.random.default_rng(0)

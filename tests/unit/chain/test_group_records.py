@@ -5,6 +5,7 @@ refused with the tensor named."""
 
 import itertools
 import re
+from types import MappingProxyType
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 
 from chain import lanehash
 from chain.decode import decode_patch
+from chain.digest import tensor_digest
 from chain.errors import BadDelta, DigestMismatch
 from chain.fill import Fill, _group_positions, _inside
 from chain.safetensors_io import TensorFiles
@@ -23,7 +25,7 @@ from chain.stream import BlockReader, BlockWriter, RecordHeader, encode_header
 from chain.tensortable import TensorTable
 from chain.versiondir import StoredChanges, read_changes, read_info, write_changes
 from chain.weights import WeightsDir
-from chain.writer import GROUP_ELEMENTS, write_artifact
+from chain.writer import GROUP_BELOW, GROUP_ELEMENTS, encode_stream, write_artifact
 from tests.unit.chain.test_weights import getter, same
 
 UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -207,20 +209,30 @@ class _OneAtATime(StateDictSource):
     cat = None
 
 
+class _Copied(StateDictSource):
+    """A state dict whose groups are copied end to end (`cat`), never read in place."""
+
+    pieces = None
+
+
 @pytest.mark.parametrize("trust", [True, False], ids=["moved", "hashed"])
 def test_groups_read_in_one_call_write_the_same_artifact_as_one_tensor_at_a_time(
         tmp_path, signing_key, trust):
-    """A torch source hands the writer each group's new elements end to end in one call
-    (StateDictSource.cat), the members' own views cut from them where they are hashed: the
-    same records, blocks and digests as reading each tensor's bits, on tensors that are not
-    contiguous, need grad, or sit among ones that do not group."""
+    """A torch source hands the writer each group where its members lie (StateDictSource.
+    pieces: read in place, an empty member among them) or, with members hashed or not
+    contiguous, its new elements end to end in one call (StateDictSource.cat), the members'
+    own views cut from them where they are hashed: the same records, blocks and digests as
+    copying every group and as reading each tensor's bits, on tensors that are not
+    contiguous, need grad, or sit among ones that do not group, from a dict or any other
+    mapping."""
     first = experts(300, 15, 4)
     first["layers.2.experts.1.w"] = first["layers.2.experts.1.w"].t().contiguous().t()
     second = step(first, 9)
     second["layers.3.experts.2.w"].requires_grad_(True)
     second["layers.2.experts.5.w"] = second["layers.2.experts.5.w"].t().contiguous().t()
     ms = []
-    for name, source in (("cat", StateDictSource), ("each", _OneAtATime)):
+    for name, source in (("placed", StateDictSource), ("cat", _Copied), ("each", _OneAtATime),
+                         ("mapping", lambda s: StateDictSource(MappingProxyType(s)))):
         store = ChainStore(tmp_path / name / "chain", signing_key.public_key())
         base, _ = write_artifact(store.blocks, signing_key, run="r", version=0, kind="snapshot",
                                  new=StateDictSource(first))
@@ -229,11 +241,35 @@ def test_groups_read_in_one_call_write_the_same_artifact_as_one_tensor_at_a_time
                               parent_manifest=base, trust_parent=trust)
         ms.append((m, [h for h in records(store, m)],
                    b"".join(store.blocks.get(b.id, b.size) for b in m.blocks)))
-    (m, heads, raw), (m_each, heads_each, raw_each) = ms
+    (m, heads, raw), *others = ms
     assert any(h.op == "group" for h in heads)
-    assert m.tensors.digest_map() == m_each.tensors.digest_map()
-    assert m.state_digest == m_each.state_digest == source_digest(StateDictSource(second))
-    assert heads == heads_each and raw == raw_each
+    for m_other, heads_other, raw_other in others:
+        assert m.tensors.digest_map() == m_other.tensors.digest_map()
+        assert m.state_digest == m_other.state_digest == source_digest(StateDictSource(second))
+        assert heads == heads_other and raw == raw_other
+
+
+def test_a_delta_with_its_digests_given_reports_each_members_changes(tmp_path):
+    """Digests given (no parent digests moved): groups read in place still report each
+    member's own changes, which turn the parent's bits into the new ones."""
+    first = experts(120, 15, 2)
+    second = step(first, 3)
+    given = {n: tensor_digest(*StateDictSource(second).meta(n), StateDictSource(second).bits(n))
+             for n in second}
+    seen: dict = {}
+    table, _ = encode_stream(BlockWriter(ChainStore(tmp_path / "c").blocks),
+                             StateDictSource(second), StateDictSource(first), "delta",
+                             digests=given, on_changes=seen.__setitem__)
+    assert table.digest_map() == given and set(seen) == set(second)
+    grouped = 0
+    for name, c in seen.items():
+        if c is None:
+            continue
+        bits = StateDictSource(first).bits(name).copy()
+        bits[c.pos] = c.val
+        assert np.array_equal(bits, StateDictSource(second).bits(name)), name
+        grouped += second[name].numel() < GROUP_BELOW and c.pos.size > 0
+    assert grouped > 100
 
 
 def test_a_group_reported_at_once_is_its_members_changes_end_to_end(tmp_path, signing_key):

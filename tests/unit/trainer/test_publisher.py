@@ -167,6 +167,21 @@ def test_a_group_is_read_where_its_members_lie_unless_one_is_not_contiguous(
     assert cats == [sorted(state)]
 
 
+def test_a_tensor_renamed_keeps_the_count_and_the_kept_copy_follows(publisher):
+    """A version that renames a tensor (as many tensors, one name new): the new name is a
+    full record, the kept copy holds the new names, and the next delta is right."""
+    state = _state(0)
+    publisher.publish(0, state)
+    step = _step(state, 1)
+    step["c.bias"] = step.pop("b.bias")
+    out = publisher.publish(1, step)
+    assert out.delta.state_digest == source_digest(StateDictSource(step))
+    assert sorted(publisher._last) == sorted(step) and publisher._metas is None
+    nxt = _step(step, 2)
+    out = publisher.publish(2, nxt)
+    assert out.delta.state_digest == source_digest(StateDictSource(nxt))
+
+
 def test_metas_handed_over_are_given_without_walking_the_views():
     """`metas` given to an owned source answer `metas` for the same names as they are (the
     holder vouches for them); other names are looked up; a source not owned takes none."""
