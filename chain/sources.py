@@ -22,9 +22,10 @@ if TYPE_CHECKING:
 
 
 class TensorSource(Protocol):
-    """What the writer reads. A source may also offer `cat(names)` and `span(names)`
-    (StateDictSource does): a group's elements end to end in one call, which the writer uses
-    when present (chain.writer.encode_stream)."""
+    """What the writer reads. A source may also offer `cat(names)`, `span(names)` and
+    `pieces(names, sizes, itemsize)` (StateDictSource does): a group's elements end to end in
+    one call, or where its tensors lie to be read in place, which the writer uses when
+    present (chain.writer.encode_stream)."""
 
     def names(self) -> list[str]: ...
     def meta(self, name: str) -> tuple[str, list[int]]: ...
