@@ -146,7 +146,10 @@ def encode_stream(
     def flush() -> None:
         units = _units(pending, group_below)
         to_hash = hashed_names()
-        cats = read_deferred(units, to_hash)
+        # each group's member element offsets (member j from offsets[j] to offsets[j + 1])
+        offsets = {lo: np.cumsum([0] + [p[5] for p in pending[lo:hi]], dtype=np.int64)
+                   for lo, hi in units if hi - lo > 1}
+        cats = read_deferred(units, to_hash, offsets)
         # a group: its tensors' elements end to end, coded as one
         news = iter(scratch.end_to_end([[p[4] for p in pending[lo:hi]] for lo, hi in units
                                         if hi - lo > 1 and lo not in cats]))
@@ -164,9 +167,6 @@ def encode_stream(
                 pairs.append((olds, cats[lo] if lo in cats else next(news), dtype))
             elif old is not None:
                 pairs.append((old, bits, dtype))
-        offsets = {lo: cats[lo].starts if isinstance(cats.get(lo), codec.Pieces) else
-                   np.cumsum([0] + [p[5] for p in pending[lo:hi]], dtype=np.int64)
-                   for lo, hi, _ in groups}
         moves = _GroupMoves({k: offsets[lo] for lo, _, k in groups} if move_digests else {})
         # each pair with what it was coded as: (old, new, dtype), (payload, changes)
         coded = list(zip(pairs, codec.encode_changes(pairs, changes=parent_digests is not None
@@ -208,8 +208,8 @@ def encode_stream(
                    bits.size)
         pending.clear()
 
-    def read_deferred(units: list[tuple[int, int]], to_hash: set[str]
-                      ) -> dict[int, "np.ndarray | codec.Pieces"]:
+    def read_deferred(units: list[tuple[int, int]], to_hash: set[str],
+                      offsets: dict[int, np.ndarray]) -> dict[int, "np.ndarray | codec.Pieces"]:
         """The batch's deferred bits, keyed by each group's first pending index: a group none
         of whose members is hashed, where its members lie (`pieces`, codec.Pieces: the
         encoder reads them in place, no copy); any other group, its new elements end to end
@@ -218,7 +218,8 @@ def encode_stream(
         alone, its own view and its parent's. Reading a torch tensor's bits costs ~3 us a
         tensor through Python, most of a 50,000-tensor publish's per-tensor cost, where the
         source's one call copies them end to end at ~1 us a tensor and `pieces` finds their
-        addresses at ~0.3 us. `to_hash`: `hashed_names`'."""
+        addresses at ~0.35 us. `to_hash`: `hashed_names`'; `offsets`: each group's member
+        offsets (`flush`)."""
         cats: dict[int, np.ndarray | codec.Pieces] = {}
         jobs = []
         for lo, hi in units:
@@ -234,12 +235,10 @@ def encode_stream(
             found = None if hashed or pieces is None else \
                 pieces(names, [p[5] for p in pending[lo:hi]], BY_NAME[pending[lo][1]].itemsize)
             if found is not None:
-                starts = np.zeros(hi - lo + 1, np.int64)
-                np.cumsum([p[5] for p in pending[lo:hi]], out=starts[1:])
-                cats[lo] = codec.Pieces(found[0], starts, lambda names=names: cat(names),
+                cats[lo] = codec.Pieces(found[0], offsets[lo], lambda names=names: cat(names),
                                         found[1])
                 continue
-            jobs.append((sum([p[5] for p in pending[lo:hi]]),
+            jobs.append((int(offsets[lo][-1]),
                          lambda lo=lo, names=names: cats.__setitem__(lo, cat(names))))
         run_jobs(jobs)
         if not to_hash:

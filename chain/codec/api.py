@@ -59,10 +59,8 @@ class _Workspace:
 
     def values(self, n: int, dtype: np.dtype) -> np.ndarray:
         """`n` elements of `dtype`: a segment's changed new values (encode_pieces)."""
-        nbytes = n * np.dtype(dtype).itemsize
-        if self.vals.size < nbytes:
-            self.vals = np.empty(max(nbytes, 2 * self.vals.size), np.uint8)
-        return self.vals[:nbytes].view(dtype)
+        self.vals, out = _typed(self.vals, n, dtype)
+        return out
 
     def changes(self, n: int) -> list[np.ndarray]:
         if self.chg[0].size < n:
@@ -76,16 +74,23 @@ class _Workspace:
 
     def segment(self, n: int, dtype: np.dtype) -> np.ndarray:
         """A buffer of `n` elements of `dtype` (a segment's old elements, overlaid)."""
-        nbytes = n * np.dtype(dtype).itemsize
-        if self.seg.size < nbytes:
-            self.seg = np.empty(nbytes, np.uint8)
-        return self.seg[:nbytes].view(dtype)
+        self.seg, out = _typed(self.seg, n, dtype)
+        return out
 
     def outbufs(self, n: int) -> list[np.ndarray]:
         if self.out[0].size < n:
             self.out = [np.empty(max(n, 2 * self.out[0].size), np.uint8)
                         for _ in range(hdr.STREAMS)]
         return [o[:n] for o in self.out]
+
+
+def _typed(buf: np.ndarray, n: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """`buf` (bytes, kept) grown to hold `n` elements of `dtype` where it is short, and a
+    view of its first `n` as that dtype."""
+    nbytes = n * np.dtype(dtype).itemsize
+    if buf.size < nbytes:
+        buf = np.empty(max(nbytes, 2 * buf.size), np.uint8)
+    return buf, buf[:nbytes].view(dtype)
 
 
 _NO_KEEP = np.empty(0, np.int64)
@@ -279,20 +284,21 @@ def moved_alone(i: int, lo: int, old: np.ndarray, new: "np.ndarray | Pieces",
                 pos: np.ndarray, val: np.ndarray) -> tuple[int, int]:
     """The default `Moved`: a segment's move of its own pair's digest."""
     if isinstance(new, Pieces):  # the new values at pos are `val`
-        a, b = lanehash.moved_by_groups(old, pos, val, np.array([0, old.size], np.int64))[0]
-        return int(a), int(b)
+        return lanehash.moved_by_changes(old, pos, val)
     return lanehash.moved_between(old, new, pos)
 
 
 class Pieces:
     """A pair's new elements where they lie, in pieces, read in place by the encoder: piece
-    j holds elements [starts[j], starts[j + 1]) at address addrs[j], in memory `hold` keeps
-    alive (a group's member tensors in the trainer's state dict). Laying 50,000 small tensors
-    end to end first cost a publish a 2 GB copy, ~0.2 s of its 1.4 s on this host; read where
-    they are, the encoder's one pass over them is the only one. `whole()`: the elements end
-    to end, for a payload sent raw. The caller vouches that each address holds its piece's
-    count of elements of the pair's width, contiguous, while the encode runs: a wrong one
-    reads the wrong memory (StateDictSource.pieces gives only CPU, contiguous tensors)."""
+    j holds elements [starts[j], starts[j + 1]) at address addrs[j] (a group's member tensors
+    in the trainer's state dict; `hold` keeps those objects, not the memory they point at,
+    alive: re-pointing one while the encode runs frees what is being read). Laying 50,000
+    small tensors end to end first cost a publish a 2 GB copy, ~0.2 s of its 1.4 s on this
+    host; read where they are, the encoder's one pass over them is the only one. `whole()`:
+    the elements end to end, for a payload sent raw. The caller vouches that each address
+    holds its piece's count of elements of the pair's width, contiguous, while the encode
+    runs: a wrong one reads the wrong memory (StateDictSource.pieces checks CPU, contiguous,
+    size and element size)."""
 
     __slots__ = ("addrs", "hold", "starts", "whole")
 
@@ -332,7 +338,7 @@ def encode_changes(pairs: Sequence[tuple[np.ndarray, "np.ndarray | Pieces", str]
         if isinstance(new, Pieces) and not _LITTLE:  # the word scan's lanes are little-endian
             new = np.ascontiguousarray(new.whole())
         if isinstance(new, Pieces):
-            c = _check_pair(old, old, dtype)
+            c = _check_pair(old, old, dtype)  # old's checks; the pieces' are their size here
             if new.size != old.size:
                 raise ValueError(f"old has {old.size} elements, new has {new.size}")
             old = np.ascontiguousarray(old)

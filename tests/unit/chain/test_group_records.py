@@ -203,6 +203,18 @@ def at_v1(tmp_path, key, first: dict[str, torch.Tensor], seed: int
     return store, ms, w
 
 
+def apply_each(path, store: ChainStore, ms: list, versions: tuple[int, ...]):
+    """A region's weights at `path` applied to v1, then to each of `versions` in turn, each
+    on its published state digest and verified from disk; the last version's state."""
+    w = WeightsDir(path)
+    w.apply(store.plan(None, 1), getter(store))
+    for v in versions:
+        cur = w.apply(store.plan(w.current().version, v), getter(store))
+        assert cur.version == v and cur.state_digest == ms[v].state_digest
+        assert w.verify().version == v
+    return cur
+
+
 class _OneAtATime(StateDictSource):
     """A state dict read one tensor at a time: the source without `cat`."""
 
@@ -379,12 +391,7 @@ def test_small_tensors_travel_in_groups_and_apply_bit_exactly(tmp_path, signing_
             repaired.append(self.repaired)
 
     monkeypatch.setattr(Fill, "run", run)
-    w = WeightsDir(tmp_path / "w")
-    w.apply(store.plan(None, 1), getter(store))
-    for v in (2, 3):
-        cur = w.apply(store.plan(w.current().version, v), getter(store))
-        assert cur.version == v and cur.state_digest == ms[v].state_digest
-        assert w.verify().version == v
+    cur = apply_each(tmp_path / "w", store, ms, (2, 3))
     assert True in calls and False in calls
     # each member's CHANGES positions (cut from its group's) brought the spare forward
     assert repaired and sum(repaired) == 0
@@ -411,6 +418,20 @@ def _at_v2_of_three(tmp_path, key) -> tuple[list, ChainStore, list, WeightsDir]:
     return states, store, ms, w
 
 
+def _member_expansions(monkeypatch) -> list[int]:
+    """A list that gets each group's member count as the fill writes it member by member
+    (Fill._members), from now on."""
+    expanded: list[int] = []
+    real = Fill._members
+
+    def members(self, unit):
+        expanded.append(unit.count)
+        return real(self, unit)
+
+    monkeypatch.setattr(Fill, "_members", members)
+    return expanded
+
+
 def test_a_group_brought_forward_in_part_is_written_member_by_member(tmp_path, signing_key,
                                                                       monkeypatch):
     """One member's step in CHANGES says "whole" (no positions): the group can be neither
@@ -423,14 +444,7 @@ def test_a_group_brought_forward_in_part_is_written_member_by_member(tmp_path, s
     assert changes[member] is not None and changes[member].size
     changes[member] = None
     write_changes(w.path(2), 2, changes)
-    expanded: list[int] = []
-    real = Fill._members
-
-    def members(self, unit):
-        expanded.append(unit.count)
-        return real(self, unit)
-
-    monkeypatch.setattr(Fill, "_members", members)
+    expanded = _member_expansions(monkeypatch)
     cur = w.apply([ms[3]], getter(store))
     assert expanded, "no group was handed back as members"
     assert cur.version == 3 and w.verify().version == 3
@@ -781,20 +795,8 @@ def test_groups_brought_forward_in_a_directory_of_several_shard_files(tmp_path, 
     for v in (1, 2, 3):
         states.append(step(states[-1], v))
     store, ms = chain_of(tmp_path / "g", signing_key, states)
-    expanded: list[int] = []
-    real = Fill._members
-
-    def members(self, unit):
-        expanded.append(unit.count)
-        return real(self, unit)
-
-    monkeypatch.setattr(Fill, "_members", members)
-    w = WeightsDir(tmp_path / "w")
-    w.apply(store.plan(None, 1), getter(store))
-    for v in (2, 3):
-        cur = w.apply(store.plan(w.current().version, v), getter(store))
-        assert cur.version == v and cur.state_digest == ms[v].state_digest
-        assert w.verify().version == v
+    expanded = _member_expansions(monkeypatch)
+    cur = apply_each(tmp_path / "w", store, ms, (2, 3))
     assert len(list(cur.path.glob("*.safetensors"))) > 5
     assert expanded, "no group crossed a file boundary"
     from safetensors.torch import load_file
