@@ -140,8 +140,7 @@ def _drive(c: Cluster, p: Params, run: ChaosRun, sampler: Sampler,
                     snapshots=SnapshotPolicy(every=p.snapshot_every),
                     retention=Retention(versions=p.trainer_retention), block_size=p.block_size)
     state = tiny_model(0, p.tensors, p.rows, p.cols)
-    art0 = artifact_name(0, "snapshot")
-    killer = KillMidDownload(us2, art0, *p.kill_window, p.victim_down_s)
+    killer = KillMidDownload(us2, ".snapshot", *p.kill_window, p.victim_down_s)
     threads.append(killer)
     killer.start()
     out = pub.publish(0, state)
