@@ -21,33 +21,14 @@ import xxhash
 from numba import njit
 
 from chain.codec.aot import bind
+from chain.lanemix import K0, K1, S0, S1, _mix0, _mix1  # noqa: F401  (re-exported)
 
-K0 = np.uint64(0x9E3779B97F4A7C15)
-K1 = np.uint64(0xD6E8FEB86659FD93)
-S0 = np.uint64(0x243F6A8885A308D3)
-S1 = np.uint64(0x13198A2E03707344)
+# sha256 of lanemix.py (first 16 hex digits): numba caches this module's kernels keyed on
+# this file only, and the word mix is compiled into them; the digest here makes an edit of
+# lanemix.py invalidate them (a test checks it).
+LANEMIX_DIGEST = "1af0bf58416382d6"
 CHUNK_WORDS = 1 << 22  # 32 MiB of tensor per job when a digest is spread over threads
 M64 = (1 << 64) - 1
-
-
-@njit(inline="always")
-def _mix0(w, x):
-    z = x ^ (w * K0 + S0)
-    z ^= z >> np.uint64(33)
-    z *= np.uint64(0xFF51AFD7ED558CCD)
-    z ^= z >> np.uint64(33)
-    z *= np.uint64(0xC4CEB9FE1A85EC53)
-    return z ^ (z >> np.uint64(33))
-
-
-@njit(inline="always")
-def _mix1(w, x):
-    z = x ^ (w * K1 + S1)
-    z ^= z >> np.uint64(30)
-    z *= np.uint64(0xBF58476D1CE4E5B9)
-    z ^= z >> np.uint64(27)
-    z *= np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
 
 
 @njit(nogil=True, cache=True)

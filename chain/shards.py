@@ -23,7 +23,7 @@ from chain.codec.api import LOG2_SEG, THREADS
 from chain.digest import state_digest
 from chain.dtypes import lookup
 from chain.errors import ChainError
-from chain.lanehash import _mix0, _mix1
+from chain.lanemix import _mix0, _mix1
 from chain.manifest import (
     FORMAT_SHARDED,
     BlockEntry,
@@ -33,6 +33,11 @@ from chain.manifest import (
     TensorEntry,
 )
 from chain.stream import BlockWriter, RecordHeader
+
+# sha256 of lanemix.py (first 16 hex digits): numba caches this module's kernels keyed on
+# this file only, and the word mix is compiled into them; the digest here makes an edit of
+# lanemix.py invalidate them (a test checks it).
+LANEMIX_DIGEST = "1af0bf58416382d6"
 
 SPARSE_BATCH = 1 << 21
 """Changed segments found on a device are rebuilt and encoded this many elements at a time

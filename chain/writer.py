@@ -363,32 +363,43 @@ def _metas(source: TensorSource, names: list[str]) -> Iterable[tuple[str, list[i
 class _GroupMoves:
     """The encoder's `moved` hook (codec.Moved) for a batch: a tensor coded alone gets its
     digest move as the codec's default does; a group (pair index in `offsets`, its members'
-    offsets) gets each member's move (lanehash.moved_by_groups) from every segment, on the
-    thread that coded it while the segment's old elements are still in cache, summed by
-    `of`. Computed after the encode instead, reading 2 GB of parent elements again, the
-    members' moves cost a 50,000-tensor publish of 1e9 elements ~0.1 s, five times what a
-    dense model's fused moves cost. A group's own digest move is meaningless and left 0."""
+    offsets) gets each member's move from every segment, summed by `of`. The encoder finds
+    them in its own scan where it reads the members in place (`pieces`: the changed words are
+    in registers already); else lanehash.moved_by_groups computes them on the thread that
+    coded the segment, while its old elements are still in cache. Computed after the encode
+    instead, reading 2 GB of parent elements again, the members' moves cost a 50,000-tensor
+    publish of 1e9 elements ~0.1 s; in a pass of their own, ~0.15 s of CPU. A group's own
+    digest move is meaningless and left 0."""
 
     def __init__(self, offsets: dict[int, np.ndarray]) -> None:
         self.offsets = offsets
-        self.found: dict[int, list[np.ndarray]] = {k: [] for k in offsets}
+        # each group's (first member, (members, 2) lane sums) from its segments
+        self.found: dict[int, list[tuple[int, np.ndarray]]] = {k: [] for k in offsets}
 
     def __call__(self, pair: int, lo: int, old: np.ndarray, new: np.ndarray, pos: np.ndarray,
                  val: np.ndarray) -> tuple[int, int]:
         offsets = self.offsets.get(pair)
         if offsets is None:
             return moved_alone(pair, lo, old, new, pos, val)
-        self.found[pair].append(lanehash.moved_by_groups(old, pos, val, offsets))
+        self.found[pair].append((0, lanehash.moved_by_groups(old, pos, val, offsets)))
         return 0, 0
+
+    def pieces(self, pair: int, first: int, moves: np.ndarray) -> bool:
+        """Take a segment's members' moves as the encoder found them (codec.Moved); False
+        for a pair that is not a group, whose own move the encoder then asks for."""
+        if pair not in self.offsets:
+            return False
+        self.found[pair].append((first, moves))
+        return True
 
     def of(self, pair: int) -> np.ndarray | None:
         """Pair `pair`'s members' moves, (members, 2) lane sums; None if not a group's."""
         found = self.found.get(pair)
         if not found:
             return None
-        total = found[0]
-        for more in found[1:]:
-            total = total + more  # uint64: lane sums wrap modulo 2^64, as they must
+        total = np.zeros((self.offsets[pair].size - 1, 2), np.uint64)
+        for first, moves in found:
+            total[first:first + len(moves)] += moves  # uint64: wraps modulo 2^64, as it must
         return total
 
 

@@ -36,7 +36,7 @@ MODULE = "_aot"
 STAMP = HERE / f"{MODULE}.json"
 """Written last by a build: the modules it made and what they were built from."""
 SOURCES = (HERE / "kernels.py", HERE / "rangecoder.py", HERE.parent / "lanehash.py",
-           HERE / "build_aot.py", HERE / "aot.py")
+           HERE.parent / "lanemix.py", HERE / "build_aot.py", HERE / "aot.py")
 """What the compiled code depends on: any edit makes the module stale (the JIT runs instead).
 This file too: its SPEC says what each module exports, and a module built before a kernel
 joined SPEC lacks it."""
@@ -53,7 +53,7 @@ SPEC: dict[str, tuple[str, list[str]]] = {
         "u1", "u1", "u1", "u1", "i8", "i"]),
     "encode_pieces": ("chain.codec.kernels", [
         "W", "i8", "i8", "i", "i", "i", "i", "i", "i", "b", "i4", "i8", *_I8[:3], *_I8,
-        "u1", "u1", "u1", "u1", "i8", "i", "W"]),
+        "u1", "u1", "u1", "u1", "i8", "i", "W", "u8"]),
     "decode_segment": ("chain.codec.kernels", [
         "W", "i", "i", "b", "u1", "i", "i", "i", "i", "i", "i", "i", "i", "i", "i", "b", "i4",
         *_I8, "i8", "i8", "i4", "W", "i", "i", "b"]),

@@ -277,7 +277,11 @@ def encode_many(pairs: Sequence[tuple[np.ndarray, np.ndarray, str]],
 Moved = Callable[[int, int, np.ndarray, np.ndarray, np.ndarray, np.ndarray], tuple[int, int]]
 """How one segment's changes move a digest: (pair index, segment start, old, new, pos, val)
 -> lane sums, where `pos` (sorted) and `val` are the segment's changes indexing the pair's
-`old` and `new`."""
+`old` and `new`. One that also has a `pieces(pair, first, moves) -> bool` method is first
+offered, for a `Pieces` pair, the moves of each piece's own digest as the encoder found them
+in its scan (`moves`: (pieces, 2) lane sums of pieces first, first + 1, ...), wherever the
+encoder could find them all (see kernels._find_rank_pieces); it is called only if the offer
+is declined."""
 
 
 def moved_alone(i: int, lo: int, old: np.ndarray, new: "np.ndarray | Pieces",
@@ -404,7 +408,10 @@ def _encode_segment(ws: _Workspace, variants: dict, old, new, lo, hi, words: boo
     placed = isinstance(new, Pieces)
     if placed:
         vals = ws.values(hi - lo + 1, old.dtype)
-        args = (old, new.addrs, new.starts, lo, hi, *common, vals)
+        first = int(np.searchsorted(new.starts, lo, side="right")) - 1
+        touched = int(np.searchsorted(new.starts, hi, side="left")) - first
+        moves = np.zeros(2 * touched + 1, np.uint64)
+        args = (old, new.addrs, new.starts, lo, hi, *common, vals, moves)
     else:
         args = (old, new, lo, hi, words, *common)
     fn = variants.get((old.dtype, placed))
@@ -421,7 +428,11 @@ def _encode_segment(ws: _Workspace, variants: dict, old, new, lo, hi, words: boo
         else:
             val = np.empty(k, old.dtype)
             lanehash.fast_gather(new, pos, val)
-        found[s] = (pos, val, moved(pair, lo, old, new, pos, val))
+        by_piece = getattr(moved, "pieces", None) if placed and moves[-1] == 0 else None
+        if by_piece is not None and by_piece(pair, first, moves[:-1].reshape(-1, 2)):
+            found[s] = (pos, val, (0, 0))
+        else:
+            found[s] = (pos, val, moved(pair, lo, old, new, pos, val))
     if k == 0:
         parts[s] = (0, [b""] * hdr.STREAMS, 0)
     elif max(lens) <= raw:

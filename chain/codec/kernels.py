@@ -52,11 +52,17 @@ from chain.codec.rangecoder import (
     rice_get,
     rice_put,
 )
+from chain.lanemix import _mix0, _mix1
 
 # sha256 of rangecoder.py (first 16 hex digits). numba caches these kernels keyed on this file
 # only; the primitives from rangecoder.py are compiled into them. Editing rangecoder.py without
 # updating this digest would leave stale machine code in every numba cache (a test checks it).
 RANGECODER_DIGEST = "54cae00278c68691"
+
+# sha256 of lanemix.py (first 16 hex digits): numba caches these kernels keyed on
+# this file only, and the word mix is compiled into them; the digest here makes an edit of
+# lanemix.py invalidate them (a test checks it).
+LANEMIX_DIGEST = "1af0bf58416382d6"
 
 KMAX_CLASS = 40
 R_BITS = 5
@@ -128,8 +134,9 @@ def _find_rank_words(old, new, lo, hi, sh, cm, h, chg, chg_rank, chg_ctx):
     contexts and ranks (elements of the same context before them) in one pass (_words_between
     over whole words, then the last few one at a time)."""
     n4 = (hi - lo) // 4
+    # no values kept and no digest moves: `chg` stands in for both, never written there
     m = _words_between(old, new, 0, lo, lo + 4 * n4, lo, sh, cm, h, chg, chg_rank, chg_ctx,
-                       chg, False, 0)  # no values kept: `chg` stands in, never written there
+                       chg, False, 0, chg.view(np.uint64), 0, 0, False)
     q1 = np.uint64(256)
     q2 = np.uint64(512)
     q3 = np.uint64(768)
@@ -145,12 +152,16 @@ def _find_rank_words(old, new, lo, hi, sh, cm, h, chg, chg_rank, chg_ctx):
 
 @njit
 def _words_between(old, new, noff, a, b, lo, sh, cm, h, chg, chg_rank, chg_ctx, vals, keep_vals,
-                   m):
+                   m, moves, slot, word, track):
     """Elements [a, b) (whole 64-bit words of 2-byte elements, 8-byte aligned in both arrays)
     of a segment from lo, old[i] against new[i - noff]: the changes after the `m` found
     before, as _find_rank_words records them (and their new values in `vals`, with
     `keep_vals`; else `vals` is never written, but numba still types the write, so it must be
-    a writable array: `old` may be read-only). Each lane of a word counts into its own
+    a writable array: `old` may be read-only). With `track`, each changed word's move of its
+    tensor's digest (chain.lanehash: the words counted from `word`, the index of element a's
+    word in its own tensor) is added into moves[2 * slot], moves[2 * slot + 1], from the two
+    words the scan holds anyway (`moves` too must be writable without it). Each lane of a word
+    counts into its own
     quarter of `h` (4 * 256 entries, one array so the compiler sees the quarters cannot
     alias): equal contexts in neighbouring lanes then form no store-to-load chain. The lanes
     of a word that changed are recorded branch-free before it is counted."""
@@ -200,6 +211,10 @@ def _words_between(old, new, noff, a, b, lo, sh, cm, h, chg, chg_rank, chg_ctx, 
             if keep_vals:
                 vals[m] = w >> np.uint64(48)
             m += (y >> np.uint64(48)) != z
+            if track:
+                uw = np.uint64(word + u)
+                moves[2 * slot] += _mix0(uw, w) - _mix0(uw, v)
+                moves[2 * slot + 1] += _mix1(uw, w) - _mix1(uw, v)
         h[e0] += 1
         h[q1 + e1] += 1
         h[q2 + e2] += 1
@@ -248,15 +263,24 @@ def _address(typingctx, addr):
 
 
 @njit
-def _find_rank_pieces(old, addrs, starts, lo, hi, sh, cm, h, chg, chg_rank, chg_ctx, vals):
+def _find_rank_pieces(old, addrs, starts, lo, hi, sh, cm, h, chg, chg_rank, chg_ctx, vals,
+                      moves):
     """_find_rank where the new elements lie in pieces, read where they are: piece p holds
     elements [starts[p], starts[p + 1]) at address addrs[p] (a group's member tensors in the
     trainer's memory, not copied end to end first). Also each change's new value, in `vals`.
     2-byte elements go a word at a time (_words_between) wherever old and the piece are
-    8-byte aligned together, the rest one at a time (_elements_between)."""
+    8-byte aligned together, the rest one at a time (_elements_between).
+
+    And each piece's digest move (the member tensor's own, chain.lanehash), found in the word
+    scan: the k-th piece the segment touches adds into moves[2k], moves[2k + 1]. It can only
+    be found there when the scan's words are the member's own (its start 8-byte aligned in
+    `old`) and every change lies in them; where one does not, moves[-1] is set to 1 and the
+    caller computes the moves itself (chain.lanehash.moved_by_groups)."""
     m = 0
     obase = old.ctypes.data
     p = np.searchsorted(starts, lo, side="right") - 1
+    first = p
+    whole = True
     while p < addrs.size and starts[p] < hi:
         a = max(lo, starts[p])
         b = min(hi, starts[p + 1])
@@ -267,13 +291,22 @@ def _find_rank_pieces(old, addrs, starts, lo, hi, sh, cm, h, chg, chg_rank, chg_
                 (obase + 2 * a - addrs[p] - 2 * (a - off)) % 8 == 0:
             w0 = min(b, a + (8 - (obase + 2 * a) % 8) % 8 // 2)  # the first aligned element
         w1 = w0 + (b - w0) // 4 * 4
+        own = (w0 - off) % 4 == 0  # the scan's words are the member's
+        before = m
         m = _elements_between(old, new, off, a, w0, lo, sh, cm, h, chg, chg_rank, chg_ctx,
                               vals, m)
+        whole = whole and m == before
+        before = m
         m = _words_between(old, new, off, w0, w1, lo, sh, cm, h, chg, chg_rank, chg_ctx, vals,
-                           True, m)
+                           True, m, moves, p - first, (w0 - off) // 4, own)
+        whole = whole and (own or m == before)
+        before = m
         m = _elements_between(old, new, off, w1, b, lo, sh, cm, h, chg, chg_rank, chg_ctx,
                               vals, m)
+        whole = whole and m == before
         p += 1
+    if not whole:
+        moves[moves.size - 1] = 1
     return m
 
 
@@ -449,16 +482,17 @@ def encode_segment(old, new, lo, hi, words, shift, cmask, nctx, width, is_float,
 @njit(nogil=True, cache=True)
 def encode_pieces(old, addrs, starts, lo, hi, shift, cmask, nctx, width, is_float,
                   models, hist, kcnt, start, rpar, chg, chg_rank, chg_ctx, grank,
-                  gstep, tout, gout, vout, sout, keep, direct, vals):
+                  gstep, tout, gout, vout, sout, keep, direct, vals, moves):
     """encode_segment where the new elements lie in pieces (see _find_rank_pieces), read in
     place; each change's new value also goes to `vals` (hi - lo + 1 entries), in position
-    order, where `keep` gets its offset."""
+    order, where `keep` gets its offset; each piece's digest move to `moves` (zeros, two per
+    piece the segment touches and one more, set to 1 where they could not all be found)."""
     sh = np.uint64(shift)
     cm = np.uint64(cmask)
     hist[:] = 0
     kcnt[:nctx] = 0
     m = _find_rank_pieces(old, addrs, starts, lo, hi, sh, cm, hist, chg, chg_rank, chg_ctx,
-                          vals)
+                          vals, moves)
     return _code_changes(old, vals, True, lo, m, nctx, width, is_float, models, kcnt,
                          start, rpar, chg, chg_rank, chg_ctx, grank, gstep, tout, gout, vout,
                          sout, keep, direct)

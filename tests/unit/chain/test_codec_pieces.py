@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from chain import lanehash
 from chain.codec import aot, api
 from chain.codec.api import Pieces, encode_changes
 from chain.dtypes import lookup
@@ -60,6 +61,49 @@ def test_pieces_code_what_the_elements_end_to_end_code(dtype, sizes, shift, dens
     _same_coding(old, new, pieces, dtype)
 
 
+class _MemberMoves:
+    """A `Moved` hook summing each piece's own digest move: offered by the encoder's scan
+    (`pieces`) or computed from a segment's changes (lanehash.moved_by_groups) when called."""
+
+    def __init__(self, starts: np.ndarray) -> None:
+        self.starts = starts
+        self.total = np.zeros((starts.size - 1, 2), np.uint64)
+        self.offered = self.called = 0
+
+    def __call__(self, pair, lo, old, new, pos, val) -> tuple[int, int]:
+        self.called += 1
+        self.total += lanehash.moved_by_groups(old, pos, val, self.starts)
+        return 0, 0
+
+    def pieces(self, pair: int, first: int, moves: np.ndarray) -> bool:
+        self.offered += 1
+        self.total[first:first + len(moves)] += moves
+        return True
+
+
+@settings(max_examples=60, deadline=None)
+@given(dtype=st.sampled_from(["bfloat16", "bfloat16", "float32"]),
+       sizes=st.lists(st.integers(0, 700).map(lambda x: 4 * x), min_size=1, max_size=10),
+       odd=st.booleans(), shift=st.integers(0, 3), density=st.sampled_from([0.0, 0.01, 0.3]),
+       seed=st.integers(0, 2**16))
+def test_each_pieces_digest_move_as_the_scan_finds_it(dtype, sizes, odd, shift, density,
+                                                      seed):
+    """Each piece's own digest move (a member tensor's, chain.lanehash), found by the encoder
+    in its scan where the scan's words are the piece's own (2-byte elements, whole words,
+    8-byte aligned), else by the caller's hook: the same as moved_by_groups over all the
+    changes, either way; and the scan's wherever it can."""
+    if odd:
+        sizes = [*sizes[:-1], sizes[-1] + 1, 3]  # a last word partial, a piece after it
+    old, new = _pair(dtype, sum(sizes), density, seed)
+    pieces, _ = _new_in_pieces(new, sizes, shift)
+    hook = _MemberMoves(pieces.starts)
+    (_, changes), = encode_changes([(old, pieces, dtype)], moved=hook)
+    want = lanehash.moved_by_groups(old, changes.pos, changes.val, pieces.starts)
+    assert np.array_equal(hook.total, want)
+    if dtype == "bfloat16" and not odd and shift == 0 and changes.pos.size:
+        assert hook.offered and not hook.called
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_pieces_across_segment_boundaries(dtype):
     """Three segments, pieces straddling both boundaries (one piece spans a whole segment)."""
@@ -68,6 +112,20 @@ def test_pieces_across_segment_boundaries(dtype):
     old, new = _pair(dtype, sum(sizes), 0.01, 3)
     pieces, _ = _new_in_pieces(new, sizes, 1)
     _same_coding(old, new, pieces, dtype)
+
+
+@pytest.mark.parametrize("sizes", [[(1 << api.LOG2_SEG) - 4, 8, (1 << api.LOG2_SEG) + 4, 40_000],
+                                   [(1 << api.LOG2_SEG) - 5, 10, 3, 40_001]],
+                         ids=["whole-words", "odd"])
+def test_piece_moves_across_segment_boundaries(sizes):
+    """A piece in two segments gets its move from both, summed: the same as over all changes."""
+    old, new = _pair("bfloat16", sum(sizes), 0.3, 4)  # changes in every odd piece
+    pieces, _ = _new_in_pieces(new, sizes, 0)
+    hook = _MemberMoves(pieces.starts)
+    (_, changes), = encode_changes([(old, pieces, "bfloat16")], moved=hook)
+    assert np.array_equal(hook.total,
+                          lanehash.moved_by_groups(old, changes.pos, changes.val, pieces.starts))
+    assert hook.offered + hook.called >= 2 and (hook.called == 0) == (sizes[-1] % 4 == 0)
 
 
 @pytest.mark.skipif(aot.status()["kernels"] != "aot", reason="no compiled kernels here")

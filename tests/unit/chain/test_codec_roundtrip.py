@@ -223,6 +223,21 @@ def test_kernels_carry_the_digest_of_the_range_coder_they_compile_in():
         f"rangecoder.py changed: set RANGECODER_DIGEST = {digest!r} in chain/codec/kernels.py")
 
 
+
+def test_kernels_carry_the_digest_of_the_word_mix_they_compile_in():
+    """As above for chain/lanemix.py, compiled into the codec's kernels, lanehash's and
+    shards': each module's LANEMIX_DIGEST line is what makes an edit of it invalidate them."""
+    import hashlib
+    from pathlib import Path
+
+    from chain import lanehash, lanemix, shards
+    from chain.codec import kernels
+
+    digest = hashlib.sha256(Path(lanemix.__file__).read_bytes()).hexdigest()[:16]
+    for module in (kernels, lanehash, shards):
+        assert digest == module.LANEMIX_DIGEST, (
+            f"lanemix.py changed: set LANEMIX_DIGEST = {digest!r} in {module.__file__}")
+
 # --- how positions are coded: ranks within contexts, or directly (mode CODED_POS) -----------
 
 def _codings(old: np.ndarray, new: np.ndarray, dtype: str, direct: int) -> bytes:

@@ -177,7 +177,7 @@ def records(store: ChainStore, m) -> list[RecordHeader]:
     return out
 
 
-def chain_of(tmp_path, key, states, **kw) -> tuple[ChainStore, list]:
+def chain_of(tmp_path, key, states, source=StateDictSource, **kw) -> tuple[ChainStore, list]:
     store = ChainStore(tmp_path / "chain", key.public_key())
     m, _ = write_artifact(store.blocks, key, run="r", version=0, kind="snapshot",
                           new=StateDictSource(states[0]))
@@ -185,7 +185,7 @@ def chain_of(tmp_path, key, states, **kw) -> tuple[ChainStore, list]:
     ms = [m]
     for v in range(1, len(states)):
         m, _ = write_artifact(store.blocks, key, run="r", version=v, kind="delta",
-                              new=StateDictSource(states[v]),
+                              new=source(states[v]),
                               parent=StateDictSource(states[v - 1]), parent_manifest=ms[-1],
                               trust_parent=True, **kw)
         store.add(m)
@@ -693,11 +693,17 @@ def test_a_grouped_apply_and_decode_leave_no_cycles_for_the_collector(tmp_path, 
     assert left == 0
 
 
-def test_group_digests_moved_on_the_codec_threads_equal_per_tensor_records(tmp_path,
-                                                                           signing_key,
-                                                                           monkeypatch):
-    """Enough changes that the writer moves the groups' member digests on the codec's threads
-    (chain.writer._group_moves): each equals the digest of the tensor in its own record."""
+@pytest.mark.parametrize("source, trim, in_scan", [
+    ("placed", 0, True), ("placed", 1, False), ("copied", 0, False)],
+    ids=["placed", "placed-odd-members", "copied"])
+def test_group_digests_moved_in_the_scan_or_on_the_codec_threads_equal_per_tensor_records(
+        tmp_path, signing_key, monkeypatch, source, trim, in_scan):
+    """Enough changes that the writer moves the groups' member digests where the coding runs:
+    in the encoder's own scan where it reads members in place whose words are their own
+    (kernels._find_rank_pieces: lanehash.moved_by_groups is never called), else by
+    moved_by_groups on the codec's threads (members of 2,047 elements: a member's last word
+    is partial and the next one's words are not the scan's; a group copied end to end). Each
+    equals the digest of the tensor in its own record."""
     import threading
 
     from chain.codec.api import usable_cpus
@@ -710,15 +716,23 @@ def test_group_digests_moved_on_the_codec_threads_equal_per_tensor_records(tmp_p
         return real(old, pos, val, offsets)
 
     monkeypatch.setattr(lanehash, "moved_by_groups", spy)
-    states = [experts(600, 32, 3)]
-    states.append(step(states[0], 30, density=0.3))
-    store, ms = chain_of(tmp_path / "g", signing_key, states)
+    # the experts alone: a small tensor of odd size grouped among them would shift the words
+    # of the members after it (the placed-odd-members case)
+    first = {k: t.reshape(-1)[:t.numel() - trim].clone() if trim else t
+             for k, t in experts(600, 32, 3).items() if ".experts." in k}
+    states = [first, step(first, 30, density=0.3)]
+    store, ms = chain_of(tmp_path / "g", signing_key, states,
+                         source=_Copied if source == "copied" else StateDictSource)
     _, pms = chain_of(tmp_path / "p", signing_key, states, group_below=0)
     assert sum(h.count for h in records(store, ms[1]) if h.op == "group") >= 600
     assert ms[1].tensors.digest_map() == pms[1].tensors.digest_map()
     assert ms[1].state_digest == pms[1].state_digest
-    if usable_cpus() >= 2:
+    if in_scan:
+        assert threads == []
+    elif usable_cpus() >= 2:
         assert any(t.startswith("codec") for t in threads)
+    else:
+        assert threads
 
 
 @settings(deadline=None)
