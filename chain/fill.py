@@ -30,17 +30,13 @@ from chain.dtypes import BY_NAME
 from chain.errors import BadDelta, DigestMismatch
 from chain.manifest import TensorEntry
 from chain.safetensors_io import TensorFiles, WritableFiles
-from chain.stream import BlockReader, RecordHeader
+from chain.stream import MAX_GROUP, BlockReader, RecordHeader
 from chain.tensortable import TensorRow, TensorTable
 from chain.versiondir import WHOLE, ChangedPositions, StoredChanges, VersionInfo
 
 BATCH = 1 << 24
 PART = 1 << 22
 """Elements one write job covers: a multiple of every dtype's elements per 64-bit word."""
-MAX_GROUP = 1 << 22
-"""The most elements a group record may cover (writers make groups of about 1 M): its tensors'
-parent elements are copied end to end to decode it, so a forged count must not make that the
-whole model."""
 
 
 @dataclass

@@ -36,6 +36,10 @@ MAGIC_JSON = b"DSR1"
 """The first record format (JSON headers): read, never written."""
 _HDR = struct.Struct("<4sI")
 MAX_RECORD_HEADER = 1 << 20
+MAX_GROUP = 1 << 22
+"""The most elements a group record may cover: a reader copies its tensors' parent elements
+end to end to decode it (chain/fill.py), so a forged count must not make that the whole
+model; writers stay under it (chain.writer.GROUP_ELEMENTS)."""
 _FULL, _RANGE, _GROUP = 1, 2, 4
 _DTYPE_CODE = {name: i for i, name in enumerate(DTYPE_CODES)}
 

@@ -21,7 +21,7 @@ from chain.fill import Fill, _group_positions, _inside
 from chain.safetensors_io import TensorFiles
 from chain.sources import StateDictSource, source_digest
 from chain.store import ChainStore
-from chain.stream import BlockReader, BlockWriter, RecordHeader, encode_header
+from chain.stream import MAX_GROUP, BlockReader, BlockWriter, RecordHeader, encode_header
 from chain.tensortable import TensorTable
 from chain.versiondir import StoredChanges, read_changes, read_info, write_changes
 from chain.weights import WeightsDir
@@ -350,6 +350,23 @@ def test_a_sources_cat_is_its_tensors_bits_end_to_end_in_a_new_array(monkeypatch
     one = src.cat(["a"])
     one[0] ^= 1  # a copy: the state is not written
     assert not np.shares_memory(one, src.bits("a")) and one[0] != src.bits("a")[0]
+
+
+def test_groups_fill_up_to_what_a_reader_takes_and_no_further(tmp_path, signing_key):
+    """Members just under GROUP_BELOW: each group ends past GROUP_ELEMENTS but within the
+    reader's limit (stream.MAX_GROUP, which chain.fill refuses beyond), and applies."""
+    n = GROUP_BELOW - 1
+    g = torch.Generator().manual_seed(5)
+    first = {f"layers.{i // 8}.experts.{i % 8}.w": (torch.randn(n, generator=g) * 0.02
+                                                    ).bfloat16() for i in range(140)}
+    states = [first, step(first, 1)]
+    store, ms = chain_of(tmp_path, signing_key, states)
+    counts = [h.count for h in records(store, ms[1]) if h.op == "group"]
+    assert len(counts) >= 2 and sum(counts) == 140
+    assert all(GROUP_ELEMENTS <= c * n <= MAX_GROUP for c in counts[:-1])
+    w = WeightsDir(tmp_path / "w")
+    cur = w.apply(store.plan(None, 1), getter(store))
+    assert cur.state_digest == ms[1].state_digest and w.verify().version == 1
 
 
 @pytest.mark.parametrize("direct", [-1, 1000], ids=["ranks", "direct-positions"])
