@@ -195,6 +195,7 @@ class TensorRow(Sized):
 
 
 _last_json: "tuple[TensorTable, str] | None" = None
+_last_digests: "tuple[TensorTable, list[str]] | None" = None
 """The last table TensorTable.canonical_json wrote, and its text."""
 
 
@@ -301,8 +302,18 @@ class TensorTable(Columns):
         return self._layout.numels()
 
     def digests(self) -> list[str]:
+        """Each tensor's digest in hex, in table order. The last table's list is kept (one,
+        as `canonical_json` keeps one text) and shared: never change it. A new manifest's are
+        read three times a publish (its signed text, its state digest, and as the next
+        version's parent digests), 50,000 strings cut each time."""
+        global _last_digests
+        last = _last_digests
+        if last is not None and last[0] is self:
+            return last[1]
         raw = self._digests.hex()
-        return [raw[k:k + 32] for k in range(0, len(raw), 32)]
+        out = [raw[k:k + 32] for k in range(0, len(raw), 32)]
+        _last_digests = (self, out)
+        return out
 
     def digest_map(self) -> dict[str, str]:
         """{name: digest}: what state_digest and the appliers read, without an entry each."""

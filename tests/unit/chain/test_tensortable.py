@@ -40,6 +40,16 @@ def test_a_table_reads_and_dumps_as_the_entries_it_was_made_of():
         table[300]
 
 
+def test_the_kept_digest_list_is_each_tables_own():
+    """`digests` keeps the last table's list: asked of tables in turn, each gets its own."""
+    a, b = TensorTable.of(moe_rows(40)), TensorTable.of(moe_rows(40, salt=7))
+    first = a.digests()
+    assert a.digests() is first  # kept
+    assert b.digests() == [r["digest"] for r in moe_rows(40, salt=7)]
+    assert a.digests() == first == [r["digest"] for r in moe_rows(40)]
+    assert a.digest_map() == {r["name"]: r["digest"] for r in moe_rows(40)}
+
+
 def test_the_manifests_bytes_and_signature_are_those_of_the_entry_list(signing_key):
     """The canonical JSON a trainer signs is unchanged: an old build's manifest parses, and
     the parsed manifest dumps to the very bytes it was read from."""
