@@ -195,8 +195,9 @@ class TensorRow(Sized):
 
 
 _last_json: "tuple[TensorTable, str] | None" = None
-_last_digests: "tuple[TensorTable, list[str]] | None" = None
 """The last table TensorTable.canonical_json wrote, and its text."""
+_last_digests: "tuple[TensorTable, list[str]] | None" = None
+"""The last table TensorTable.digests cut, and its list."""
 
 
 class TensorTable(Columns):

@@ -17,7 +17,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from chain import codec, lanehash
 from chain.blocks import DEFAULT_BLOCK, BlockStore
 from chain.codec import header as hdr
-from chain.codec.api import moved_alone, run_jobs
+from chain.codec.api import LOG2_SEG, moved_alone, run_jobs
 from chain.digest import pieces_root, tensor_digests
 from chain.dtypes import BY_NAME
 from chain.gcpause import without_gc
@@ -74,7 +74,8 @@ group reads its members' parent elements together (StateDictSource.span) or one 
 
 def _units(pending: list, below: int) -> list[tuple[int, int]]:
     """`pending` cut into ranges [lo, hi): one tensor, or a group of consecutive small
-    tensors of one dtype that each have a parent of the same layout."""
+    tensors of one dtype that each have a parent of the same layout, of at most MAX_GROUP
+    elements whatever `below` is (a reader refuses more)."""
     units: list[tuple[int, int]] = []
     lo = 0
     while lo < len(pending):
@@ -83,7 +84,7 @@ def _units(pending: list, below: int) -> list[tuple[int, int]]:
         if old is not None and size < below:
             while hi < len(pending) and size < GROUP_ELEMENTS:
                 _, d, _, o, _, n = pending[hi]
-                if o is None or d != dtype or n >= below:
+                if o is None or d != dtype or n >= below or size + n > MAX_GROUP:
                     break
                 size += n
                 hi += 1
@@ -372,18 +373,30 @@ class _GroupMoves:
     coded the segment, while its old elements are still in cache. Computed after the encode
     instead, reading 2 GB of parent elements again, the members' moves cost a 50,000-tensor
     publish of 1e9 elements ~0.1 s; in a pass of their own, ~0.15 s of CPU. A group's own
-    digest move is meaningless and left 0."""
+    digest move is meaningless and left 0.
+
+    A member word that crosses a segment's edge (a member starting mid-word, after one of a
+    size no whole number of words) moves by all its changes at once, not by the sum of each
+    side's: its changes are kept aside and moved together in `of`. (The scan never offers a
+    segment with a change in such a word: the member's words are not the scan's.)"""
 
     def __init__(self, offsets: dict[int, np.ndarray]) -> None:
         self.offsets = offsets
         # each group's (first member, (members, 2) lane sums) from its segments
         self.found: dict[int, list[tuple[int, np.ndarray]]] = {k: [] for k in offsets}
+        # each group's changes in words that cross a segment edge: (old, pos, val)
+        self.edges: dict[int, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = \
+            {k: [] for k in offsets}
 
     def __call__(self, pair: int, lo: int, old: np.ndarray, new: np.ndarray, pos: np.ndarray,
                  val: np.ndarray) -> tuple[int, int]:
         offsets = self.offsets.get(pair)
         if offsets is None:
             return moved_alone(pair, lo, old, new, pos, val)
+        edge = _at_segment_edges(pos, lo, offsets, lanehash.word_layout(old)[0])
+        if edge is not None:
+            self.edges[pair].append((old, pos[edge], val[edge]))
+            pos, val = pos[~edge], val[~edge]
         self.found[pair].append((0, lanehash.moved_by_groups(old, pos, val, offsets)))
         return 0, 0
 
@@ -397,13 +410,42 @@ class _GroupMoves:
 
     def of(self, pair: int) -> np.ndarray | None:
         """Pair `pair`'s members' moves, (members, 2) lane sums; None if not a group's."""
-        found = self.found.get(pair)
-        if not found:
+        found, edges = self.found.get(pair), self.edges.get(pair)
+        if not found and not edges:
             return None
         total = np.zeros((self.offsets[pair].size - 1, 2), np.uint64)
         for first, moves in found:
             total[first:first + len(moves)] += moves  # uint64: wraps modulo 2^64, as it must
+        if edges:
+            pos = np.concatenate([e[1] for e in edges])
+            order = np.argsort(pos, kind="stable")
+            total += lanehash.moved_by_groups(edges[0][0], pos[order],
+                                              np.concatenate([e[2] for e in edges])[order],
+                                              self.offsets[pair])
         return total
+
+
+def _at_segment_edges(pos: np.ndarray, lo: int, offsets: np.ndarray, sh: int
+                      ) -> np.ndarray | None:
+    """Which of a segment's changes (sorted group positions from `lo`) lie in a member word
+    that crosses the segment's start or end (codec segments of 2^LOG2_SEG elements; words of
+    2^sh elements counted from each member's start); None if none do."""
+    if not pos.size:
+        return None
+    step = 1 << sh
+    hi = min(lo + (1 << LOG2_SEG), int(offsets[-1]))
+    mask = None
+    for e in (lo, hi):
+        m = int(np.searchsorted(offsets, e, side="right")) - 1
+        if not (0 < e < offsets[-1]) or offsets[m] == e:
+            continue  # the group's own ends, or a member starts here: no word crosses
+        start = e - (e - int(offsets[m])) % step
+        if start == e:
+            continue
+        inside = (pos >= start) & (pos < start + step)
+        if inside.any():
+            mask = inside if mask is None else mask | inside
+    return mask
 
 
 def _members_changes(groups: list[tuple[int, "codec.Changes | None", np.ndarray,

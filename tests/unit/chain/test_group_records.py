@@ -352,6 +352,45 @@ def test_a_sources_cat_is_its_tensors_bits_end_to_end_in_a_new_array(monkeypatch
     assert not np.shares_memory(one, src.bits("a")) and one[0] != src.bits("a")[0]
 
 
+@pytest.mark.parametrize("source", ["placed", "copied"])
+def test_a_member_word_across_a_segment_edge_moves_by_all_its_changes(tmp_path, signing_key,
+                                                                      source):
+    """A 7-element tensor first, so every member after it starts mid-word: the member word
+    at group element 2^20 (a codec segment's edge) changes on both sides. Its digest moves by
+    both changes at once (each side's move alone, summed, is another digest): the group's
+    digests equal per-tensor records, and a region applies it."""
+    g = torch.Generator().manual_seed(8)
+    first = {"layers.0.a": torch.randn(7, generator=g).bfloat16()}
+    first |= {f"layers.0.b{i:02d}": (torch.randn(65_532, generator=g) * 0.02).bfloat16()
+              for i in range(20)}
+    second = step(first, 3)
+    edge = 1 << 20
+    for at in (edge - 1, edge):  # group positions: member j from 7 + 65,532 j
+        j, k = divmod(at - 7, 65_532)
+        bits = second[f"layers.0.b{j:02d}"].view(torch.int16)
+        bits[k] = bits[k] + 3
+    store, ms = chain_of(tmp_path / "g", signing_key, [first, second],
+                         source=_Copied if source == "copied" else StateDictSource)
+    _, pms = chain_of(tmp_path / "p", signing_key, [first, second], group_below=0)
+    assert [h.count for h in records(store, ms[1]) if h.op == "group"] == [21]
+    assert ms[1].tensors.digest_map() == pms[1].tensors.digest_map()
+    w = WeightsDir(tmp_path / "w")
+    assert w.apply(store.plan(None, 1), getter(store)).state_digest == ms[1].state_digest
+
+
+def test_a_large_group_below_still_makes_groups_a_reader_takes(tmp_path, signing_key):
+    """group_below up to the trainer's 2^20: members of 600,000 elements, seven of which pass
+    MAX_GROUP, make groups within it that apply."""
+    g = torch.Generator().manual_seed(6)
+    first = {f"layers.{i}.w": (torch.randn(600_000, generator=g) * 0.02).bfloat16()
+             for i in range(9)}
+    store, ms = chain_of(tmp_path, signing_key, [first, step(first, 2)], group_below=1 << 20)
+    counts = [h.count for h in records(store, ms[1]) if h.op == "group"]
+    assert counts and max(counts) * 600_000 <= MAX_GROUP and sum(counts) == 9
+    w = WeightsDir(tmp_path / "w")
+    assert w.apply(store.plan(None, 1), getter(store)).state_digest == ms[1].state_digest
+
+
 def test_groups_fill_up_to_what_a_reader_takes_and_no_further(tmp_path, signing_key):
     """Members just under GROUP_BELOW: each group ends past GROUP_ELEMENTS but within the
     reader's limit (stream.MAX_GROUP, which chain.fill refuses beyond), and applies."""
