@@ -23,9 +23,8 @@ from numba import njit
 from chain.codec.aot import bind
 from chain.lanemix import K0, K1, S0, S1, _mix0, _mix1  # noqa: F401  (re-exported)
 
-# sha256 of lanemix.py (first 16 hex digits): numba caches this module's kernels keyed on
-# this file only, and the word mix is compiled into them; the digest here makes an edit of
-# lanemix.py invalidate them (a test checks it).
+# lanemix.py's digest, compiled into this module's cached kernels (see
+# chain.codec.kernels.LANEMIX_DIGEST; a test checks it).
 LANEMIX_DIGEST = "1af0bf58416382d6"
 CHUNK_WORDS = 1 << 22  # 32 MiB of tensor per job when a digest is spread over threads
 M64 = (1 << 64) - 1

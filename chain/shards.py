@@ -34,9 +34,8 @@ from chain.manifest import (
 )
 from chain.stream import BlockWriter, RecordHeader
 
-# sha256 of lanemix.py (first 16 hex digits): numba caches this module's kernels keyed on
-# this file only, and the word mix is compiled into them; the digest here makes an edit of
-# lanemix.py invalidate them (a test checks it).
+# lanemix.py's digest, compiled into this module's cached kernels (see
+# chain.codec.kernels.LANEMIX_DIGEST; a test checks it).
 LANEMIX_DIGEST = "1af0bf58416382d6"
 
 SPARSE_BATCH = 1 << 21

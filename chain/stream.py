@@ -39,7 +39,7 @@ MAX_RECORD_HEADER = 1 << 20
 MAX_GROUP = 1 << 22
 """The most elements a group record may cover: a reader copies its tensors' parent elements
 end to end to decode it (chain/fill.py), so a forged count must not make that the whole
-model; writers stay under it (chain.writer.GROUP_ELEMENTS)."""
+model; writers stay under it (chain.writer._units)."""
 _FULL, _RANGE, _GROUP = 1, 2, 4
 _DTYPE_CODE = {name: i for i, name in enumerate(DTYPE_CODES)}
 

@@ -57,9 +57,10 @@ daemons before group records read."""
 GROUP_ELEMENTS = MAX_GROUP - GROUP_BELOW
 """A group ends once it holds this many elements: as many as a reader takes (MAX_GROUP, its
 last tensor, under GROUP_BELOW, included), since a group's Python costs the same whatever its
-size: groups of 2^20 elements (~1,000 in a 50,000-tensor model of 1e9 elements) cost its
-publish ~0.06 s more on this host than groups of ~4 M (~250; py-spy samples of the main
-thread outside the codec, 636 against 557 over four publishes)."""
+size: groups of 2^20 elements (~1,000 in a 50,000-tensor model of 1e9 elements) against
+groups of ~4 M (~250) took 636 against 557 py-spy samples (250 Hz) of the main thread outside
+the codec over four publishes, ~0.08 s a publish under the profiler. `_units` caps a group
+at MAX_GROUP whatever `group_below` is."""
 
 
 OnChanges = Callable[[str, "codec.Changes | None"], None]
@@ -372,8 +373,8 @@ class _GroupMoves:
     in registers already); else lanehash.moved_by_groups computes them on the thread that
     coded the segment, while its old elements are still in cache. Computed after the encode
     instead, reading 2 GB of parent elements again, the members' moves cost a 50,000-tensor
-    publish of 1e9 elements ~0.1 s; in a pass of their own, ~0.15 s of CPU. A group's own
-    digest move is meaningless and left 0.
+    publish of 1e9 elements ~0.1 s; in a pass of their own, ~0.15 s of CPU (py-spy samples).
+    A group's own digest move is meaningless and left 0.
 
     A member word that crosses a segment's edge (a member starting mid-word, after one of a
     size no whole number of words) moves by all its changes at once, not by the sum of each
