@@ -31,19 +31,23 @@ sharded publishing costs against the single-process Publisher. One JSON line las
   (`--nodes 8,16,32`): real daemons on loopback, a trainer in a region of its own and N nodes in
   regions of `--region-size`; per delta version, the trainer daemon's HTTP response body bytes
   (its per-route counters, daemon/observe/served.py; median of `--fleet-versions`) and CPU
-  seconds (the process's CPU clock; the mean over the versions) while every node
-  reaches it, not counting the bench's own /metrics scrapes between versions (their CPU is
+  seconds (the process's CPU clock; the mean over the versions) over a version's period
+  (`--fleet-period`, PERIOD_S: one version every 6 s at every N, each reaching every node
+  within it), not counting the bench's own /metrics scrapes between versions (their CPU is
   `trainer_scrape_cpu_s`, one scrape's mean);
   `control_*_last_over_first` divide the largest N's
   by the smallest's (goal: at most 1.5, flat in N). Also per N: `version_window_s` (publish to
-  every node current, plus 1 s), `trainer_idle_cpu_s_per_s` (the trainer's CPU rate over 10 s
-  with no version moving: its once-a-second loops, reports, long-polls) and
-  `trainer_cpu_s_per_version_over_idle` (the mean CPU per version less that rate times the
-  mean window),
-  because on this 2-core host a version's window itself grows with N (`control_cpu_over_idle_
-  last_over_first` divides those). `fetchers_per_region`, `fleet_fetchers`, `gateway_views`:
-  what each node's status says of fetch roles and gateways after the versions (right: 1 per
-  region, 1, 1); `--max-peers 4` makes every book far smaller than the fleet.
+  every node current), `trainer_cpu_s_to_current` (the trainer's CPU from publish until a
+  second after every node is current: this bench's figure before stop 53, which grows with
+  that window on this 2-core host; `control_cpu_to_current_last_over_first`),
+  `trainer_idle_cpu_s_per_s` (the trainer's CPU rate over 10 s with no version moving: its
+  once-a-second loops, reports, long-polls) and `trainer_cpu_s_per_version_over_idle` (the
+  mean CPU per version less that rate times the period; `control_cpu_over_idle_
+  last_over_first` divides those), `period_overruns` (versions that took longer than the
+  period to reach every node: charged their whole time). `fetchers_per_region`,
+  `fleet_fetchers`, `gateway_views`: what each node's status says of fetch roles and gateways
+  after the versions (right: 1 per region, 1, 1); `--max-peers 4` makes every book far smaller
+  than the fleet.
   The versions are measured once the fleet has started: until a node knows its region's peers
   it long-polls the trainer (its one bootstrap peer), and those held polls end when their
   timeout runs out, inside whichever window is open then (at N = 32, 32 head replies landed in
@@ -280,6 +284,13 @@ HEAD = "/v1/chain/head"
 
 IDLE_S = 10.0
 """How long the trainer's idle CPU rate is sampled after the versions."""
+PERIOD_S = 6.0
+"""Seconds between the bench's versions, the same at every N, longer than a version takes to
+reach all 32 nodes here (2.3-4.4 s). A trainer publishes on its own clock (an RL step, a minute
+or more), and its daemon's loops, reports and glances run the whole time, so its CPU per
+version is its CPU over a period. Charging each version from its publish until every node held
+it instead (`trainer_cpu_s_to_current`) grew with N mostly because that window did: 33 daemons
+on two cores make every node slower, and the trainer's idle rate ran over a longer window."""
 
 
 _LIBC_PATH = ctypes.util.find_library("c")
@@ -317,7 +328,7 @@ def _trainer_sent(trainer) -> tuple[float, float, dict[str, float], dict[str, fl
 
 
 def fleet_costs(ns: list[int], region_size: int, n_versions: int,
-                max_peers: int | None = None) -> dict:
+                max_peers: int | None = None, period_s: float = PERIOD_S) -> dict:
     """Real daemons on loopback (tests/integration/harness.py): a trainer in a region of its
     own and N region daemons in regions of `region_size`; a small model published as v0 then
     `n_versions` deltas; per delta, the trainer daemon's HTTP response bytes and CPU seconds
@@ -332,6 +343,7 @@ def fleet_costs(ns: list[int], region_size: int, n_versions: int,
                  "trainer_cpu_s_per_version_over_idle": [], "max_peers": max_peers,
                  "fetchers_per_region": [], "fleet_fetchers": [], "gateway_views": [],
                  "trainer_start_head_responses": [], "trainer_start_cpu_s": [],
+                 "trainer_cpu_s_to_current": [], "period_s": period_s, "period_overruns": [],
                  "all_current": True}
     for n in ns:
         with tempfile.TemporaryDirectory(prefix="scaleout-fleet-", dir=_tmp_root()) as tmp, \
@@ -355,16 +367,24 @@ def fleet_costs(ns: list[int], region_size: int, n_versions: int,
                 start_asked1.get(HEAD, 0.0) - start_asked.get(HEAD, 0.0)))
             out["trainer_start_cpu_s"].append(round(start_cpu1 - start_cpu, 3))
             per_bytes, per_cpu, per_s, routes, calls, scrapes = [], [], [], {}, {}, []
+            to_current, overruns = [], 0
             for v in range(1, n_versions + 1):
                 _, cpu0, sent0, asked0 = _trainer_sent(trainer)
                 t0 = time.monotonic()
                 state = step(state, v, density=0.01)
                 c.publish(v, state)
                 c.wait_all_at(v, 300)
+                reached = time.monotonic() - t0
                 time.sleep(1.0)  # the last replies of this version (index re-reads) land
+                to_current.append(_cpu_s(trainer.proc.pid) - cpu0)
+                # then the rest of the period: a run publishes on its trainer's clock, and
+                # the fleet's size must not stretch what a version is charged for
+                rest = period_s - (time.monotonic() - t0)
+                overruns += rest < 0
+                time.sleep(max(0.0, rest))
                 cpu1, scraped, sent1, asked1 = _trainer_sent(trainer)
                 scrapes.append(scraped - cpu1)
-                per_s.append(time.monotonic() - t0)
+                per_s.append(reached)
                 per_bytes.append(sum(sent1[r] - sent0.get(r, 0.0) for r in sent1
                                      if r not in NOT_CONTROL))
                 per_cpu.append(cpu1 - cpu0)
@@ -386,10 +406,12 @@ def fleet_costs(ns: list[int], region_size: int, n_versions: int,
             # each version's figure: medians of 0.02 and 0.05 s moved a ratio by 2x)
             b, cpu = statistics.median(per_bytes), sum(per_cpu) / len(per_cpu)
             window = statistics.median(per_s)
-            net = cpu - idle * sum(per_s) / len(per_s)
+            net = cpu - idle * period_s
             roles = _roles(c)
             out["trainer_control_bytes_per_version"].append(round(b))
             out["trainer_cpu_s_per_version"].append(round(cpu, 4))
+            out["trainer_cpu_s_to_current"].append(round(sum(to_current) / len(to_current), 4))
+            out["period_overruns"].append(overruns)
             out["version_window_s"].append(round(window, 2))
             out["trainer_idle_cpu_s_per_s"].append(round(idle, 4))
             out["trainer_cpu_s_per_version_over_idle"].append(round(net, 3))
@@ -404,8 +426,10 @@ def fleet_costs(ns: list[int], region_size: int, n_versions: int,
             out["fleet_fetchers"].append(roles["fleet_fetchers"])
             out["gateway_views"].append(roles["gateway_views"])
             log(f"N={n}: trainer sent {b:,.0f} B (median of {n_versions}) and used {cpu:.3f} "
-                f"CPU s per version (mean; a version's window {window:.1f} s, the trainer's idle "
-                f"CPU {idle:.4f} s/s, above idle {net:.3f} s); all current: {current}; "
+                f"CPU s per version (mean, a version every {period_s:.0f} s, {overruns} late; "
+                f"{out['trainer_cpu_s_to_current'][-1]:.3f} s from publish until all current "
+                f"+ 1 s, median {window:.1f} s to current; the trainer's idle CPU {idle:.4f} "
+                f"s/s, above idle {net:.3f} s); all current: {current}; "
                 f"fetchers per region {roles['fetchers_per_region']}, fleet fetchers "
                 f"{roles['fleet_fetchers']}, distinct views of the gateways "
                 f"{roles['gateway_views']}; the fleet's start (v0 and {settle_s:.0f} s): "
@@ -413,7 +437,8 @@ def fleet_costs(ns: list[int], region_size: int, n_versions: int,
                 f"{out['trainer_start_cpu_s'][-1]:.3f} CPU s")
     for ratio, series in (("control_bytes", "trainer_control_bytes_per_version"),
                           ("control_cpu", "trainer_cpu_s_per_version"),
-                          ("control_cpu_over_idle", "trainer_cpu_s_per_version_over_idle")):
+                          ("control_cpu_over_idle", "trainer_cpu_s_per_version_over_idle"),
+                          ("control_cpu_to_current", "trainer_cpu_s_to_current")):
         first, last = out[series][0], out[series][-1]
         out[f"{ratio}_last_over_first"] = round(last / first, 3) if first > 0 else None
     return out
@@ -463,6 +488,8 @@ def main() -> None:
                     help="fleet sizes to run (real daemons on loopback); empty: skip")
     ap.add_argument("--region-size", type=int, default=8)
     ap.add_argument("--fleet-versions", type=int, default=5)
+    ap.add_argument("--fleet-period", type=float, default=PERIOD_S,
+                    help="seconds between the fleet's versions (the same at every N)")
     ap.add_argument("--max-peers", type=int, default=None,
                     help="each region daemon's peer book size (default: the daemon's, 32); "
                          "under N, the views must agree through anchors")
@@ -478,7 +505,7 @@ def main() -> None:
         result |= ranks(a.params)
     if a.nodes:
         result |= fleet_costs([int(x) for x in a.nodes.split(",")], a.region_size,
-                              a.fleet_versions, a.max_peers)
+                              a.fleet_versions, a.max_peers, a.fleet_period)
     for k, goal in GOALS.items():
         if result.get(k) is not None:
             log(f"{k}: {result[k]} (goal <= {goal}: {'PASS' if result[k] <= goal else 'MISS'})")
