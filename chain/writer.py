@@ -288,13 +288,14 @@ def encode_stream(
         dtype = members[0][1]
         moves, split, touched = mine if mine is not None else (None, None, len(members))
         member_names = [m[0] for m in members]
-        hashed = [n in to_hash for n in member_names]
+        # a steady delta hashes nothing: no lookup a member
+        hashed = [n in to_hash for n in member_names] if to_hash else None
         if digests is not None:
             member_digests = [digests[n] for n in member_names]
+        elif hashed is None or not any(hashed):  # the parents' digests moved by the changes
+            member_digests = lanehash.add_many([parent_digests[n] for n in member_names], moves)
         elif all(hashed):
             member_digests = [next(fresh) for _ in members]
-        elif not any(hashed):  # the parents' digests moved by the members' changes
-            member_digests = lanehash.add_many([parent_digests[n] for n in member_names], moves)
         else:  # moved where the parent digest is known, hashed where not
             moved = iter(lanehash.add_many(
                 [parent_digests[n] for n, h in zip(member_names, hashed, strict=True) if not h],

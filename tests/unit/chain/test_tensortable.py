@@ -97,6 +97,13 @@ def test_columns_with_a_bad_entry_are_refused_like_rows():
         TensorTable.from_columns(["a", "b"], b"\x00\x00", [1, 1], [1, 1], ["0" * 31, "0" * 33])
     with pytest.raises(ValueError, match=r"tensors\.1\.shape"):
         TensorTable.from_columns(["a", "b"], b"\x00\x00", [1, 1.5], [1, 1], ["0" * 32] * 2)
+    # digests: lowercase hex only (bytes.fromhex takes capitals and skips spaces)
+    for bad in ("A" * 32, " " + "0" * 30 + " ", "g" * 32, "\u00e9" * 32):
+        with pytest.raises(ValueError, match=r"tensors\.1\.digest"):
+            TensorTable.from_columns(["a", "b"], b"\x00\x00", [1, 1], [1, 1], ["0" * 32, bad])
+    table = TensorTable.from_columns(["a", "b"], b"\x00\x00", [1, 1], [1, 1],
+                                     ["0" * 32, "0123456789abcdef" * 2])
+    assert table.digests() == ["0" * 32, "0123456789abcdef" * 2]
 
 
 def test_rows_are_read_only():
