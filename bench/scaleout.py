@@ -37,14 +37,16 @@ sharded publishing costs against the single-process Publisher. One JSON line las
   `trainer_scrape_cpu_s`, one scrape's mean);
   `control_*_last_over_first` divide the largest N's
   by the smallest's (goal: at most 1.5, flat in N). Also per N: `version_window_s` (publish to
-  every node current), `trainer_cpu_s_to_current` (the trainer's CPU from publish until a
-  second after every node is current: this bench's figure before stop 53, which grows with
-  that window on this 2-core host; `control_cpu_to_current_last_over_first`),
+  every node current; before stop 53 it included the 1 s settle),
+  `trainer_cpu_s_to_current` (the trainer's CPU from publish until a second after every node
+  is current: this bench's figure before stop 53, which grows with that window on this 2-core
+  host; `control_cpu_to_current_last_over_first`),
   `trainer_idle_cpu_s_per_s` (the trainer's CPU rate over 10 s with no version moving: its
   once-a-second loops, reports, long-polls) and `trainer_cpu_s_per_version_over_idle` (the
   mean CPU per version less that rate times the period; `control_cpu_over_idle_
-  last_over_first` divides those), `period_overruns` (versions that took longer than the
-  period to reach every node: charged their whole time). `fetchers_per_region`,
+  last_over_first` divides those), `period_overruns` (versions whose publish, reach to every
+  node and 1 s settle outlasted the period: their CPU is counted until then, the idle rate
+  taken out of the over-idle figure for one period only). `fetchers_per_region`,
   `fleet_fetchers`, `gateway_views`: what each node's status says of fetch roles and gateways
   after the versions (right: 1 per region, 1, 1); `--max-peers 4` makes every book far smaller
   than the fleet.
@@ -285,12 +287,12 @@ HEAD = "/v1/chain/head"
 IDLE_S = 10.0
 """How long the trainer's idle CPU rate is sampled after the versions."""
 PERIOD_S = 6.0
-"""Seconds between the bench's versions, the same at every N, longer than a version takes to
-reach all 32 nodes here (2.3-4.4 s). A trainer publishes on its own clock (an RL step, a minute
-or more), and its daemon's loops, reports and glances run the whole time, so its CPU per
-version is its CPU over a period. Charging each version from its publish until every node held
-it instead (`trainer_cpu_s_to_current`) grew with N mostly because that window did: 33 daemons
-on two cores make every node slower, and the trainer's idle rate ran over a longer window."""
+"""Seconds between the bench's versions, the same at every N: longer than a version takes to
+reach all 32 nodes here plus a 1 s settle (1.3-3.6 s to every node). A trainer publishes on
+its own clock (an RL step, a minute or more), and its daemon's loops, reports and glances run
+the whole time, so its CPU per version is its CPU over a period. Charging each version from
+its publish until every node held it (`trainer_cpu_s_to_current`) grew with N partly because
+that window did (33 daemons on two cores), with the trainer's idle rate running through it."""
 
 
 _LIBC_PATH = ctypes.util.find_library("c")
@@ -331,8 +333,9 @@ def fleet_costs(ns: list[int], region_size: int, n_versions: int,
                 max_peers: int | None = None, period_s: float = PERIOD_S) -> dict:
     """Real daemons on loopback (tests/integration/harness.py): a trainer in a region of its
     own and N region daemons in regions of `region_size`; a small model published as v0 then
-    `n_versions` deltas; per delta, the trainer daemon's HTTP response bytes and CPU seconds
-    while every node reaches it."""
+    `n_versions` deltas, one every `period_s`; per delta, the trainer daemon's HTTP response
+    bytes and CPU seconds over its period, and its CPU from publish until every node holds it
+    plus a second."""
     from tests.integration.harness import Cluster, step, tiny_model
 
     out: dict = {"ns": ns, "region_size": region_size, "trainer_control_bytes_per_version": [],

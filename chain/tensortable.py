@@ -401,16 +401,15 @@ def _why(i: int, row: Any) -> str:
 
 
 def _lower_hex(text: str) -> bytes | None:
-    """`text`'s bytes if it is lowercase hex digits only ([0-9a-f]*), else None:
-    bytes.fromhex refuses any other letter, and the result's length shows a space it skipped,
-    in a fifth of the regular expression's time (7 ms over 50,000 digests)."""
+    """`text`'s bytes if it is lowercase hex digits only, in pairs ([0-9a-f]{2}*), else None:
+    bytes.fromhex refuses other letters but takes capitals and skips spaces, and writing the
+    bytes back as hex gives `text` again only when it had neither. 1.2 ms over 50,000
+    digests, where the regular expression took 6.6 ms (and made the bytes a second time)."""
     try:
         raw = bytes.fromhex(text)
     except ValueError:
         return None
-    if 2 * len(raw) != len(text) or (not text.islower() and not text.isdigit() and text):
-        return None
-    return raw
+    return raw if raw.hex() == text else None
 
 
 def _why_columns(names: list[str], dtype_codes: bytes, shapes: list[int], ranks: list[int],
