@@ -236,6 +236,7 @@ def test_crash_between_checkpoint_and_publish_republishes_without_retraining(tmp
         t.start()
         t.wait_event("resume", 1, 90)
         assert t.store().head() == 1
+        t.wait_ingest()  # the resume publishes before the ingest endpoint listens
         t.ingest(first[8:])
         step = t.wait_event("step", 2, 60)
         assert t.wait_exit(60) == 0, t.log()
