@@ -236,8 +236,8 @@ class TensorTable(Columns):
             ranks.append(len(shape))
             digests.append(digest)
         joined = "".join(names)  # each entry was checked above: the columns are not again
-        return cls._build(names, joined, joined.encode("utf-8"), bytes(dtypes), shapes, ranks,
-                          "".join(digests))
+        return cls._build(joined, [len(x) for x in names], joined.encode("utf-8"),
+                          bytes(dtypes), shapes, ranks, bytes.fromhex("".join(digests)))
 
     @classmethod
     def from_columns(cls, names: list[str], dtype_codes: bytes, shapes: list[int],
@@ -246,7 +246,7 @@ class TensorTable(Columns):
         DTYPE_CODE): the checks TensorEntry makes, over whole columns at once."""
         n = len(names)
         lengths = [len(x) for x in names]
-        joined, hexes = "".join(names), "".join(digests)
+        joined, raw = "".join(names), _lower_hex("".join(digests))
         utf8 = _utf8(joined)
         if utf8 is None or not (len(dtype_codes) == len(ranks) == len(digests) == n == 0 or (
                 len(dtype_codes) == len(ranks) == len(digests) == n
@@ -255,24 +255,22 @@ class TensorTable(Columns):
                 and all(type(x) is int for x in shapes)
                 and (not shapes or (min(shapes) >= 0 and max(shapes) <= MAX_DIM))
                 and all(len(d) == 32 for d in digests)
-                and (raw := _lower_hex(hexes)) is not None)):
+                and raw is not None)):
             raise ValueError(_why_columns(names, dtype_codes, shapes, ranks, digests))
-        return cls._build(names, joined, utf8, bytes(dtype_codes), shapes, ranks, hexes,
-                          lengths, raw if n else b"")
+        return cls._build(joined, lengths, utf8, bytes(dtype_codes), shapes, ranks, raw)
 
     @classmethod
-    def _build(cls, names: list[str], joined: str, utf8: bytes, dtype_codes: bytes,
-               shapes: list[int], ranks: list[int], hexes: str,
-               lengths: list[int] | None = None, raw: bytes | None = None) -> "TensorTable":
-        """The table of checked columns; its layout shared with an equal one already held.
-        `lengths` (of the names) and `raw` (the digests' bytes): where the checks made them."""
-        name_at = np.zeros(len(names) + 1, np.int64)
-        np.cumsum([len(x) for x in names] if lengths is None else lengths, out=name_at[1:])
+    def _build(cls, joined: str, lengths: list[int], utf8: bytes, dtype_codes: bytes,
+               shapes: list[int], ranks: list[int], raw: bytes) -> "TensorTable":
+        """The table of checked columns (the names joined and their lengths, the digests as
+        bytes); its layout shared with an equal one already held."""
+        name_at = np.zeros(len(lengths) + 1, np.int64)
+        np.cumsum(lengths, out=name_at[1:])
         shape_at = np.zeros(len(ranks) + 1, np.int64)
         np.cumsum(ranks, out=shape_at[1:])
         layout = _Layout(joined, name_at, dtype_codes, np.array(shapes, np.int64), shape_at,
                          utf8)
-        return cls(_shared.get(layout), bytes.fromhex(hexes) if raw is None else raw)
+        return cls(_shared.get(layout), raw)
 
     # --- reading --------------------------------------------------------------------------
     def __len__(self) -> int:
