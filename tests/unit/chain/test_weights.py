@@ -146,6 +146,14 @@ def test_kill_during_apply_restarts_into_a_verified_state_and_converges(tmp_path
         assert p.stdout.readline() == b"start\n"
         return p
 
+    def wait_for(p: subprocess.Popen, ready) -> bool:
+        """True once ready() holds while p still runs; False if p ends first."""
+        while p.poll() is None:
+            if ready():
+                return True
+            time.sleep(0.0005)
+        return False
+
     ref = tmp_path / "ref"
     shutil.copytree(base, ref, symlinks=True)
     p = start(ref)  # time one uninterrupted apply (after imports) to spread kills over it
@@ -162,8 +170,11 @@ def test_kill_during_apply_restarts_into_a_verified_state_and_converges(tmp_path
             shutil.copytree(base, target, symlinks=True)
         p = start(target)
         try:
-            time.sleep(float(torch.rand(1, generator=rng)) * duration * 0.45)
-            running = p.poll() is None
+            if trial % 4 == 0:  # aimed: the first in-place bring-forward, which random kills
+                running = wait_for(p, lambda: any(target.glob(".staging-*/ADVANCE.json")))
+            else:  # can all miss (0 of 12 in one CI run)
+                time.sleep(float(torch.rand(1, generator=rng)) * duration * 0.45)
+                running = p.poll() is None
             if running:
                 os.kill(p.pid, signal.SIGKILL)  # not yet reaped, so the pid is still its own
         finally:
@@ -185,7 +196,7 @@ def test_kill_during_apply_restarts_into_a_verified_state_and_converges(tmp_path
     # the six fresh starts are killed before 45 % of an uninterrupted apply; a resumed one
     # has less left to do and may finish first on a busy host (8 of 12 flaked once in ~26)
     assert cut >= 6, f"only {cut} of 12 kills landed inside an apply"
-    assert in_place >= 1, "no kill landed inside an in-place bring-forward"
+    assert in_place >= 1, "no kill landed inside an in-place bring-forward (3 were aimed at one)"
 
 
 def test_a_kill_inside_commit_after_the_shard_list_went_rebuilds(tmp_path, signing_key):
