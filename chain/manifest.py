@@ -7,7 +7,6 @@ tensors, its blocks and their BitTorrent pieces roots) is in here, so a lying pe
 hand out data that fails a check.
 """
 
-import itertools
 import json
 import re
 from typing import Annotated, Any, Literal
@@ -111,8 +110,7 @@ class Manifest(_Strict):
             raise ValueError(f"delta v{self.version} must have parent v{self.version - 1}")
         if self.kind == "snapshot" and self.parent is not None:
             raise ValueError("a snapshot has no parent")
-        names = self.tensors.names()
-        if any(a >= b for a, b in itertools.pairwise(names)):
+        if not self.tensors.ascending():
             raise ValueError("tensors must be unique and sorted by name")
         ids = self.blocks.ids()
         if len(set(ids)) != len(ids):
@@ -167,12 +165,12 @@ class Manifest(_Strict):
         so the rest of the document is dumped as usual and the list is put in its place."""
         doc = self._dump(exclude | {"tensors"})
         doc["tensors"] = None
-        parts = []
-        for k in sorted(doc):
-            value = self.tensors.canonical_json() if k == "tensors" else \
-                canonical_json(doc[k]).decode()
-            parts.append(f"{json.dumps(k)}:{value}")
-        return ("{" + ",".join(parts) + "}").encode()
+        parts = [b"{"]
+        for k in sorted(doc):  # one join: the 7 MB list of 50,000 tensors copied once
+            parts += [json.dumps(k).encode(), b":", self.tensors.canonical_json()
+                      if k == "tensors" else canonical_json(doc[k]), b","]
+        parts[-1] = b"}"
+        return b"".join(parts)
 
     def canonical(self) -> bytes:
         return self._canonical({"signature"})

@@ -261,6 +261,38 @@ def test_groups_read_in_one_call_write_the_same_artifact_as_one_tensor_at_a_time
         assert heads == heads_other and raw == raw_other
 
 
+def test_a_steady_delta_is_its_parents_table_with_every_digest_moved(tmp_path, signing_key,
+                                                                     monkeypatch):
+    """A delta in its parent's layout with the parent's digests trusted (a trainer's usual
+    version) is the parent's table with each digest moved (TensorTable.moved), never built
+    again from columns; each digest still equals the new tensor's hashed, including runs of
+    empty tensors grouped with no segment to code. A version that reshapes one tensor builds
+    its table from columns, and is as right."""
+    built: list[int] = []
+    real = TensorTable.from_columns.__func__
+
+    def counting(cls, names, *rest):
+        built.append(len(names))
+        return real(cls, names, *rest)
+
+    monkeypatch.setattr(TensorTable, "from_columns", classmethod(counting))
+    first = experts(300, 15, 5) | {f"layers.6.none.{i}": torch.zeros(0).bfloat16()
+                                   for i in range(5)}
+    states = [first, step(first, 11), step(step(first, 11), 12)]
+    reshaped = dict(step(states[-1], 13))
+    reshaped["layers.0.odd"] = torch.randn(8).bfloat16()
+    states.append(reshaped)
+    store, ms = chain_of(tmp_path, signing_key, states)
+    assert built == [len(first)] * 2  # the snapshot and the reshaping version: no steady delta
+    for state, m in zip(states, ms, strict=True):
+        src = StateDictSource(state)
+        assert m.tensors.digest_map() == {n: tensor_digest(*src.meta(n), src.bits(n))
+                                          for n in state}
+        assert m.state_digest == source_digest(src)
+    assert ms[1].tensors.shares_layout(ms[0].tensors)
+    apply_each(tmp_path / "w", store, ms, (2, 3))
+
+
 def test_a_delta_with_its_digests_given_reports_each_members_changes(tmp_path):
     """Digests given (no parent digests moved): groups read in place still report each
     member's own changes, which turn the parent's bits into the new ones."""

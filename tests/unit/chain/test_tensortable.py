@@ -144,12 +144,19 @@ def test_any_valid_list_round_trips(entries):
     assert [t.model_dump() for t in table] == rows
     assert [table.name(i) for i in range(len(rows))] == [r["name"] for r in rows]
     # the list a manifest signs, written from the columns: byte for byte json's
-    assert table.canonical_json().encode() == canonical_json(rows)
+    assert table.canonical_json() == canonical_json(rows)
     assert [t.numel for t in table] == [math.prod(r["shape"]) for r in rows]
     assert table.metas() == [(r["dtype"], r["shape"]) for r in rows]
     if len({r["name"] for r in rows}) == len(rows):  # a manifest's names are unique
         assert table.state_digest() == state_digest(table.digest_map()) \
             == streamed_state_digest({r["name"]: r["digest"] for r in rows})
+    # a manifest's order (names unique and sorted): the text made in one join a layout keeps
+    ordered = TensorTable.of(sorted({r["name"]: r for r in rows}.values(),
+                                    key=lambda r: r["name"]))
+    assert ordered.ascending() and (table.ascending() or len(table) > len(ordered)
+                                    or table.names() != ordered.names())
+    assert ordered.state_digest() == streamed_state_digest(ordered.digest_map())
+    assert ordered.canonical_json() == canonical_json(ordered.as_dicts())
 
 
 def streamed_state_digest(digests: dict[str, str]) -> str:
@@ -170,7 +177,7 @@ def test_names_json_must_escape_are_escaped_as_json_does(name, signing_key):
     rows = [{"name": name, "dtype": "bfloat16", "shape": [], "digest": "0" * 32},
             {"name": name + "z", "dtype": "int8", "shape": [0, 3], "digest": "f" * 32}]
     table = TensorTable.of(rows)
-    assert table.canonical_json().encode() == canonical_json(rows)
+    assert table.canonical_json() == canonical_json(rows)
     doc = {"format": 2, "run": "r", "version": 0, "kind": "snapshot", "parent": None,
            "state_digest": state_digest({r["name"]: r["digest"] for r in rows}),
            "tensors": rows, "blocks": [], "files": [], "stats": {}, "created": 1.0}
@@ -196,3 +203,28 @@ def test_names_are_the_callers_to_change_and_rows_share_the_layouts_shapes():
     assert [s for _, s in a.metas()] == [r.shape for r in b]
     assert [r.digest for r in b] == [f"{i + 7:032x}" for i in range(5)]
     assert a.as_dicts()[0]["shape"] is not next(iter(a)).shape  # the JSON form is a copy
+
+
+def test_a_table_moved_is_each_digest_moved_as_lanehash_moves_one():
+    """`moved` (a steady delta's table: the parent's with each digest moved) gives what
+    `lanehash.add` gives a digest at a time, wrapping modulo 2^64, on the same layout; moves
+    that do not fit the table are refused by their shape."""
+    import numpy as np
+
+    from chain import lanehash
+
+    rows = [*moe_rows(500), {"name": "x", "dtype": "bfloat16", "shape": [1],
+                             "digest": "f" * 32}]
+    table = TensorTable.of(rows)
+    rng = np.random.default_rng(3)
+    moves = rng.integers(0, 2**64, (len(rows), 2), np.uint64, endpoint=False)
+    moves[-1] = (2**64 - 1, 1)  # wraps both lanes
+    moved = table.moved(moves)
+    assert moved.digests() == [lanehash.add(d, (int(a), int(b)))
+                               for d, (a, b) in zip(table.digests(), moves, strict=True)]
+    assert moved.digest(len(rows) - 1) == "f" * 15 + "e" + "0" * 16
+    assert moved.shares_layout(table) and moved.names() == table.names()
+    assert table.moved(np.zeros((len(rows), 2), np.uint64)) == table
+    for bad in (np.zeros((len(rows) - 1, 2), np.uint64), np.zeros((len(rows), 2), np.int64)):
+        with pytest.raises(ValueError, match="one \\(a, b\\) uint64 pair a tensor"):
+            table.moved(bad)
