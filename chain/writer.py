@@ -319,6 +319,8 @@ def encode_stream(
                       moves: np.ndarray | None, fresh: Iterator[str], to_hash: set[str]
                       ) -> None:
         """A group's members' table entries: `group`'s digests, column by column."""
+        if moves is None:  # no segment coded: every member is empty, and nothing moved
+            moves = np.zeros((len(members), 2), np.uint64)
         # a steady delta hashes nothing: no lookup a member
         hashed = [n in to_hash for n in member_names] if to_hash else None
         if digests is not None:
@@ -364,8 +366,8 @@ def encode_stream(
     # 50,000-tensor version spent ~0.1 s making its entries, columns and checks again)
     table_moves = np.zeros((len(all_names), 2), np.uint64) \
         if covered and move_digests and parent_table is not None and \
-        parent_table.names() == all_names and parent_table.digest_map() == parent_digests \
-        and parent_table.metas() == new_metas \
+        parent_table.names() == all_names and parent_table.metas() == new_metas \
+        and parent_table.digests() == list(parent_digests.values()) \
         else None
     flushed = 0  # tensors flushed before this batch: its first one's index in the table
     for name, (dtype, shape) in zip(all_names, new_metas, strict=True):
