@@ -214,11 +214,10 @@ def tensor_count_costs(elements: int, moe_tensors: int, n_versions: int, rounds:
             p, a = statistics.median(pubs), statistics.median(applies)
             log(f"round {r + 1} {name}: publish {p:.3f} s, apply {a:.3f} s per delta (the "
                 f"first: {pubs[0]:.3f} s, {applies[0]:.3f} s)")
-            b = best.setdefault(name, {"publish": p, "apply": a, "first_publish": pubs[0],
-                                       "first_apply": applies[0]})
+            b = best.setdefault(name, {})
             for k, v in (("publish", p), ("apply", a), ("first_publish", pubs[0]),
                          ("first_apply", applies[0])):
-                b[k] = min(b[k], v)
+                b[k] = min(b.get(k, v), v)
     sweep = {}
     for per in per_tensor:
         count = max(1, elements // per)

@@ -620,10 +620,16 @@ def add_many(digests: Sequence[str], deltas: Sequence[tuple[int, int]]) -> list[
         return []
     if any(len(d) != 32 for d in digests):  # a malformed one spoils only its own, as in `add`
         return [add(d, m) for d, m in zip(digests, deltas, strict=True)]
-    lanes = np.frombuffer(bytes.fromhex("".join(digests)), ">u8").reshape(-1, 2)
-    moves = _lanes(deltas)
-    text = (lanes.astype(np.uint64) + moves.reshape(-1, 2)).astype(">u8").tobytes().hex()
+    text = add_raw(bytes.fromhex("".join(digests)), _lanes(deltas)).hex()
     return [text[i:i + 32] for i in range(0, len(text), 32)]
+
+
+def add_raw(raw: bytes, moves: np.ndarray) -> bytes:
+    """Digests held as raw bytes (16 a digest: its two lanes, big-endian, as its hex reads),
+    each moved by its row of `moves` ((n, 2) uint64 lane sums, modulo 2^64): `add_many`
+    without the hex, for a table that keeps its digests as bytes (TensorTable.moved)."""
+    lanes = np.frombuffer(raw, ">u8").reshape(-1, 2).astype(np.uint64)
+    return (lanes + moves.reshape(-1, 2)).astype(">u8").tobytes()
 
 
 def _lanes(deltas: Sequence[tuple[int, int]] | np.ndarray) -> np.ndarray:

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from chain import lanehash
 from chain.columns import Columns, refusal
 from chain.digest import state_digest_of_sorted
 from chain.dtypes import BY_NAME
@@ -303,8 +304,7 @@ class TensorTable(Columns):
         if moves.shape != (len(self), 2) or moves.dtype != np.uint64:
             raise ValueError(f"moves of shape {moves.shape} and type {moves.dtype} for "
                              f"{len(self)} tensors: one (a, b) uint64 pair a tensor")
-        lanes = np.frombuffer(self._digests, ">u8").reshape(-1, 2).astype(np.uint64)
-        return type(self)(self._layout, (lanes + moves).astype(">u8").tobytes())
+        return type(self)(self._layout, lanehash.add_raw(self._digests, moves))
 
     # --- reading --------------------------------------------------------------------------
     def __len__(self) -> int:

@@ -203,14 +203,10 @@ def encode_stream(
                 table_moves[flushed + lo] = changes.digest
                 if on_changes is not None:
                     on_changes(name, changes)
-            elif name in to_hash:
-                digest = next(fresh)
-            elif digests is not None:
-                digest = digests[name]
             else:
-                digest = lanehash.add(parent_digests[name], changes.digest)
-            if table_moves is None:
-                entry(name, dtype, shape, digest, changes)
+                entry(name, dtype, shape, next(fresh) if name in to_hash
+                      else digests[name] if digests is not None
+                      else lanehash.add(parent_digests[name], changes.digest), changes)
             if old is not None:
                 changed = hdr.claimed_changes(payload)
                 if changed == 0:
