@@ -276,6 +276,9 @@ def test_a_steady_delta_is_its_parents_table_with_every_digest_moved(tmp_path, s
         return real(cls, names, *rest)
 
     monkeypatch.setattr(TensorTable, "from_columns", classmethod(counting))
+    # batches of ~20,000 elements: the model's ~0.5 M elements in many flushes, so each
+    # tensor's index in the table is found across batch edges, as in a model of GB
+    monkeypatch.setattr("chain.writer.BATCH_ELEMENTS", 20_000)
     first = experts(300, 15, 5) | {f"layers.6.none.{i}": torch.zeros(0, dtype=torch.int8)
                                    for i in range(5)}  # a group of its own, no segment
     states = [first, step(first, 11), step(step(first, 11), 12)]
