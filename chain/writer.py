@@ -6,6 +6,7 @@ tensor raw. Either way the manifest lists every tensor's digest, so the receiver
 the result bit for bit.
 """
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -17,10 +18,11 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from chain import codec, lanehash
 from chain.blocks import DEFAULT_BLOCK, BlockStore
 from chain.codec import header as hdr
-from chain.codec.api import LOG2_SEG, moved_alone, run_jobs
+from chain.codec.api import LOG2_SEG, moved_alone, run_jobs, start_encode
 from chain.digest import pieces_root, tensor_digests
 from chain.dtypes import BY_NAME
 from chain.gcpause import without_gc
+from chain.gilswitch import quick_switches
 from chain.manifest import FORMAT, BasePin, BlockEntry, FileEntry, Manifest, Parent
 from chain.sources import TensorSource
 from chain.stream import MAX_GROUP, BlockWriter, RecordHeader
@@ -61,6 +63,11 @@ size: groups of 2^20 elements (~1,000 in a 50,000-tensor model of 1e9 elements) 
 groups of ~4 M (~250) took 636 against 557 py-spy samples (250 Hz) of the main thread outside
 the codec over four publishes, ~0.08 s a publish under the profiler. `_units` caps a group
 at MAX_GROUP whatever `group_below` is."""
+
+
+PIPELINE = True
+"""A batch is coded on the codec's worker thread while this thread writes the one before and
+walks to the next (`encode_stream`'s flush); False: one batch at a time, all threads on it."""
 
 
 OnChanges = Callable[[str, "codec.Changes | None"], None]
@@ -131,14 +138,17 @@ def encode_stream(
     # (name, dtype, shape, parent bits (IN_PARENT until read; None: no parent of this
     # layout), bits (None until read), elements)
     pending: list[tuple[str, str, list[int], np.ndarray | None, np.ndarray | None, int]] = []
-    scratch = _Scratch()
+    # two batches in flight at once (`flush`): each its own scratch, taken in turn
+    scratches = (_Scratch(), _Scratch())
+    batches = 0
+    in_flight: Callable[[bool], None] | None = None
     cat = getattr(new, "cat", None)  # the source's own tensors end to end, in one call
     pieces = getattr(new, "pieces", None)  # where the source's tensors lie, to read in place
     span = getattr(parent, "span", None)  # the parent's own view of tensors end to end
     move_digests = digests is None and parent_digests is not None
     split_groups = on_changes is not None and on_group is None
 
-    def hashed_names() -> set[str]:
+    def hashed_names(batch: list) -> set[str]:
         """The pending tensors whose digests are hashed from their bits: none where they are
         given; else those with no parent of their layout or no parent digest to move (all,
         without parent digests); none where every tensor has both (`covered`). One pass over
@@ -147,28 +157,53 @@ def encode_stream(
         if digests is not None or covered:
             return set()
         if parent_digests is None:
-            return {p[0] for p in pending}
+            return {p[0] for p in batch}
         # one pass over the batch (a set less the digests' keys view made a set of all 50,000
         # keys every batch: ~40 ms a publish under cProfile)
-        return {p[0] for p in pending if p[3] is None or p[0] not in parent_digests}
+        return {p[0] for p in batch if p[3] is None or p[0] not in parent_digests}
 
     def flush() -> None:
-        nonlocal flushed
-        units = _units(pending, group_below)
-        to_hash = hashed_names()
+        """Start coding the pending tensors on the codec's worker thread, then finish the
+        batch before (its records written in order) while it codes: this thread's Python
+        for one batch (records, table entries, the next batch's walk and reads, ~4 us a
+        tensor) runs beside the coding of another instead of before it, where the worker
+        thread had waited idle (a 50,000-tensor model; a dense one has little of it)."""
+        nonlocal flushed, in_flight, batches
+        batch = pending[:]
+        pending.clear()
+        started = start_batch(batch, flushed, scratches[batches % 2])
+        batches += 1
+        flushed += len(batch)
+        finish_in_flight()
+        in_flight = started
+        if not PIPELINE:
+            finish_in_flight()
+
+    def finish_in_flight(write: bool = True) -> None:
+        """Wait for the batch in flight, and write it (`write`) or not (an error)."""
+        nonlocal in_flight
+        if in_flight is not None:
+            finish, in_flight = in_flight, None
+            finish(write)
+
+    def start_batch(batch: list, first: int, scratch: "_Scratch") -> Callable[[bool], None]:
+        """Ready `batch` (the tensors of table rows `first`...) and start its coding;
+        the result waits for the coding and writes the batch's records and entries."""
+        units = _units(batch, group_below)
+        to_hash = hashed_names(batch)
         # each group's member element offsets (member j from offsets[j] to offsets[j + 1])
-        offsets = {lo: np.cumsum([0] + [p[5] for p in pending[lo:hi]], dtype=np.int64)
+        offsets = {lo: np.cumsum([0] + [p[5] for p in batch[lo:hi]], dtype=np.int64)
                    for lo, hi in units if hi - lo > 1}
-        cats = read_deferred(units, to_hash, offsets)
+        cats = read_deferred(batch, units, to_hash, offsets)
         # a group: its tensors' elements end to end, coded as one
-        news = iter(scratch.end_to_end([[p[4] for p in pending[lo:hi]] for lo, hi in units
+        news = iter(scratch.end_to_end([[p[4] for p in batch[lo:hi]] for lo, hi in units
                                         if hi - lo > 1 and lo not in cats]))
         pairs = []
-        groups: list[tuple[int, int, int]] = []  # (first, end) in pending, its pair's index
+        groups: list[tuple[int, int, int]] = []  # (first, end) in batch, its pair's index
         for lo, hi in units:
-            _, dtype, _, old, bits, _ = pending[lo]
+            _, dtype, _, old, bits, _ = batch[lo]
             if hi - lo > 1:
-                members = pending[lo:hi]
+                members = batch[lo:hi]
                 olds = None if span is None else span([p[0] for p in members])
                 if olds is None:
                     olds = end_to_end([parent.bits(p[0]) if p[3] is IN_PARENT else p[3]
@@ -178,29 +213,38 @@ def encode_stream(
             elif old is not None:
                 pairs.append((old, bits, dtype))
         moves = _GroupMoves({k: offsets[lo] for lo, _, k in groups} if move_digests else {})
-        # each pair with what it was coded as: (old, new, dtype), (payload, changes)
-        coded = list(zip(pairs, codec.encode_changes(pairs, changes=parent_digests is not None
-                                                     or on_changes is not None
-                                                     or on_group is not None,
-                                                     moved=moves, direct=direct_positions)
-                         if pairs else [], strict=True))
+        coding = start_encode(pairs, changes=parent_digests is not None
+                              or on_changes is not None or on_group is not None,
+                              moved=moves, direct=direct_positions) if pairs else list
+
+        def finish(write: bool = True) -> None:
+            # each pair with what it was coded as: (old, new, dtype), (payload, changes)
+            coded = list(zip(pairs, coding(), strict=True))
+            if write:
+                write_batch(batch, first, units, to_hash, offsets, groups, moves, coded)
+        return finish
+
+    def write_batch(batch: list, first: int, units: list[tuple[int, int]], to_hash: set[str],
+                    offsets: dict[int, np.ndarray], groups: list[tuple[int, int, int]],
+                    moves: "_GroupMoves", coded: list) -> None:
+        """A coded batch's records and table entries, in order (`start_batch`)."""
         members_changes = _members_changes(
             [(lo, coded[k][1][1], offsets[lo], moves.of(k)) for lo, hi, k in groups],
             split=split_groups)
         encoded = iter(coded)
         fresh = iter(tensor_digests([(dtype, shape, bits) for name, dtype, shape, _, bits, _
-                                     in pending if name in to_hash]))
+                                     in batch if name in to_hash]))
         for lo, hi in units:
             if hi - lo > 1:
-                group(pending[lo:hi], next(encoded)[1], fresh, to_hash, offsets[lo],
-                      members_changes.get(lo), flushed + lo)
+                group(batch[lo:hi], next(encoded)[1], fresh, to_hash, offsets[lo],
+                      members_changes.get(lo), first + lo)
                 continue
-            name, dtype, shape, old, bits, _ = pending[lo]
+            name, dtype, shape, old, bits, _ = batch[lo]
             changes = None
             if old is not None:
                 _, (payload, changes) = next(encoded)
             if table_moves is not None:  # the parent's layout: only the digest's move kept
-                table_moves[flushed + lo] = changes.digest
+                table_moves[first + lo] = changes.digest
                 if on_changes is not None:
                     on_changes(name, changes)
             else:
@@ -217,12 +261,10 @@ def encode_stream(
                 op, changed = "full", bits.size
             record(RecordHeader(name, op, dtype, shape, len(payload)), payload, changed,
                    bits.size)
-        flushed += len(pending)
-        pending.clear()
 
-    def read_deferred(units: list[tuple[int, int]], to_hash: set[str],
+    def read_deferred(batch: list, units: list[tuple[int, int]], to_hash: set[str],
                       offsets: dict[int, np.ndarray]) -> dict[int, "np.ndarray | codec.Pieces"]:
-        """The batch's deferred bits, keyed by each group's first pending index: a group none
+        """The batch's deferred bits, keyed by each group's first batch index: a group none
         of whose members is hashed, where its members lie (`pieces`, codec.Pieces: the
         encoder reads them in place, no copy); any other group, its new elements end to end
         from the source in one call (`cat`, on the codec's threads: torch copies without the
@@ -235,17 +277,17 @@ def encode_stream(
         cats: dict[int, np.ndarray | codec.Pieces] = {}
         jobs = []
         for lo, hi in units:
-            if pending[lo][4] is not None:
+            if batch[lo][4] is not None:
                 continue
             if hi - lo == 1:
-                name, dtype, shape, old, _, numel = pending[lo]
-                pending[lo] = (name, dtype, shape, parent.bits(name) if old is IN_PARENT
+                name, dtype, shape, old, _, numel = batch[lo]
+                batch[lo] = (name, dtype, shape, parent.bits(name) if old is IN_PARENT
                                else old, new.bits(name), numel)
                 continue
-            names = [p[0] for p in pending[lo:hi]]
+            names = [p[0] for p in batch[lo:hi]]
             hashed = bool(to_hash) and any(n in to_hash for n in names)
             found = None if hashed or pieces is None else \
-                pieces(names, [p[5] for p in pending[lo:hi]], BY_NAME[pending[lo][1]].itemsize)
+                pieces(names, [p[5] for p in batch[lo:hi]], BY_NAME[batch[lo][1]].itemsize)
             if found is not None:
                 cats[lo] = codec.Pieces(found[0], offsets[lo], lambda names=names: cat(names),
                                         found[1])
@@ -256,11 +298,11 @@ def encode_stream(
         if not to_hash:
             return cats  # no member hashed: no member's own view needed
         for lo, hi in units:
-            if lo in cats and any(p[0] in to_hash for p in pending[lo:hi]):
+            if lo in cats and any(p[0] in to_hash for p in batch[lo:hi]):
                 at = 0
                 for j in range(lo, hi):
-                    n = pending[j][5]
-                    pending[j] = (*pending[j][:4], cats[lo][at:at + n], n)
+                    n = batch[j][5]
+                    batch[j] = (*batch[j][:4], cats[lo][at:at + n], n)
                     at += n
         return cats
 
@@ -366,24 +408,33 @@ def encode_stream(
         and parent_table.digests() == list(parent_digests.values()) \
         else None
     flushed = 0  # tensors flushed before this batch: its first one's index in the table
-    for name, (dtype, shape) in zip(all_names, new_metas, strict=True):
-        numel = math.prod(shape)
-        elements += numel
-        dense_bytes += numel * itemsize[dtype]
-        same_layout = all_same or (delta and parent_meta.get(name) == (dtype, shape))
-        # a tensor a group may take: its bits and its parent's are read with the group's
-        # (`read_deferred`, `flush`)
-        if same_layout and deferred and numel < group_below:
-            pending.append((name, dtype, shape, IN_PARENT, None, numel))
-        else:
-            pending.append((name, dtype, shape, parent.bits(name) if same_layout else None,
-                            new.bits(name), numel))
-        queued += numel
-        if queued >= BATCH_ELEMENTS:
+    # the worker codes while this thread runs Python: the GIL handed over sooner (gilswitch)
+    with quick_switches() if PIPELINE else contextlib.nullcontext():
+        try:
+            for name, (dtype, shape) in zip(all_names, new_metas, strict=True):
+                numel = math.prod(shape)
+                elements += numel
+                dense_bytes += numel * itemsize[dtype]
+                same_layout = all_same or (delta and parent_meta.get(name) == (dtype, shape))
+                # a tensor a group may take: its bits and its parent's are read with the group's
+                # (`read_deferred`, `flush`)
+                if same_layout and deferred and numel < group_below:
+                    pending.append((name, dtype, shape, IN_PARENT, None, numel))
+                else:
+                    pending.append((name, dtype, shape, parent.bits(name) if same_layout else None,
+                                    new.bits(name), numel))
+                queued += numel
+                if queued >= BATCH_ELEMENTS:
+                    flush()
+                    queued = 0
+            stats.tensors, stats.elements, stats.dense_bytes = len(all_names), elements, dense_bytes
             flush()
-            queued = 0
-    stats.tensors, stats.elements, stats.dense_bytes = len(all_names), elements, dense_bytes
-    flush()
+            finish_in_flight()
+        except BaseException:
+            # the batch in flight is still read by the codec's threads: waited for, not written
+            with contextlib.suppress(BaseException):
+                finish_in_flight(write=False)
+            raise
     stats.seconds = time.perf_counter() - t0
     if table_moves is not None:
         return parent_table.moved(table_moves), stats

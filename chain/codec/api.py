@@ -126,32 +126,48 @@ def run_jobs(jobs: list[tuple[int, Callable[[], None]]], threads: int = THREADS)
     """Run (weight, job) pairs, heaviest first, on `threads` workers that each take the next
     job when done with one: the weights only order the work, so a segment that turns out
     cheaper or dearer than its weight says does not leave a thread idle."""
+    start_jobs(jobs, threads)()
+
+
+def start_jobs(jobs: list[tuple[int, Callable[[], None]]], threads: int = THREADS
+               ) -> Callable[[], None]:
+    """`run_jobs` begun on the codec's worker threads only, returning at once; the calling
+    thread joins in, taking the jobs left, when it calls the result, which returns once every
+    job has ended (raising the first error). Meanwhile the caller may do other work (a
+    writer readying its next batch): the workers take the GIL only between jobs. With one
+    thread usable, or little work, the jobs all run in the join."""
     global _pool
     total = sum(w for w, _ in jobs)
     ordered = [job for _, job in sorted(jobs, key=lambda j: -j[0])]
     threads = min(threads, usable_cpus())
-    if threads < 2 or len(jobs) < 2 or total < _PARALLEL_MIN:
-        _run_all(iter(ordered))
-        return
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=THREADS - 1, thread_name_prefix="codec")
     shared = iter(ordered)  # next() on a list iterator is atomic under the GIL
-    futures = [_pool.submit(_run_all, shared) for _ in range(min(threads, THREADS) - 1)]
-    error: BaseException | None = None
-    try:
-        _run_all(shared)
-    except BaseException as e:
-        error = e
-    # every job has ended before this returns or raises: a caller handling the error must not
-    # race a worker still writing (an engine reloading while a patch job runs)
-    for f in futures:
+    futures = []
+    if threads >= 2 and len(jobs) >= 2 and total >= _PARALLEL_MIN:
+        with _pool_lock:
+            if _pool is None:
+                _pool = ThreadPoolExecutor(max_workers=THREADS - 1, thread_name_prefix="codec")
+        futures = [_pool.submit(_run_all, shared) for _ in range(min(threads, THREADS) - 1)]
+
+    def join() -> None:
+        error: BaseException | None = None
         try:
-            f.result()
+            _run_all(shared)
         except BaseException as e:
-            error = error or e
-    if error is not None:
-        raise error
+            error = e
+        # every job has ended before this returns or raises: a caller handling the error
+        # must not race a worker still writing (an engine reloading while a patch job runs).
+        # A worker's share not begun yet (the worker busy with jobs started earlier) has no
+        # job left to take: withdrawn, not waited for
+        for f in futures:
+            if f.cancel():
+                continue
+            try:
+                f.result()
+            except BaseException as e:
+                error = error or e
+        if error is not None:
+            raise error
+    return join
 
 
 def map_jobs(fn: Callable[[T], R], items: Sequence[T], weight: Callable[[T], int],
@@ -181,6 +197,13 @@ lookup, for many 20,000-element tensors), spread over the codec's threads."""
 def _run_grouped(segments: list[tuple[int, tuple]],
                  make: Callable[[list[tuple]], Callable[[], None]], threads: int) -> None:
     """Run `segments` (weight, spec) through jobs `make(specs)`: see _LIGHT and _GROUP."""
+    _start_grouped(segments, make, threads)()
+
+
+def _start_grouped(segments: list[tuple[int, tuple]],
+                   make: Callable[[list[tuple]], Callable[[], None]], threads: int
+                   ) -> Callable[[], None]:
+    """`_run_grouped` begun as `start_jobs` begins jobs: the light segments run in the join."""
     jobs = [(w, make([spec])) for w, spec in segments if w >= _GROUP]
     group: list[tuple] = []
     weight = 0
@@ -193,10 +216,14 @@ def _run_grouped(segments: list[tuple[int, tuple]],
                 group, weight = [], 0
     if group:
         jobs.append((weight, make(group)))
-    run_jobs(jobs, threads)
-    light = [spec for w, spec in segments if w < _LIGHT]
-    for at in range(0, len(light), 256):
-        make(light[at:at + 256])()
+    heavy = start_jobs(jobs, threads)
+
+    def join() -> None:
+        heavy()
+        light = [spec for w, spec in segments if w < _LIGHT]
+        for at in range(0, len(light), 256):
+            make(light[at:at + 256])()
+    return join
 
 
 def _run_all(jobs) -> None:
@@ -335,6 +362,16 @@ def encode_changes(pairs: Sequence[tuple[np.ndarray, "np.ndarray | Pieces", str]
     segment is still in cache (default: the pair's own digest; chain/shards.py passes the
     move of a slice keyed by its tensor's word indices). `direct`: see DIRECT. A pair's new
     side may be `Pieces`, read where they lie."""
+    return start_encode(pairs, threads, changes, moved, direct)()
+
+
+def start_encode(pairs: Sequence[tuple[np.ndarray, "np.ndarray | Pieces", str]],
+                 threads: int = THREADS, changes: bool = True, moved: Moved | None = None,
+                 direct: int = DIRECT
+                 ) -> Callable[[], list[tuple[bytes, Changes | None]]]:
+    """`encode_changes` begun on the codec's worker threads (`start_jobs`); calling the
+    result joins in and returns what encode_changes returns. The pairs' arrays must stay
+    as they are until then."""
     seg = 1 << LOG2_SEG
     plans = []
     jobs = []
@@ -358,11 +395,15 @@ def encode_changes(pairs: Sequence[tuple[np.ndarray, "np.ndarray | Pieces", str]
             lo, hi = s * seg, min(n, (s + 1) * seg)
             jobs.append((hi - lo, (old, new, lo, hi, words, c, parts, s, found,
                                    moved or moved_alone, len(plans) - 1, direct)))
-    _run_grouped(jobs, _encode_job, threads)
+    joined = _start_grouped(jobs, _encode_job, threads)
     mode = hdr.CODED_POS if direct >= 0 else hdr.CODED
-    return [(_assemble(old, new, dtype, c, parts, mode),
-             _gathered(found, c) if changes else None)
-            for old, new, dtype, c, parts, found in plans]
+
+    def join() -> list[tuple[bytes, Changes | None]]:
+        joined()
+        return [(_assemble(old, new, dtype, c, parts, mode),
+                 _gathered(found, c) if changes else None)
+                for old, new, dtype, c, parts, found in plans]
+    return join
 
 
 def _gathered(found: list, c: hdr.Coding) -> Changes:

@@ -5,6 +5,8 @@ refused with the tensor named."""
 
 import itertools
 import re
+import threading
+import time
 from types import MappingProxyType
 
 import numpy as np
@@ -910,3 +912,84 @@ def test_groups_brought_forward_in_a_directory_of_several_shard_files(tmp_path, 
     for f in cur.path.glob("*.safetensors"):
         got.update(load_file(f))
     assert same(got, states[3])
+
+
+def test_batches_coded_while_the_one_before_is_written_make_the_same_artifact(
+        tmp_path, signing_key, monkeypatch):
+    """The writer codes each batch on the codec's worker thread while it writes the batch
+    before and walks to the next (`chain.writer.PIPELINE`): the same records, blocks, digests
+    and reported changes as one batch at a time, over batches large enough that the worker
+    takes part (two segments each), for a steady delta (its table the parent's with each
+    digest moved at its row) and one adding a tensor, with digests moved or hashed: groups,
+    tensors coded alone, a full record and tensors that do not change."""
+    monkeypatch.setattr("chain.writer.BATCH_ELEMENTS", 1 << 21)
+    first = experts(3000, 64, 21)
+    states = [first, step(first, 22), step(step(first, 22), 23)]
+    states[2]["layers.0.new"] = torch.randn(300).bfloat16()  # a full record
+    got = {}
+    for pipelined in (True, False):
+        monkeypatch.setattr("chain.writer.PIPELINE", pipelined)
+        store = ChainStore(tmp_path / str(pipelined), signing_key.public_key())
+        parent, _ = write_artifact(store.blocks, signing_key, run="r", version=0,
+                                   kind="snapshot", new=StateDictSource(first))
+        for v in (1, 2):
+            for trust in (True, False):
+                reported: list = []
+                m, _ = write_artifact(
+                    store.blocks, signing_key, run="r", version=v, kind="delta",
+                    new=StateDictSource(states[v]), parent=StateDictSource(states[v - 1]),
+                    parent_manifest=parent, trust_parent=trust,
+                    on_changes=lambda name, c, out=reported: out.append(
+                        (name, None if c is None else (c.pos.tolist(), c.digest))))
+                got[pipelined, v, trust] = (
+                    m.tensors.digest_map(), records(store, m), reported,
+                    b"".join(store.blocks.get(b.id, b.size) for b in m.blocks))
+            parent = m
+    assert sum(h.op == "group" for h in got[True, 1, True][1]) >= 4
+    for v in (1, 2):
+        src = StateDictSource(states[v])
+        assert got[True, v, True][0] == {n: tensor_digest(*src.meta(n), src.bits(n))
+                                         for n in states[v]}
+        for trust in (True, False):
+            assert got[True, v, trust] == got[False, v, trust]
+        assert got[True, v, True][0] == got[True, v, False][0]
+
+
+def test_an_error_in_a_later_batch_waits_for_the_batch_being_coded(tmp_path, signing_key,
+                                                                  monkeypatch):
+    """A source that fails while a batch is being coded: the error reaches the caller only
+    after every segment begun has ended (the codec still reads the batch's tensors)."""
+    from chain.codec import api
+
+    monkeypatch.setattr("chain.writer.BATCH_ELEMENTS", 1 << 21)
+    first = experts(3000, 64, 31)
+    second = step(first, 32)
+    events: list[str] = []
+    real = api._encode_segment
+
+    def counted(*args, **kw):
+        events.append("begin")
+        try:
+            if threading.current_thread() is not threading.main_thread():
+                time.sleep(0.2)  # a slow segment: still coding when the walk fails
+            return real(*args, **kw)
+        finally:
+            events.append("end")
+
+    monkeypatch.setattr(api, "_encode_segment", counted)
+
+    class Failing(StateDictSource):
+        def pieces(self, names, sizes, itemsize):
+            if "begin" in events:  # a batch is coding, or has been
+                raise OSError("the trainer's memory went away")
+            return super().pieces(names, sizes, itemsize)
+
+    store = ChainStore(tmp_path / "chain", signing_key.public_key())
+    base, _ = write_artifact(store.blocks, signing_key, run="r", version=0, kind="snapshot",
+                             new=StateDictSource(first))
+    events.clear()
+    with pytest.raises(OSError, match="memory went away"):
+        write_artifact(store.blocks, signing_key, run="r", version=1, kind="delta",
+                       new=Failing(second), parent=StateDictSource(first),
+                       parent_manifest=base, trust_parent=True)
+    assert events.count("begin") == events.count("end") > 0

@@ -62,3 +62,32 @@ def test_a_thread_pinned_to_one_cpu_runs_every_job_itself() -> None:
     t.join(30)
     assert got == [list(range(8))]
     assert seen == {"pinned"}
+
+
+@two_cpus
+def test_jobs_started_while_the_worker_is_busy_are_joined_without_waiting_for_it() -> None:
+    """`start_jobs` begins work on the codec's worker and returns; a second batch started
+    meanwhile, its share for the busy worker not begun, is run by the caller's join alone
+    instead of waiting behind the first batch (the writer codes one batch while it readies
+    the next), and each join returns every job's effect."""
+    from chain.codec.api import start_jobs
+
+    release, first_done, ran = threading.Event(), threading.Event(), []
+
+    def slow() -> None:
+        if threading.current_thread().name.startswith("codec"):
+            assert release.wait(10)
+        ran.append("slow")
+        first_done.set()
+
+    joined_first = start_jobs([(1 << 20, slow), (1 << 20, lambda: ran.append("quick"))])
+    time.sleep(0.05)  # the worker takes `slow`... or the quick job and then `slow`
+    second = start_jobs([(1 << 20, lambda i=i: ran.append(i)) for i in range(4)])
+    began = time.monotonic()
+    second()  # returns while the worker still waits in `slow` (up to 10 s)
+    assert time.monotonic() - began < 5
+    assert sorted(x for x in ran if isinstance(x, int)) == [0, 1, 2, 3]
+    assert not release.is_set()
+    release.set()
+    joined_first()
+    assert first_done.is_set() and ran.count("slow") == 1 and ran.count("quick") == 1
