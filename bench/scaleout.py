@@ -15,6 +15,10 @@ sharded publishing costs against the single-process Publisher. One JSON line las
   among the 5 but no longer decides the median, where of 3 the median was the slower of the
   two steady ones), best of `--rounds` for each side (unpaired: each side's luckiest round),
   sides interleaved so load from other work favours neither.
+- `moe_publish_over_dense_paired`, `moe_apply_over_dense_paired`: the same ratios taken
+  within each round (moe over the dense run beside it), median over rounds: this host's speed
+  drifts 15-30 % between runs, and best-of figures can pair one side's lucky run with the
+  other's unlucky one.
 - `moe_first_delta_publish_over_dense`, `moe_first_delta_apply_over_dense`: that first delta
   alone, the same two ratios (what a region pays once, when it starts from a snapshot).
 - `moe_read_floor_s`, `moe_publish_floor_over_dense`: reading the 50,000-tensor state dict's
@@ -206,12 +210,15 @@ def tensor_count_costs(elements: int, moe_tensors: int, n_versions: int, rounds:
         log(f"{name}: {len(shapes)} tensors, {sum(int(np.prod(x)) for x in shapes.values()):,} "
             "elements")
     best: dict[str, dict[str, float]] = {}
+    rounds_seen: list[dict[str, tuple[float, float]]] = []  # each round's (publish, apply)
     for r in range(rounds):
+        rounds_seen.append({})
         for name in ("dense", "moe") if r % 2 == 0 else ("moe", "dense"):
             with tempfile.TemporaryDirectory(prefix="scaleout-", dir=_tmp_root()) as tmp:
                 pubs, applies, _ = publish_and_apply(
                     Path(tmp), versions(sides[name], n_versions, 0.01, seed=7))
             p, a = statistics.median(pubs), statistics.median(applies)
+            rounds_seen[-1][name] = (p, a)
             log(f"round {r + 1} {name}: publish {p:.3f} s, apply {a:.3f} s per delta (the "
                 f"first: {pubs[0]:.3f} s, {applies[0]:.3f} s)")
             b = best.setdefault(name, {})
@@ -238,6 +245,12 @@ def tensor_count_costs(elements: int, moe_tensors: int, n_versions: int, rounds:
             **{f"moe_first_delta_{k}_over_dense": round(best["moe"][f"first_{k}"]
                                                          / best["dense"][f"first_{k}"], 3)
                for k in ("publish", "apply")},
+            # the same ratios paired: each round's moe over that round's dense (run next to
+            # each other), the median over rounds; less moved by the host's drift than
+            # best-of figures, which may pair a lucky run with an unlucky one
+            **{f"moe_{k}_over_dense_paired": round(statistics.median(
+                seen["moe"][i] / seen["dense"][i] for seen in rounds_seen), 3)
+               for i, k in enumerate(("publish", "apply"))},
             "moe_read_floor_s": round(floor, 3),
             **({"moe_by_tensor_elements": sweep} if sweep else {}),
             "moe_publish_floor_over_dense": round(
