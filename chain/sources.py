@@ -63,9 +63,9 @@ class StateDictSource:
         not look 50,000 tensors' views up again (~25 ms a publish); `metas_found` is this
         source's own last answer, to hand on."""
         self.metas_found: tuple[list[str], list[tuple[str, list[int]]]] | None = None
-        self._addresses: dict[str, int] = {}
-        """Tensors' addresses noted by `metas` as it read their dtype and shape (-1: not on
-        the CPU or not contiguous), for `pieces`."""
+        self._addresses: dict[str, tuple[torch.Tensor, int]] = {}
+        """Tensors and their addresses noted by `metas` as it read their dtype and shape
+        (-1: not on the CPU or not contiguous), for `pieces`."""
 
     def names(self) -> list[str]:
         known = self.known_metas
@@ -89,6 +89,7 @@ class StateDictSource:
         are ready): the writer's walk then reads each as it reaches it, writing the blocks
         of those before it first, as it did with `meta`."""
         state = self._state
+        self._addresses = {}  # only this answer's, for `pieces`
         if type(state) is not dict:
             return (self.meta(n) for n in names)
         if self.known_metas is not None and self.known_metas[0] == names:
@@ -96,17 +97,17 @@ class StateDictSource:
             return self.known_metas[1]
         if not self._owned or self.views is None:
             by_torch = dtypes.torch_names()
-            found, addresses = [], []
+            found, noted = [], []
             try:
                 # each tensor's address noted in the same walk, for `pieces`: a walk of its
                 # own, checking again the size and element size read here, cost a
                 # 50,000-tensor publish ~35 ms more (two passes of five torch calls a tensor)
                 for t in map(state.__getitem__, names):
                     found.append((by_torch[t.dtype], list(t.shape)))
-                    addresses.append(t.data_ptr() if t.is_cpu and t.is_contiguous() else -1)
+                    noted.append((t, t.data_ptr() if t.is_cpu and t.is_contiguous() else -1))
             except KeyError:  # an unsupported dtype: `_meta` names it
                 return [_meta(state[n]) for n in names]
-            self._addresses = dict(zip(names, addresses, strict=True))
+            self._addresses = dict(zip(names, noted, strict=True))
             return found
         views = self.views
         out = []
@@ -160,15 +161,15 @@ class StateDictSource:
         ~0.35 us a tensor, where `cat` copies it (1.2 us a tensor of 960 elements, and 2 GB
         moved for a 50,000-tensor model of 1e9 elements). The caller holds the state still
         while it encodes, as for any publish: a tensor re-pointed (`t.data = ...`, `set_`,
-        `resize_`) by another thread meanwhile may free the memory being read. Tensors whose
-        addresses `metas` noted are not asked again: `sizes` and `itemsize` are then the ones
-        its answer gave (as the writer's walk passes them)."""
+        `resize_`) by another thread meanwhile may free the memory being read. The very
+        tensor objects whose addresses `metas` noted are not asked again: `sizes` and
+        `itemsize` are then the ones its answer gave (as the writer's walk passes them)."""
         tensors = list(map(self._state.__getitem__, names))
-        noted = self._addresses
-        if all(map(noted.__contains__, names)):
-            # read with the dtypes and shapes the walk got from `metas`: the same sizes,
-            # for a state held still through the publish (as the encode needs it anyway)
-            ptrs = list(map(noted.__getitem__, names))
+        noted = list(map(self._addresses.get, names))
+        if all(kept is not None and kept[0] is t for kept, t in zip(noted, tensors, strict=True)):
+            # the very tensors `metas` read, with the dtypes and shapes it got: the same
+            # sizes, for a state held still through the publish (as the encode needs anyway)
+            ptrs = [kept[1] for kept in noted]
         else:  # one pass; -1 for a tensor the encoder cannot read in place (0: an empty one)
             ptrs = [t.data_ptr() if t.is_cpu and t.is_contiguous() and t.numel() == n and
                     t.element_size() == itemsize else -1

@@ -174,8 +174,12 @@ def encode_stream(
         started = start_batch(batch, flushed, scratches[batches % 2])
         batches += 1
         flushed += len(batch)
-        finish_in_flight()
-        in_flight = started
+        # the new batch in flight before the one before is finished: an error there (a
+        # record's write, a callback) still waits for the new batch's coding (the walk's
+        # handler joins what is in flight)
+        before, in_flight = in_flight, started
+        if before is not None:
+            before(True)
         if not PIPELINE:
             finish_in_flight()
 

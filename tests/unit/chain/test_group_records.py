@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from chain import lanehash
+from chain.codec.api import usable_cpus
 from chain.decode import decode_patch
 from chain.digest import tensor_digest
 from chain.errors import BadDelta, DigestMismatch
@@ -955,10 +956,14 @@ def test_batches_coded_while_the_one_before_is_written_make_the_same_artifact(
         assert got[True, v, True][0] == got[True, v, False][0]
 
 
+@pytest.mark.skipif(usable_cpus() < 2, reason="needs the codec's worker thread")
+@pytest.mark.parametrize("where", ["reading", "writing"])
 def test_an_error_in_a_later_batch_waits_for_the_batch_being_coded(tmp_path, signing_key,
-                                                                  monkeypatch):
-    """A source that fails while a batch is being coded: the error reaches the caller only
-    after every segment begun has ended (the codec still reads the batch's tensors)."""
+                                                                  monkeypatch, where):
+    """An error while a batch is being coded on the codec's worker, raised as the next batch
+    is read (the source's `pieces`) or as the batch before is written (an `on_changes`
+    callback, after the next batch's coding began): it reaches the caller only after every
+    segment begun has ended, since the codec still reads the batches' tensors."""
     from chain.codec import api
 
     monkeypatch.setattr("chain.writer.BATCH_ELEMENTS", 1 << 21)
@@ -980,9 +985,13 @@ def test_an_error_in_a_later_batch_waits_for_the_batch_being_coded(tmp_path, sig
 
     class Failing(StateDictSource):
         def pieces(self, names, sizes, itemsize):
-            if "begin" in events:  # a batch is coding, or has been
+            if where == "reading" and "begin" in events:  # a batch is coding, or has been
                 raise OSError("the trainer's memory went away")
             return super().pieces(names, sizes, itemsize)
+
+    def on_changes(name, changes):
+        if where == "writing":
+            raise OSError("the trainer's memory went away")
 
     store = ChainStore(tmp_path / "chain", signing_key.public_key())
     base, _ = write_artifact(store.blocks, signing_key, run="r", version=0, kind="snapshot",
@@ -991,5 +1000,5 @@ def test_an_error_in_a_later_batch_waits_for_the_batch_being_coded(tmp_path, sig
     with pytest.raises(OSError, match="memory went away"):
         write_artifact(store.blocks, signing_key, run="r", version=1, kind="delta",
                        new=Failing(second), parent=StateDictSource(first),
-                       parent_manifest=base, trust_parent=True)
+                       parent_manifest=base, trust_parent=True, on_changes=on_changes)
     assert events.count("begin") == events.count("end") > 0
