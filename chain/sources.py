@@ -86,8 +86,8 @@ class StateDictSource:
         tensor, twice a version for the new state and the kept copy, cost a 50,000-tensor
         publish's walk ~30 ms more); one at a time as iterated for any other mapping, which
         may make a tensor only when asked for it (a trainer handing over tensors as they
-        are ready): the writer's walk then reads each as it reaches it, writing the blocks
-        of those before it first, as it did with `meta`."""
+        are ready): the writer's walk then reads each as it reaches it, having written the
+        blocks of the batches before the one being coded, as it did with `meta`."""
         state = self._state
         self._addresses = {}  # only this answer's, for `pieces`
         if type(state) is not dict:
