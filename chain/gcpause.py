@@ -10,36 +10,29 @@ outermost pass on any thread ends and collects whatever cycles other code made m
 
 import functools
 import gc
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import ParamSpec, TypeVar
+
+from chain.heldsetting import HeldSetting
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
-_lock = threading.Lock()
-_depth = 0
-_was_enabled = False
+
+def _pause() -> bool:
+    was = gc.isenabled()
+    gc.disable()
+    return was
 
 
-@contextmanager
-def gc_paused() -> Iterator[None]:
+_paused = HeldSetting(_pause, lambda was: gc.enable() if was else None)
+
+
+def gc_paused() -> AbstractContextManager[None]:
     """The collector off until the last concurrent `gc_paused` block ends, then back to what
     it was before the first one began."""
-    global _depth, _was_enabled
-    with _lock:
-        if _depth == 0:
-            _was_enabled = gc.isenabled()
-            gc.disable()
-        _depth += 1
-    try:
-        yield
-    finally:
-        with _lock:
-            _depth -= 1
-            if _depth == 0 and _was_enabled:
-                gc.enable()
+    return _paused.held()
 
 
 def without_gc(fn: Callable[P, R]) -> Callable[P, R]:
