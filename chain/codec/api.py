@@ -134,8 +134,9 @@ def start_jobs(jobs: list[tuple[int, Callable[[], None]]], threads: int = THREAD
     """`run_jobs` begun on the codec's worker threads only, returning at once; the calling
     thread joins in, taking the jobs left, when it calls the result, which returns once every
     job has ended (raising the first error). Meanwhile the caller may do other work (a
-    writer readying its next batch): the workers take the GIL only between jobs. With one
-    thread usable, or little work, the jobs all run in the join."""
+    writer readying its next batch): a worker takes the GIL only for the Python around a
+    job's kernels (chain/gilswitch.py shortens its waits for it). With one thread usable,
+    or little work, the jobs all run in the join."""
     global _pool
     total = sum(w for w, _ in jobs)
     ordered = [job for _, job in sorted(jobs, key=lambda j: -j[0])]
