@@ -7,8 +7,10 @@ from the previous version to this one: it is how the older of two directories is
 forward in place by copying only those positions (a tensor listed as whole changed entirely).
 """
 
+import contextlib
 import itertools
 import json
+import os
 import re
 import struct
 import threading
@@ -16,11 +18,12 @@ from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import xxhash
 
-from chain.atomic import atomic_writer, write_atomic
+from chain.atomic import write_atomic
 from chain.errors import ChainError
 from chain.slotcolumns import first_row
 
@@ -213,16 +216,33 @@ def write_changes(directory: Path, version: int,
 
     h = xxhash.xxh3_64()
     blank = header("0" * len(h.hexdigest()))
-    with atomic_writer(Path(directory) / CHANGES_FILE, mode, durable=False) as f:
-        f.write(blank)
+    with _written_over(Path(directory) / CHANGES_FILE, mode) as f:
+        f.write(blank)  # first: from here until the end a reader finds the check wrong
         for chunk in _chunks([p for p in parts if p.size]):
             raw = memoryview(chunk).cast("B")
             h.update(raw)
             f.write(raw)
+        f.truncate()
         final = header(h.hexdigest())
         assert len(final) == len(blank)  # xxh3_64's hex digest: always 16 characters
         f.seek(0)
         f.write(final)
+
+
+@contextlib.contextmanager
+def _written_over(path: Path, mode: int | None) -> Iterator[BinaryIO]:
+    """`path` opened to be written over in place, not replaced: CHANGES is as large as every
+    changed position (8 bytes each: 80 MB a version at 1 % of 1B elements), and a new file
+    takes that many fresh pages from the kernel at each apply, which on this host's VM cost
+    0.04-0.2 s depending on where they come from (the same write swung 5x between applies,
+    docs/MEASURED.md stop 56); the file brought forward already holds pages of about that
+    size. A write cut short leaves the blank check in the header, so read_changes refuses the
+    file and the next apply copies whole tensors, as for any damaged CHANGES."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    with os.fdopen(fd, "r+b") as f:
+        if mode is not None:
+            os.fchmod(fd, mode)
+        yield f
 
 
 def _chunks(parts: list[np.ndarray], elements: int = 1 << 23, alone: int = 1 << 12

@@ -9,6 +9,7 @@ import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
+import chain.versiondir as vd
 from chain.codec import own_positions, split_positions
 from chain.versiondir import (
     _HEAD,
@@ -217,3 +218,34 @@ def test_a_changes_header_or_body_the_apply_cannot_trust_is_not_read(tmp_path, d
     stored(["a", "b", "c"], [2, 1, 3], [1, 4, 0, 2, 5, 9])  # the same file, nothing wrong
     back = read_changes(tmp_path, 4)
     assert back is not None and back["c"].tolist() == [2, 5, 9]
+
+
+def test_changes_written_over_a_larger_file_in_place_keep_none_of_its_tail(tmp_path) -> None:
+    """CHANGES is written over the file already there (its pages reused, not replaced): the
+    same inode, cut to the new length, and reading back only the new version's positions."""
+    big = {f"t{k}": np.arange(k, 5000, 3, dtype=np.int64) for k in range(20)}
+    write_changes(tmp_path, 3, big)
+    inode = (tmp_path / CHANGES_FILE).stat().st_ino
+    small = {"a": np.array([2, 7]), "b": None}
+    write_changes(tmp_path, 4, small, mode=0o640)
+    path = tmp_path / CHANGES_FILE
+    assert path.stat().st_ino == inode and path.stat().st_mode & 0o777 == 0o640
+    back = read_changes(tmp_path, 4)
+    assert back is not None and list(back) == ["a", "b"] and back["b"] is None
+    assert back["a"].tolist() == [2, 7] and read_changes(tmp_path, 3) is None
+    assert path.stat().st_size == len(path.read_bytes()) < 200
+
+
+def test_changes_cut_short_while_written_over_are_not_read(tmp_path, monkeypatch) -> None:
+    """A write stopped part way (killed, a full disk) leaves the blank check at the head of the
+    file written over: read as absent (whole tensors copied next), never the old version's
+    positions or a mix."""
+    write_changes(tmp_path, 3, {"a": np.arange(0, 9000, 2), "b": np.arange(5)})
+    def cut(parts, **_kw):
+        yield np.ascontiguousarray(parts[0][:10], dtype=np.int64)
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(vd, "_chunks", cut)
+    with pytest.raises(OSError, match="no space"):
+        write_changes(tmp_path, 4, {"a": np.arange(0, 9000, 3), "b": np.arange(7)})
+    assert read_changes(tmp_path, 4) is None and read_changes(tmp_path, 3) is None
