@@ -288,6 +288,17 @@ def read_changes(directory: Path, version: int) -> "StoredChanges | None":
         return None
 
 
+def _all_among(these: np.ndarray, sorted_values: np.ndarray) -> bool:
+    """Whether every one of `these` is in `sorted_values` (ascending): a binary search each,
+    where np.isin sorts both together (8 against 1 ms at 50,000 tensors' firsts)."""
+    if not these.size:
+        return True
+    if not sorted_values.size:
+        return False
+    at = np.minimum(np.searchsorted(sorted_values, these), sorted_values.size - 1)
+    return bool(np.array_equal(sorted_values[at], these))
+
+
 class StoredChanges(Mapping[str, "np.ndarray | None"]):
     """A CHANGES file's positions as read: each tensor's (None: changed whole), a slice of one
     array made when asked for, and a run of consecutive tensors' at once (`run`). A dict of
@@ -317,7 +328,7 @@ class StoredChanges(Mapping[str, "np.ndarray | None"]):
         # tensor's first position follows the one before's last
         down = np.flatnonzero(pos[1:] <= pos[:-1]) + 1
         firsts = self.starts[:-1][self.counts > 0]
-        if (down.size and not np.isin(down, firsts).all()) or (pos[firsts] < 0).any():
+        if not _all_among(down, firsts) or (pos[firsts] < 0).any():
             raise ValueError("CHANGES positions are not sorted within a tensor, or negative")
         self._at: dict[str, int] | None = None
 

@@ -249,3 +249,12 @@ def test_changes_cut_short_while_written_over_are_not_read(tmp_path, monkeypatch
     with pytest.raises(OSError, match="no space"):
         write_changes(tmp_path, 4, {"a": np.arange(0, 9000, 3), "b": np.arange(7)})
     assert read_changes(tmp_path, 4) is None and read_changes(tmp_path, 3) is None
+
+
+@given(values=st.sets(st.integers(0, 60), max_size=20), these=st.sets(st.integers(0, 70),
+                                                                     max_size=8))
+def test_steps_down_are_checked_among_the_firsts_as_isin_would(values, these) -> None:
+    """The check that each step down in CHANGES' positions starts a tensor (a binary search
+    over the sorted firsts) answers as np.isin does, empty sides included."""
+    big, small = np.array(sorted(values), np.int64), np.array(sorted(these), np.int64)
+    assert vd._all_among(small, big) == bool(np.isin(small, big).all())
