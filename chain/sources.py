@@ -5,6 +5,7 @@ directory; all three look the same through `TensorSource`. A publisher's kept co
 version is also written through its source (`StateDictSource.patch`), whose views it shares.
 """
 
+import functools
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -229,6 +230,7 @@ class StateDictSource:
         import torch
 
         from chain import codec
+        from chain.codec.api import run_jobs
 
         views = self.views or {}
         # the shared allocation: that of the first changed tensor not at its allocation's
@@ -265,12 +267,21 @@ class StateDictSource:
         if not runs:
             return
         flat = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (hi - lo,)).numpy()
+        jobs = []
         for dtype, members in runs.items():
             whole = flat[:(hi - lo) // dtype.itemsize * dtype.itemsize].view(dtype)
-            at = np.repeat(np.array([start for start, _ in members], np.int64),
-                           [c.pos.size for _, c in members])
-            at += np.concatenate([c.pos for _, c in members])
-            whole[at] = np.concatenate([c.val for _, c in members])
+            jobs += [(c.pos.size, functools.partial(_scatter, whole[start:], c))
+                     for start, c in members]
+        # a scatter a record (a group's or a tensor's), spread over the codec's threads:
+        # numpy writes a fancy index without the GIL. Gathering every record's positions into
+        # one array first (a repeat and two joins over every change, then one scatter) took
+        # ~0.1 s of a publish of 1e9 elements at 1 % on one thread; this ~0.04 s
+        run_jobs(jobs)
+
+
+def _scatter(target: np.ndarray, c: "codec.Changes") -> None:
+    """`c`'s values written at its positions of `target` (numpy checks the bounds)."""
+    target[c.pos] = c.val
 
 
 def _meta(t: "torch.Tensor") -> tuple[str, list[int]]:

@@ -237,7 +237,7 @@ def encode_stream(
             split=split_groups)
         encoded = iter(coded)
         fresh = iter(tensor_digests([(dtype, shape, bits) for name, dtype, shape, _, bits, _
-                                     in batch if name in to_hash]))
+                                     in batch if name in to_hash]) if to_hash else ())
         for lo, hi in units:
             if hi - lo > 1:
                 group(batch[lo:hi], next(encoded)[1], fresh, to_hash, offsets[lo],

@@ -266,11 +266,12 @@ def test_the_kept_copys_span_is_none_where_tensors_do_not_lie_back_to_back():
 @pytest.mark.parametrize("apart_first", [False, True], ids=["apart-last", "apart-first"])
 def test_the_kept_copy_is_patched_in_one_scatter_per_element_size_and_apart_elsewhere(
         apart_first, monkeypatch):
-    """`_patched` writes the changes of tensors in the kept allocation in one scatter per
-    element size (bf16 and f32 here, at their own addresses) and those of a tensor held
-    apart (replaced earlier) through its own view: the result is the new state, bit for bit,
-    and the apart tensor's memory is written, not copied. The shared allocation is found
-    whichever tensor comes first: what each scatter gathers is counted."""
+    """`_patched` writes the changes of tensors in the kept allocation as scatters over it
+    (one a record, spread over the codec's threads; bf16 and f32 here, at their own
+    addresses) and those of a tensor held apart (replaced earlier) through its own view: the
+    result is the new state, bit for bit, and the apart tensor's memory is written, not
+    copied. The shared allocation is found whichever tensor comes first: the scatters over
+    it are counted, with where they write."""
     gen = torch.Generator().manual_seed(3)
     state = {f"b{i}": torch.randn(3 + i, generator=gen).to(torch.bfloat16) for i in range(6)}
     state |= {f"f{i}": torch.randn(2, 3 + i, generator=gen) for i in range(3)}
@@ -287,12 +288,23 @@ def test_the_kept_copy_is_patched_in_one_scatter_per_element_size_and_apart_else
         flat[pos] = flat[pos] * 2 + 1
         changes[k] = codec.Changes(pos.astype(np.int64), dtypes.bits_view(new[k])[pos].copy())
     apart = kept["apart"].data_ptr()
-    gathered = []  # the scatters' positions and values, gathered from each member
-    real = np.concatenate
-    monkeypatch.setattr(np, "concatenate", lambda arrays, *a, **k: gathered.append(
-        len(arrays)) or real(arrays, *a, **k))
+    shared = kept["b0"].untyped_storage()
+    lo, hi = shared.data_ptr(), shared.data_ptr() + shared.nbytes()
+    scattered = []  # each scatter over the shared allocation: its element type, its record's
+    real = chain.sources._scatter
+
+    def counted(target, c):
+        at = target.__array_interface__["data"][0]
+        assert lo <= at and at + target.nbytes <= hi  # a view of the shared allocation
+        scattered.append((target.dtype.itemsize, c.pos.size))
+        real(target, c)
+
+    monkeypatch.setattr(chain.sources, "_scatter", counted)
     out = _patched(kept, src, new, changes)
-    assert sorted(gathered) == [3, 3, 6, 6]  # the 6 bf16 and 3 f32 kept tensors, not "apart"
+    # the 6 bf16 and 3 f32 kept tensors, each once, not "apart"
+    assert sorted(size for size, _ in scattered) == [2] * 6 + [4] * 3
+    assert sum(n for _, n in scattered) == sum(changes[k].pos.size for k in changes
+                                               if k != "apart")
     assert all(torch.equal(out[k].view(-1).view(torch.uint8), new[k].view(-1).view(torch.uint8))
                for k in new)
     assert out["apart"].data_ptr() == apart and out["b0"] is kept["b0"]
