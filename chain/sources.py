@@ -221,12 +221,13 @@ class StateDictSource:
         run where the members lie back to back (`span`), else member by member. The tensors
         lying in one allocation with the others (`_cpu_copy` lays the kept copy out as one; a
         tensor replaced since is held apart, at offset 0 of an allocation of its own) are
-        written in one scatter per element size over it, found from the addresses noted with
-        their views; the rest one at a time. One scatter a tensor cost the publish 0.078 s
-        more than its dense twin's at 50,000 tensors (py-spy), ~1.6 us each; with the groups'
-        changes split into their members' and gathered back for the one scatter, this step
-        was still 0.14 s over the twin's at 20,000 elements a tensor, 0.04 s taken whole
-        (py-spy, per publish)."""
+        written by scatters over it, one a record (a group's or a tensor's: never one a
+        member), found from the addresses noted with their views, spread over the codec's
+        threads; the rest one at a time. One scatter a tensor cost the publish 0.078 s more
+        than its dense twin's at 50,000 tensors (py-spy), ~1.6 us each; with the groups'
+        changes split into their members' and gathered back for one scatter per element size,
+        this step was still 0.14 s over the twin's at 20,000 elements a tensor, 0.04 s taken
+        whole (py-spy, per publish)."""
         import torch
 
         from chain import codec

@@ -8,6 +8,7 @@ forward in place by copying only those positions (a tensor listed as whole chang
 """
 
 import contextlib
+import errno
 import itertools
 import json
 import os
@@ -236,9 +237,19 @@ def _written_over(path: Path, mode: int | None) -> Iterator[BinaryIO]:
     takes that many fresh pages from the kernel at each apply, which on this host's VM cost
     0.04-0.2 s depending on where they come from (the same write swung 5x between applies,
     docs/MEASURED.md stop 56); the file brought forward already holds pages of about that
-    size. A write cut short leaves the blank check in the header, so read_changes refuses the
-    file and the next apply copies whole tensors, as for any damaged CHANGES."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    size. Once the blank check is in the header (the first write), a write cut short leaves
+    it there, so read_changes refuses the file and the next apply copies whole tensors, as
+    for any damaged CHANGES; cut shorter, the file still holds the older version's, which
+    nothing asks a staging directory for. Only the staging directory's own CHANGES is
+    written this way (never a file other directories share); a symlink there is replaced by a
+    file of its own, not followed into the file it names."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        os.unlink(path)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "r+b") as f:
         if mode is not None:
             os.fchmod(fd, mode)

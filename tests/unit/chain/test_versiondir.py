@@ -236,13 +236,34 @@ def test_changes_written_over_a_larger_file_in_place_keep_none_of_its_tail(tmp_p
     assert path.stat().st_size == len(path.read_bytes()) < 200
 
 
-def test_changes_cut_short_while_written_over_are_not_read(tmp_path, monkeypatch) -> None:
-    """A write stopped part way (killed, a full disk) leaves the blank check at the head of the
-    file written over: read as absent (whole tensors copied next), never the old version's
-    positions or a mix."""
+def test_changes_are_not_written_through_a_symlink(tmp_path) -> None:
+    """CHANGES written over in place replaces a symlink in its place with a file of its own
+    instead of overwriting the file it names (another directory's CHANGES, say)."""
+    other = tmp_path / "other"
+    other.mkdir()
+    write_changes(other, 3, {"a": np.arange(4)})
+    before = (other / CHANGES_FILE).read_bytes()
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / CHANGES_FILE).symlink_to(other / CHANGES_FILE)
+    write_changes(d, 4, {"a": np.arange(2)})
+    assert (other / CHANGES_FILE).read_bytes() == before
+    assert not (d / CHANGES_FILE).is_symlink()
+    back = read_changes(d, 4)
+    assert back is not None and back["a"].tolist() == [0, 1]
+
+
+@pytest.mark.parametrize("written", [0, 10])
+def test_changes_cut_short_while_written_over_are_not_read(tmp_path, monkeypatch,
+                                                           written) -> None:
+    """A write stopped part way (killed, a full disk), before any position of the body or
+    after some, leaves the blank check at the head of the file written over: read as absent
+    (whole tensors copied next), never the old version's positions or a mix."""
     write_changes(tmp_path, 3, {"a": np.arange(0, 9000, 2), "b": np.arange(5)})
+
     def cut(parts, **_kw):
-        yield np.ascontiguousarray(parts[0][:10], dtype=np.int64)
+        if written:
+            yield np.ascontiguousarray(parts[0][:written], dtype=np.int64)
         raise OSError("no space left on device")
 
     monkeypatch.setattr(vd, "_chunks", cut)

@@ -264,7 +264,7 @@ def test_the_kept_copys_span_is_none_where_tensors_do_not_lie_back_to_back():
 
 
 @pytest.mark.parametrize("apart_first", [False, True], ids=["apart-last", "apart-first"])
-def test_the_kept_copy_is_patched_in_one_scatter_per_element_size_and_apart_elsewhere(
+def test_the_kept_copy_is_patched_by_scatters_over_its_allocation_and_apart_elsewhere(
         apart_first, monkeypatch):
     """`_patched` writes the changes of tensors in the kept allocation as scatters over it
     (one a record, spread over the codec's threads; bf16 and f32 here, at their own
