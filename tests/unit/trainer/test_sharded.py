@@ -6,6 +6,7 @@ first (as a rank on a GPU does) it writes what the one-pass encoding of host sli
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from chain import dtypes, keys, shards
+from chain.codec.api import usable_cpus
 from chain.manifest import Parent
 from chain.policy import SnapshotPolicy
 from chain.store import ChainStore
@@ -247,3 +249,37 @@ def test_an_engine_first_region_decodes_sharded_deltas_over_the_patches_its_disk
         patches.append(p)
     cur = wd.apply_changes(made[3], 0, merge(patches), get)
     assert cur.state_digest == made[3].state_digest and wd.verify().version == 3
+
+
+@pytest.mark.skipif(usable_cpus() < 2, reason="needs the codec's worker thread")
+def test_a_ranks_held_copies_patched_over_the_codecs_threads_hold_each_version(tmp_path,
+                                                                              monkeypatch):
+    """`RankEncoder.commit` moves its held host copies by the version's changes over the
+    codec's threads (work this small is made to take them): after each commit, every held
+    copy is the version's bits, and the scatters ran on more than one thread."""
+    import threading
+
+    import trainer.rank_encoder as rank_encoder
+
+    monkeypatch.setattr("chain.codec.api._PARALLEL_MIN", 1)
+    threads_seen: set[str] = set()
+    real = rank_encoder._put
+
+    def put(host, moved):
+        threads_seen.add(threading.current_thread().name)
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.01)  # slow enough that the main thread takes jobs too
+        real(host, moved)
+
+    monkeypatch.setattr(rank_encoder, "_put", put)
+    key = keys.generate(tmp_path / "k")
+    store = ChainStore(tmp_path / "chain", key.public_key())
+    enc = RankEncoder(store.blocks, tmp_path / "chain" / "parts", 0, 4096, threads=2)
+    state = make_state(0, scale=3)
+    for v in range(4):
+        _publish(store, key, [enc], v, state, snapshot=v == 0)
+        for s in _split(state, 1)[0]:
+            assert np.array_equal(enc.held[s.name].host, rank_encoder._host_view(s.bits)), \
+                s.name
+        state = perturb(state, v)
+    assert len(threads_seen) >= 2, threads_seen
