@@ -230,7 +230,7 @@ class RankEncoder:
                     h.dev[p.pos_dev] = p.val_dev
             held[name] = h
         # the host copies patched over the codec's threads: numpy writes a fancy index
-        # without the GIL (one thread took ~0.06 s of a 1B-element version at 1 %)
+        # without the GIL (scale.py --ranks 2 at 1B: 1 rank 0.82 -> 0.69 s a version)
         run_jobs(jobs, self.threads)
         self.held, self._pending = held, None
 
