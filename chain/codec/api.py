@@ -6,6 +6,7 @@ reused, so a call allocates only its output and an exact-size scratch for the de
 Guarantee on refusal: `apply_*` raises BadDelta before writing anything to any target.
 """
 
+import functools
 import itertools
 import os
 import sys
@@ -127,6 +128,22 @@ def run_jobs(jobs: list[tuple[int, Callable[[], None]]], threads: int = THREADS)
     job when done with one: the weights only order the work, so a segment that turns out
     cheaper or dearer than its weight says does not leave a thread idle."""
     start_jobs(jobs, threads)()
+
+
+def run_scatters(writes: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]],
+                 threads: int = THREADS) -> None:
+    """Each (target, positions, values): the values written at those positions of the flat
+    `target`, the largest first over the codec's threads (run_jobs); numpy checks the
+    bounds. How a kept copy takes a version's changes: a publisher's (chain.sources) and a
+    sharded rank's (trainer.rank_encoder). numpy writes a fancy index without the GIL, so
+    two threads write at once; gathered into one scatter first, a version at 1 % of 1e9
+    elements spent ~0.1 s more on one thread joining every position."""
+    run_jobs([(pos.size, functools.partial(_scatter, target, pos, val))
+              for target, pos, val in writes if pos.size], threads)
+
+
+def _scatter(target: np.ndarray, pos: np.ndarray, val: np.ndarray) -> None:
+    target[pos] = val
 
 
 def start_jobs(jobs: list[tuple[int, Callable[[], None]]], threads: int = THREADS

@@ -3,12 +3,15 @@ no hashing of a delta version's tensors (digests moved by the changes) even when
 snapshot."""
 
 import gc
+import threading
+import time
 import weakref
 
 import numpy as np
 import pytest
 import torch
 
+import chain.codec.api
 import chain.sources
 import chain.writer
 import trainer.publisher
@@ -291,15 +294,20 @@ def test_the_kept_copy_is_patched_by_scatters_over_its_allocation_and_apart_else
     shared = kept["b0"].untyped_storage()
     lo, hi = shared.data_ptr(), shared.data_ptr() + shared.nbytes()
     scattered = []  # each scatter over the shared allocation: its element type, its record's
-    real = chain.sources._scatter
+    # changes; run over the codec's threads even for work this small (`_PARALLEL_MIN`)
+    threads_seen = set()
+    monkeypatch.setattr("chain.codec.api._PARALLEL_MIN", 1)
+    real = chain.codec.api._scatter
 
-    def counted(target, c):
+    def counted(target, pos, val):
         at = target.__array_interface__["data"][0]
         assert lo <= at and at + target.nbytes <= hi  # a view of the shared allocation
-        scattered.append((target.dtype.itemsize, c.pos.size))
-        real(target, c)
+        scattered.append((target.dtype.itemsize, pos.size))
+        threads_seen.add(threading.current_thread().name)
+        time.sleep(0.01)  # slow enough that each thread finds jobs left to take
+        real(target, pos, val)
 
-    monkeypatch.setattr(chain.sources, "_scatter", counted)
+    monkeypatch.setattr(chain.codec.api, "_scatter", counted)
     out = _patched(kept, src, new, changes)
     # the 6 bf16 and 3 f32 kept tensors, each once, not "apart"
     assert sorted(size for size, _ in scattered) == [2] * 6 + [4] * 3
@@ -308,6 +316,7 @@ def test_the_kept_copy_is_patched_by_scatters_over_its_allocation_and_apart_else
     assert all(torch.equal(out[k].view(-1).view(torch.uint8), new[k].view(-1).view(torch.uint8))
                for k in new)
     assert out["apart"].data_ptr() == apart and out["b0"] is kept["b0"]
+    assert len(threads_seen) >= 2, threads_seen
 
 
 def test_a_group_record_patches_the_kept_copy_in_one_run_or_member_by_member():

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+import chain.codec.api
 from chain import dtypes, keys, shards
 from chain.codec.api import usable_cpus
 from chain.manifest import Parent
@@ -263,15 +264,14 @@ def test_a_ranks_held_copies_patched_over_the_codecs_threads_hold_each_version(t
 
     monkeypatch.setattr("chain.codec.api._PARALLEL_MIN", 1)
     threads_seen: set[str] = set()
-    real = rank_encoder._put
+    real = chain.codec.api._scatter
 
-    def put(host, moved):
+    def put(host, pos, val):
         threads_seen.add(threading.current_thread().name)
-        if threading.current_thread() is not threading.main_thread():
-            time.sleep(0.01)  # slow enough that the main thread takes jobs too
-        real(host, moved)
+        time.sleep(0.01)  # slow enough that each thread finds jobs left to take
+        real(host, pos, val)
 
-    monkeypatch.setattr(rank_encoder, "_put", put)
+    monkeypatch.setattr(chain.codec.api, "_scatter", put)
     key = keys.generate(tmp_path / "k")
     store = ChainStore(tmp_path / "chain", key.public_key())
     enc = RankEncoder(store.blocks, tmp_path / "chain" / "parts", 0, 4096, threads=2)
