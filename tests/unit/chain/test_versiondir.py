@@ -38,6 +38,23 @@ def test_version_file_is_indented_json(tensors: dict, run: str, digest: str,
     assert info.to_bytes() == want
 
 
+def test_version_files_of_one_run_reuse_its_quoted_names_and_no_stale_ones() -> None:
+    """The rows' quoted names are kept from one VERSION.json to the next of the same tensor
+    list: each file still equals json's own, after new digests, a renamed tensor (same
+    count) and a name json must escape."""
+    def want(info: VersionInfo) -> bytes:
+        return json.dumps({"format": FORMAT, "version": info.version, "state_digest":
+                           info.state_digest, "run": info.run, "tensors": info.tensors},
+                          indent=1).encode()
+
+    first = {f"layer.{i}.w": f"{i:032x}" for i in range(5)}
+    later = {k: f"{int(v, 16) + 7:032x}" for k, v in first.items()}
+    renamed = {("layer.3.w\"\u00e9" if k == "layer.3.w" else k): v for k, v in later.items()}
+    for version, tensors in enumerate([first, later, renamed, first]):
+        info = VersionInfo(version, "d" * 32, "run", tensors)
+        assert info.to_bytes() == want(info), version
+
+
 def test_version_file_round_trips(tmp_path) -> None:
     tensors = {f"model.layers.{i}.mlp.experts.{j}.w1": f"{i:016x}{j:016x}"
                for i in range(3) for j in range(4)}
