@@ -135,7 +135,7 @@ class Fill:
         self._digests, self._numels = self.tensors.digests(), self.tensors.numels()
         # the record checks rest on it (a manifest's table is checked so; a delta file's is
         # not): a group's members are the tensors up to its last name, in a stream in order
-        if any(a >= b for a, b in itertools.pairwise(self.names)):
+        if not self.tensors.ascending():  # checked once a layout
             raise BadDelta(f"{what}: its tensor list is not in name order or names a tensor "
                            "twice")
         self.base, self.base_digests = base, base_digests

@@ -48,7 +48,8 @@ SHARED_LAYOUTS = 8
 class _Layout:
     """Names, dtypes and shapes of a table: equal from one version of a run to the next."""
 
-    __slots__ = ("_ascending", "_json_glue", "_names", "_numels", "_shapes", "_state_heads",
+    __slots__ = ("_ascending", "_json_glue", "_metas", "_names", "_numels", "_shapes",
+                 "_state_heads",
                  "dtypes", "key", "name_at", "names", "shape_at", "shapes")
 
     def __init__(self, names: str, name_at: np.ndarray, dtypes: bytes, shapes: np.ndarray,
@@ -62,6 +63,7 @@ class _Layout:
         self._names: list[str] | None = None
         self._shapes: list[list[int]] | None = None
         self._numels: list[int] | None = None
+        self._metas: list[tuple[str, list[int]]] | None = None
         self._json_glue: list[str] | None = None
         self._state_heads: list[str] | None = None
         self._ascending: bool | None = None
@@ -89,6 +91,14 @@ class _Layout:
         if self._numels is None:
             self._numels = [numel(s) for s in self.shape_lists()]
         return self._numels
+
+    def metas(self) -> list[tuple[str, list[int]]]:
+        """Each tensor's (dtype, shape): compared whole against a directory's or a state's
+        at every apply and publish (~10 ms a list at 50,000 tensors)."""
+        if self._metas is None:
+            self._metas = [(DTYPES[c], shape)
+                           for c, shape in zip(self.dtypes, self.shape_lists(), strict=True)]
+        return self._metas
 
     def ascending(self) -> bool:
         """Whether the names are unique and in order (what a manifest requires of its
@@ -355,10 +365,9 @@ class TensorTable(Columns):
         return dict(zip(self._layout.name_list(), self.digests(), strict=True))
 
     def metas(self) -> list[tuple[str, list[int]]]:
-        """(dtype, shape) of each tensor, in table order."""
-        lay = self._layout
-        return [(DTYPES[c], shape) for c, shape in zip(lay.dtypes, lay.shape_lists(),
-                                                        strict=True)]
+        """(dtype, shape) of each tensor, in table order (shared by the layout: never change
+        it)."""
+        return self._layout.metas()
 
     def state_digest(self) -> str:
         """`chain.digest.state_digest` of the table's tensors, made once: a new manifest's is
