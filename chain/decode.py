@@ -12,7 +12,7 @@ The same changes then bring the directory on disk forward later (chain.weights.W
 .apply_changes, merged over several versions by `merge`), never decoding twice.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -21,7 +21,7 @@ from chain.codec.api import map_jobs, merge_changes, overlaid
 from chain.digest import state_digest
 from chain.dtypes import BY_NAME
 from chain.errors import BadDelta, ChainError, DigestMismatch
-from chain.fill import Fill, _Group, _Item
+from chain.fill import Fill, _Group, _Item, _nothing
 from chain.gcpause import without_gc
 from chain.manifest import Manifest, TensorEntry
 from chain.patchfile import Patch, TensorPatch
@@ -92,8 +92,11 @@ class _Decode(Fill):
                 self._base_of(t), [(p.indices, p.values) for p in self.overlay.get(t.name, ())])
         return arr
 
-    def _batch(self, batch: list[_Item]) -> None:
-        self._decode(batch)
+    def _write(self, batch: list[_Item],  # type: ignore[override]
+               reads: tuple[int, Callable[[], None]] = (0, _nothing)) -> None:
+        """Each decoded tensor's changes checked against its digest and kept as a patch
+        (nothing is written: the engines take the patch); `reads` run first."""
+        reads[1]()
         found: list[codec.Changes | None] = []
         for it in batch:
             t = it.t
@@ -126,8 +129,13 @@ class _Decode(Fill):
                 self.out_patches.append(TensorPatch(
                     t.name, t.dtype, list(t.shape), np.ascontiguousarray(ch.pos, np.int64),
                     np.ascontiguousarray(ch.val), parent, digest))
-            self.out.release(t.name)
-            self.olds.pop(t.name, None)
+
+    def _check(self, batch: list[_Item]) -> None:  # type: ignore[override]
+        """A checked batch's memory let go: its full records' buffers, its overlaid parents
+        and its base pages."""
+        for it in batch:
+            self.out.release(it.t.name)
+            self.olds.pop(it.t.name, None)
         # one madvise per run of adjacent tensors, not one per tensor
         self.base.release_many([it.t.name for it in batch], known_only=True)
 

@@ -297,7 +297,7 @@ class _MappedFiles:
                     raise ChainError(f"tensor {name} appears in two files of {directory}")
             self.slots.update(slots)
             columns.append((fname, cols))
-        self._columns = SlotColumns(columns)
+        self._columns = SlotColumns.of(columns)
 
     def bits(self, name: str) -> np.ndarray:
         return _view(self._maps, self.slots[name])

@@ -392,7 +392,7 @@ def _same_layout(path: Path, m: Manifest) -> bool:
     (compared from the table's columns and the files' (`SlotColumns`): two list comparisons
     where the files hold the tensors in the table's order, as a region writes them)."""
     try:
-        files = SlotColumns([(f.name, read_columns(f)[2])
+        files = SlotColumns.of([(f.name, read_columns(f)[2])
                              for f in sorted(path.glob("*.safetensors"))])
     except (ChainError, OSError):
         return False

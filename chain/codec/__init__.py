@@ -18,8 +18,9 @@ from chain.codec.api import (
     payload_stats,
     split_changes,
     split_positions,
+    start_decode,
 )
 
 __all__ = ["DIRECT", "Changes", "Layers", "Pieces", "apply_many", "apply_tensor_delta",
            "decode_many", "encode_changes", "encode_many", "encode_tensor_delta", "own_positions",
-           "payload_stats", "split_changes", "split_positions"]
+           "payload_stats", "split_changes", "split_positions", "start_decode"]

@@ -541,6 +541,15 @@ Layers = Sequence[tuple[np.ndarray, np.ndarray]]
 def _decode_all(items: Sequence[tuple[np.ndarray, bytes | memoryview, str]], threads: int,
                 write: bool, moves: bool = False, overlays: Sequence[Layers] | None = None
                 ) -> list:
+    return _start_decode_all(items, threads, write, moves, overlays)()
+
+
+def _start_decode_all(items: Sequence[tuple[np.ndarray, bytes | memoryview, str]],
+                      threads: int, write: bool, moves: bool = False,
+                      overlays: Sequence[Layers] | None = None) -> Callable[[], list]:
+    """`_decode_all` begun on the codec's worker threads (`start_jobs`): every payload's
+    header is checked now, its segments decoded in the workers, and the caller's join
+    checks their errors and hashes."""
     decoded = []
     segments: list[tuple] = []
     for t, (target, payload, dtype) in enumerate(items):
@@ -548,16 +557,20 @@ def _decode_all(items: Sequence[tuple[np.ndarray, bytes | memoryview, str]], thr
                            overlays[t] if overlays else ())
         if plan is not None:
             decoded.append(plan)
-    _run_grouped(segments, _decode_job, threads)
-    for t, errs, _, kind, _, want, _ in decoded:
-        bad = [e[0] for e in errs if e[0]]
-        if bad:
-            raise BadDelta(f"tensor delta #{t} does not decode against its base: "
-                           f"{_ERRORS.get(bad[0], 'unknown error')}")
-        if kind != hdr.RAW and _combine(e[1] for e in errs) != want:
-            raise BadDelta(f"tensor delta #{t} decodes to a result whose hash does not match "
-                           "the payload's: wrong base tensor, or a forged payload")
-    return decoded
+    joined = _start_grouped(segments, _decode_job, threads)
+
+    def join() -> list:
+        joined()
+        for t, errs, _, kind, _, want, _ in decoded:
+            bad = [e[0] for e in errs if e[0]]
+            if bad:
+                raise BadDelta(f"tensor delta #{t} does not decode against its base: "
+                               f"{_ERRORS.get(bad[0], 'unknown error')}")
+            if kind != hdr.RAW and _combine(e[1] for e in errs) != want:
+                raise BadDelta(f"tensor delta #{t} decodes to a result whose hash does not "
+                               "match the payload's: wrong base tensor, or a forged payload")
+        return decoded
+    return join
 
 
 def decode_many(items: Sequence[tuple[np.ndarray, bytes | memoryview, str]],
@@ -572,26 +585,39 @@ def decode_many(items: Sequence[tuple[np.ndarray, bytes | memoryview, str]],
     version its disk has not caught up to). Each segment is copied into its thread's buffer
     and overlaid there, so the base is never copied whole: a fresh copy of every tensor,
     overlaid in one thread, cost a third of the decode at 1B."""
+    return start_decode(items, threads, moves, overlays)()
+
+
+def start_decode(items: Sequence[tuple[np.ndarray, bytes | memoryview, str]],
+                 threads: int = THREADS, moves: bool = False,
+                 overlays: Sequence[Layers] | None = None) -> Callable[[], list[Changes]]:
+    """`decode_many` begun on the codec's worker threads (`start_jobs`); calling the result
+    joins in and returns what decode_many returns (or raises its BadDelta). The caller may
+    do other work meanwhile (a region's fill checks and journals the batch before); the
+    bases and payloads must stay as they are until the join."""
     out = [Changes.none(hdr.coding(dtype).dtype.uint) for _, _, dtype in items]
-    for t, errs, base, kind, data, _, at in _decode_all(items, threads, write=False,
-                                                        moves=moves, overlays=overlays):
-        if kind == hdr.RAW:
-            base = overlaid(base, overlays[t] if overlays else ())
-            pos = np.flatnonzero(base != data).astype(np.int64)
-            out[t] = Changes(pos, data[pos], lanehash.moved_by_changes(base, pos, data[pos])
-                             if moves else None)
-        else:
-            digest = None
-            if moves:
-                ma = mb = 0
-                for e in errs:
-                    ma, mb = ma + e[2], mb + e[3]
-                digest = (ma & lanehash.M64, mb & lanehash.M64)
-            # the jobs wrote each segment's positions into `at` (the tensor's, as int64) and
-            # its values one after the other: no serial concatenation after the threads (a
-            # coded payload has changes, header.parse refuses k = 0, so `data` is never empty)
-            out[t] = Changes(at, data[0][2], digest)
-    return out
+    started = _start_decode_all(items, threads, write=False, moves=moves, overlays=overlays)
+
+    def join() -> list[Changes]:
+        for t, errs, base, kind, data, _, at in started():
+            if kind == hdr.RAW:
+                base = overlaid(base, overlays[t] if overlays else ())
+                pos = np.flatnonzero(base != data).astype(np.int64)
+                out[t] = Changes(pos, data[pos], lanehash.moved_by_changes(base, pos, data[pos])
+                                 if moves else None)
+            else:
+                digest = None
+                if moves:
+                    ma = mb = 0
+                    for e in errs:
+                        ma, mb = ma + e[2], mb + e[3]
+                    digest = (ma & lanehash.M64, mb & lanehash.M64)
+                # the jobs wrote each segment's positions into `at` (the tensor's, as int64) and
+                # its values one after the other: no serial concatenation after the threads (a
+                # coded payload has changes, header.parse refuses k = 0, so `data` is never empty)
+                out[t] = Changes(at, data[0][2], digest)
+        return out
+    return join
 
 
 def overlaid(base: np.ndarray, layers: Layers) -> np.ndarray:

@@ -1002,3 +1002,38 @@ def test_an_error_in_a_later_batch_waits_for_the_batch_being_coded(tmp_path, sig
                        new=Failing(second), parent=StateDictSource(first),
                        parent_manifest=base, trust_parent=True, on_changes=on_changes)
     assert events.count("begin") == events.count("end") > 0
+
+
+def test_a_digest_miss_in_a_later_batch_stops_the_pipelined_pass_with_earlier_ones_journaled(
+        tmp_path, signing_key, monkeypatch):
+    """Batches of ~2,000 elements, so the fill checks each batch while the codec's workers
+    decode the one after it. A signed manifest whose digest for a grouped tensor past the
+    middle of the table is wrong: the apply stops naming that tensor, with exactly the
+    tensors before it journaled (every earlier batch, and the group's members before it) and
+    nothing after it, though the next batch was decoding when the check failed. The retry
+    with the true manifest resumes from that journal and ends bit-exact."""
+    monkeypatch.setattr("chain.fill.BATCH", 1 << 11)
+    states, store, ms, w = _at_v2_of_three(tmp_path, signing_key)
+    names = ms[3].tensors.names()
+    late = [h for h in records(store, ms[3])
+            if h.op == "group" and h.count > 2 and names.index(h.name) > len(names) // 2]
+    assert late, "the test needs a group record in the table's second half"
+    member = names[names.index(late[0].name) + 1]
+    rows = ms[3].tensors.as_dicts()
+    row = next(r for r in rows if r["name"] == member)
+    row["digest"] = ("1" if row["digest"][0] == "0" else "0") + row["digest"][1:]
+    table = TensorTable.of(rows)
+    fields = {k: getattr(ms[3], k) for k in type(ms[3]).model_fields}
+    bad = type(ms[3])(**(fields | {"tensors": table, "state_digest": table.state_digest(),
+                                   "signature": None})).signed(signing_key)
+    with pytest.raises(DigestMismatch, match=f"tensor {re.escape(member)} of"):
+        w.apply([bad], getter(store))
+    assert w.current().version == 2 and w.verify().version == 2
+    (staging,) = w.staging()
+    journaled = (staging / "JOURNAL").read_text().split()
+    assert sorted(journaled) == names[:names.index(member)]
+    cur = w.apply([ms[3]], getter(store))
+    assert cur.version == 3 and w.verify().version == 3
+    from safetensors.torch import load_file
+
+    assert same(load_file(cur.path / "model.safetensors"), states[3])
