@@ -512,6 +512,27 @@ def _at_v2_of_three(tmp_path, key) -> tuple[list, ChainStore, list, WeightsDir]:
     return states, store, ms, w
 
 
+def _with_wrong_digest(m, name: str, key):
+    """`m` signed again with tensor `name`'s digest changed (its records left as they are)."""
+    rows = m.tensors.as_dicts()
+    row = next(r for r in rows if r["name"] == name)
+    row["digest"] = ("1" if row["digest"][0] == "0" else "0") + row["digest"][1:]
+    table = TensorTable.of(rows)
+    fields = {k: getattr(m, k) for k in type(m).model_fields}
+    return type(m)(**(fields | {"tensors": table, "state_digest": table.state_digest(),
+                                "signature": None})).signed(key)
+
+
+def _refused(w: WeightsDir, store: ChainStore, bad, member: str) -> list[str]:
+    """Apply `bad` on `w` (at v2), which must stop naming `member` with v2 still current and
+    whole; the tensors its staging directory's journal lists."""
+    with pytest.raises(DigestMismatch, match=f"tensor {re.escape(member)} of"):
+        w.apply([bad], getter(store))
+    assert w.current().version == 2 and w.verify().version == 2
+    (staging,) = w.staging()
+    return (staging / "JOURNAL").read_text().split()
+
+
 def _member_expansions(monkeypatch) -> list[int]:
     """A list that gets each group's member count as the fill writes it member by member
     (Fill._members), from now on."""
@@ -586,18 +607,7 @@ def test_a_group_member_that_misses_its_digest_is_named_and_nothing_applied(tmp_
     stay journaled for the retry."""
     _, store, ms, w = _at_v2_of_three(tmp_path, signing_key)
     member = _grouped_member(store, ms[3])
-    rows = ms[3].tensors.as_dicts()
-    row = next(r for r in rows if r["name"] == member)
-    row["digest"] = ("1" if row["digest"][0] == "0" else "0") + row["digest"][1:]
-    table = TensorTable.of(rows)
-    fields = {k: getattr(ms[3], k) for k in type(ms[3]).model_fields}
-    bad = type(ms[3])(**(fields | {"tensors": table, "state_digest": table.state_digest(),
-                                   "signature": None})).signed(signing_key)
-    with pytest.raises(DigestMismatch, match=f"tensor {re.escape(member)} of"):
-        w.apply([bad], getter(store))
-    assert w.current().version == 2 and w.verify().version == 2
-    (staging,) = w.staging()
-    journaled = (staging / "JOURNAL").read_text().split()
+    journaled = _refused(w, store, _with_wrong_digest(ms[3], member, signing_key), member)
     names = ms[3].tensors.names()
     assert member not in journaled
     assert names[names.index(member) - 1] in journaled  # the group's first, verified before
@@ -1019,18 +1029,7 @@ def test_a_digest_miss_in_a_later_batch_stops_the_pipelined_pass_with_earlier_on
             if h.op == "group" and h.count > 2 and names.index(h.name) > len(names) // 2]
     assert late, "the test needs a group record in the table's second half"
     member = names[names.index(late[0].name) + 1]
-    rows = ms[3].tensors.as_dicts()
-    row = next(r for r in rows if r["name"] == member)
-    row["digest"] = ("1" if row["digest"][0] == "0" else "0") + row["digest"][1:]
-    table = TensorTable.of(rows)
-    fields = {k: getattr(ms[3], k) for k in type(ms[3]).model_fields}
-    bad = type(ms[3])(**(fields | {"tensors": table, "state_digest": table.state_digest(),
-                                   "signature": None})).signed(signing_key)
-    with pytest.raises(DigestMismatch, match=f"tensor {re.escape(member)} of"):
-        w.apply([bad], getter(store))
-    assert w.current().version == 2 and w.verify().version == 2
-    (staging,) = w.staging()
-    journaled = (staging / "JOURNAL").read_text().split()
+    journaled = _refused(w, store, _with_wrong_digest(ms[3], member, signing_key), member)
     assert sorted(journaled) == names[:names.index(member)]
     cur = w.apply([ms[3]], getter(store))
     assert cur.version == 3 and w.verify().version == 3
