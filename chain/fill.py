@@ -6,8 +6,9 @@ that changed since the slot's own version, when it is an older directory brought
 the whole tensor), then the delta's changes, decoded against the current version read-only, are
 written. The digest follows from the slot's known digest and the words touched, so unchanged
 data is never re-read. Work goes in batches of about BATCH elements, decoding and patching
-spread over the codec's threads; finished tensors go to the JOURNAL and their pages are dropped
-from this process (they stay in the page cache), so memory stays near one batch.
+spread over the codec's threads, a batch decoding while the one before is checked; finished
+tensors go to the JOURNAL and their pages are dropped from this process (they stay in the page
+cache), so memory stays near two batches.
 
 A group record (many small tensors coded as one payload) is read, written and checked as one
 unit where it can be (`_GroupUnit`): one kernel call writes its tensors, their digests are
