@@ -31,6 +31,7 @@ from chain.codec.api import run_jobs
 from chain.digest import tensor_digests
 from chain.dtypes import BY_NAME
 from chain.errors import BadDelta, DigestMismatch
+from chain.gilswitch import quick_switches
 from chain.manifest import TensorEntry
 from chain.safetensors_io import TensorFiles, WritableFiles
 from chain.stream import MAX_GROUP, BlockReader, RecordHeader
@@ -249,29 +250,40 @@ class Fill:
         checked and journaled (`_check`). A batch decodes in the codec's workers while the
         main thread checks the batch before it and reads the one after: run one after the
         other, a worker sat idle through that Python (0.75 s of a 50,000-tensor apply at
-        1e9 elements, against 0.39 s with 200 tensors)."""
+        1e9 elements, against 0.39 s with 200 tensors). Errors surface in table order, as
+        one batch at a time had them: a batch that cannot be read or begun leaves the one
+        before written, checked and journaled first."""
         self.resumed = resumed
         jpath = self.journal_path
         done = set(jpath.read_text().split("\n")) if jpath and jpath.exists() else set()
-        with open(jpath or os.devnull, "a") as self.journal:
+        batches = _batches(items(done))
+        # the worker takes the GIL between segments: handed over sooner while this thread
+        # runs Python (chain.gilswitch)
+        with open(jpath or os.devnull, "a") as self.journal, quick_switches():
             ahead: list[_Item | _GroupUnit] = []  # the batch decoding in the workers
             decoding = _nothing  # its join
-            batch: list[_Item | _GroupUnit] = []
             try:
-                for batch in _batches(items(done)):
+                while True:
+                    try:
+                        batch = next(batches, None)
+                    except BaseException:  # a record of the next batch refused
+                        join, decoding = decoding, _nothing
+                        self._complete(ahead, join)
+                        raise
+                    if batch is None:
+                        break
                     join, decoding = decoding, _nothing
                     join()
+                    del join  # it holds the batch's payloads and decode buffers
                     self._write(ahead, self._reads(batch))
-                    decoding = self._start(batch)
                     written, ahead = ahead, batch
                     try:
-                        self._check(written)
-                    finally:
-                        _unlink(written)
+                        decoding = self._start(ahead)
+                    finally:  # begun or refused, the batch before is checked first
+                        self._checked(written)
+                    del written
                 join, decoding = decoding, _nothing
-                join()
-                self._write(ahead)
-                self._check(ahead)
+                self._complete(ahead, join)
             except BaseException:
                 # no worker may go on reading a batch's payloads after the pass: its decode
                 # ends first (its own error, if it has one, was not this one's cause)
@@ -280,7 +292,19 @@ class Fill:
                 raise
             finally:
                 _unlink(ahead)
-                _unlink(batch)
+
+    def _complete(self, batch: list[_Item | _GroupUnit], join: Callable[[], None]) -> None:
+        """The last steps of `batch`, whose decode `join` ends: written, checked, journaled."""
+        join()
+        self._write(batch)
+        self._checked(batch)
+
+    def _checked(self, batch: list[_Item | _GroupUnit]) -> None:
+        """`_check`, then the cycles the batch's groups make broken (`_unlink`)."""
+        try:
+            self._check(batch)
+        finally:
+            _unlink(batch)
 
     def _read(self, item: _Item, rec: RecordHeader, reader: BlockReader) -> None:
         t = item.t
@@ -500,7 +524,7 @@ class Fill:
         needs no member's own changes (`_span_job`); when this pass checks digests by moves,
         each tensor's share in its own positions with its digest move, in one kernel call.
         Else a member's share is cut where it is written alone (`_cut`), and its positions
-        alone for CHANGES (`_batch`): 50,000 members' Changes made every version were 4.6 %
+        alone for CHANGES (`_check`): 50,000 members' Changes made every version were 4.6 %
         of a region's apply (its main thread's py-spy samples at 960 elements a tensor)."""
         for m in g.members:
             m.span = g
@@ -726,7 +750,7 @@ class Fill:
         return self._columns[key][1]
 
     def _check_unit(self, w: _GroupUnit, finished: list[str]) -> None:
-        """The bookkeeping `_batch` does a tensor, for a `_GroupUnit`'s: CHANGES positions, the
+        """The bookkeeping `_check` does a tensor, for a `_GroupUnit`'s: CHANGES positions, the
         digest check (the tensors before a mismatch stay done), progress once a group."""
         g, names = w.group, w.group.names
         self.changes.members(names, *codec.own_positions(g.changes.pos, g.offsets))

@@ -393,7 +393,7 @@ def _same_layout(path: Path, m: Manifest) -> bool:
     where the files hold the tensors in the table's order, as a region writes them)."""
     try:
         files = SlotColumns.of([(f.name, read_columns(f)[2])
-                             for f in sorted(path.glob("*.safetensors"))])
+                                for f in sorted(path.glob("*.safetensors"))])
     except (ChainError, OSError):
         return False
     names, metas = m.tensors.names(), m.tensors.metas()

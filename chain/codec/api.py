@@ -547,9 +547,9 @@ def _decode_all(items: Sequence[tuple[np.ndarray, bytes | memoryview, str]], thr
 def _start_decode_all(items: Sequence[tuple[np.ndarray, bytes | memoryview, str]],
                       threads: int, write: bool, moves: bool = False,
                       overlays: Sequence[Layers] | None = None) -> Callable[[], list]:
-    """`_decode_all` begun on the codec's worker threads (`start_jobs`): every payload's
-    header is checked now, its segments decoded in the workers, and the caller's join
-    checks their errors and hashes."""
+    """`_decode_all` begun on the codec's worker threads (`_start_grouped`): every payload's
+    header is checked now, its heavier segments decoded in the workers, its light ones
+    (under _LIGHT) in the caller's join, which then checks their errors and hashes."""
     decoded = []
     segments: list[tuple] = []
     for t, (target, payload, dtype) in enumerate(items):

@@ -15,6 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from chain import fill as fill_module
 from chain import lanehash
 from chain.codec.api import usable_cpus
 from chain.decode import decode_patch
@@ -1032,6 +1033,40 @@ def test_a_digest_miss_in_a_later_batch_stops_the_pipelined_pass_with_earlier_on
     journaled = _refused(w, store, _with_wrong_digest(ms[3], member, signing_key), member)
     assert sorted(journaled) == names[:names.index(member)]
     cur = w.apply([ms[3]], getter(store))
+    assert cur.version == 3 and w.verify().version == 3
+    from safetensors.torch import load_file
+
+    assert same(load_file(cur.path / "model.safetensors"), states[3])
+
+
+def test_a_stream_cut_short_mid_apply_leaves_every_batch_read_before_it_checked(
+        tmp_path, signing_key, monkeypatch):
+    """The delta's stream ends 20 bytes short, inside its last record: the apply stops with
+    "stream truncated", but every batch read whole before that was still decoded, written,
+    checked and journaled, as one batch at a time had them (the pipelined pass reads a batch
+    while the one before is still decoding), and the retry resumes bit-exact."""
+    monkeypatch.setattr("chain.fill.BATCH", 1 << 11)
+    states, store, ms, w = _at_v2_of_three(tmp_path, signing_key)
+    get = getter(store)
+
+    def short(b):
+        data = get(b)
+        return data[:-20]
+
+    read, checked = [], []
+    batches, check = fill_module._batches, Fill._check
+    monkeypatch.setattr("chain.fill._batches",
+                        lambda items: (read.append(b) or b for b in batches(items)))
+    monkeypatch.setattr(Fill, "_check",
+                        lambda self, batch: (checked.append(len(batch)), check(self, batch)))
+    with pytest.raises(BadDelta, match="stream truncated"):
+        w.apply([ms[3]], short)
+    assert len(read) > 2 and sum(1 for n in checked if n) == len(read)
+    (staging,) = w.staging()
+    names = ms[3].tensors.names()
+    journaled = (staging / "JOURNAL").read_text().split()
+    assert sorted(journaled) == names[:len(journaled)]
+    cur = w.apply([ms[3]], get)
     assert cur.version == 3 and w.verify().version == 3
     from safetensors.torch import load_file
 
